@@ -1,0 +1,115 @@
+"""ModelRunner: turns a scheduled Step into flat tensors (input ids, positions, slot mapping, block
+tables, masks), runs one forward, and samples the rows whose tokens are all computed. Owns the KV tensors."""
+from __future__ import annotations
+
+import torch
+
+from batchjob.engine import sampler
+from batchjob.engine.scheduler import Step
+from batchjob.kernels import AttentionMetadata
+from batchjob.models.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=model.device), torch.zeros(shape, dtype=model.dtype, device=model.device))
+            for _ in range(c.num_layers)
+        ]
+        self.sliding_window = c.sliding_window
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        c = model.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+    def _block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+    def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Returns input_ids, positions, metadata and the batch index of each row's last token."""
+        bs = self.block_size
+        order = sorted(range(len(step.seqs)), key=lambda i: step.num_new[i] != 1)  # decodes first
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last: list[int] = [0] * len(step.seqs)
+        dec_tables, dec_lens = [], []
+        pre_tables, pre_lens, pre_start, pre_rows = [], [], [], []
+        for i in order:
+            seq, n = step.seqs[i], step.num_new[i]
+            start = seq.num_computed
+            first = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            rng = range(start, start + n)
+            pos.extend(rng)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            last[i] = len(ids) - 1
+            if n == 1:
+                dec_tables.append(table)
+                dec_lens.append(start + 1)
+            else:
+                pre_tables.append(table)
+                pre_lens.append(start + n)
+                pre_start.append(start)
+                pre_rows.append((first, n))
+        positions = torch.tensor(pos, dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode_tokens=len(dec_lens))
+        window = self.sliding_window
+        if dec_lens:
+            lens = torch.tensor(dec_lens)
+            keys = torch.arange(int(lens.max()))
+            mask = keys[None, :] < lens[:, None]
+            if window:
+                mask &= keys[None, :] > (lens[:, None] - 1 - window)
+            meta.decode_block_tables = self._block_table_tensor(dec_tables)
+            meta.decode_mask = mask[:, None, None, :]
+        if pre_rows:
+            qmax = max(n for _, n in pre_rows)
+            q_off = torch.arange(qmax)
+            firsts = torch.tensor([f for f, _ in pre_rows])
+            counts = torch.tensor([n for _, n in pre_rows])
+            valid = q_off[None, :] < counts[:, None]
+            gather = torch.where(valid, firsts[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
+            lens = torch.tensor(pre_lens)
+            keys = torch.arange(int(lens.max()))
+            qpos = torch.tensor(pre_start)[:, None] + q_off[None, :]  # [Sp, Qmax] absolute positions
+            mask = keys[None, None, :] <= qpos[:, :, None]
+            if window:
+                mask &= keys[None, None, :] > (qpos[:, :, None] - window)
+            mask &= valid[:, :, None]
+            mask[:, :, 0] |= ~valid  # padded query rows attend to one key so no row is all-masked
+            meta.prefill_block_tables = self._block_table_tensor(pre_tables)
+            meta.prefill_mask = mask[:, None]
+            meta.prefill_gather = gather
+            meta.prefill_valid = valid
+        return torch.tensor(ids, dtype=torch.long), positions, meta, last
+
+    def run(self, step: Step) -> list[int | None]:
+        """One forward over the step; returns the sampled token per row (None for mid-prompt chunks)."""
+        device = self.model.device
+        input_ids, positions, meta, last = self.prepare(step)
+        if device.type != "cpu":
+            input_ids, positions = input_ids.to(device), positions.to(device)
+            for name in ("slot_mapping", "decode_block_tables", "decode_mask", "prefill_block_tables", "prefill_mask", "prefill_gather", "prefill_valid"):
+                t = getattr(meta, name)
+                if t is not None:
+                    setattr(meta, name, t.to(device))
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
+        out: list[int | None] = [None] * len(step.seqs)
+        if not rows:
+            return out
+        logits = self.model.logits(hidden[torch.tensor([last[i] for i in rows], device=device)]).cpu()
+        seqs = [step.seqs[i] for i in rows]
+        tokens = sampler.sample(logits, [s.params for s in seqs], [s.rng_key for s in seqs], [s.num_output for s in seqs])
+        for i, t in zip(rows, tokens):
+            out[i] = t
+        return out

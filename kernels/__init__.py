@@ -1,0 +1,7 @@
+"""Model ops. Each op has a torch reference (the CPU path and the test oracle); Triton kernels are
+chosen at the one dispatch point in each module when tensors are on CUDA or the interpreter is on."""
+from .attention import AttentionMetadata, paged_attention, store_kv
+from .norm import rms_norm
+from .rotary import RotaryEmbedding
+
+__all__ = ["AttentionMetadata", "paged_attention", "store_kv", "rms_norm", "RotaryEmbedding"]

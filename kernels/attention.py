@@ -1,0 +1,62 @@
+"""Paged KV cache ops: write new keys/values into cache slots, and attention over block tables.
+
+The flattened batch holds decode tokens first (one per decoding row), then the prompt chunks of
+prefilling rows. Decodes attend as one batched [rows, 1, ctx] problem; prompt chunks as one batched
+[rows, chunk, ctx] problem with a causal mask offset by what each row already has cached. Masks and
+gather indices are built once per step by the model runner and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
+    num_decode_tokens: int  # the first tokens of the batch are decodes, one per row
+    decode_block_tables: torch.Tensor | None = None  # [Sd, MB]
+    decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, Ld] bool, True = attend
+    prefill_block_tables: torch.Tensor | None = None  # [Sp, MB]
+    prefill_mask: torch.Tensor | None = None  # [Sp, 1, Qmax, Lp] bool
+    prefill_gather: torch.Tensor | None = None  # [Sp, Qmax] token index into the batch (pad -> 0)
+    prefill_valid: torch.Tensor | None = None  # [Sp, Qmax] bool
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # k_cache: [num_blocks, block_size, Hkv, D]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    # [S, MB] -> [S, Hkv, L, D]
+    s, mb = block_tables.shape
+    kv = cache[block_tables].view(s, mb * cache.shape[1], cache.shape[2], cache.shape[3])
+    return kv[:, :length].transpose(1, 2)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D] (new tokens, already rotated; their K/V already stored). Returns [T, H, D]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        ld = meta.decode_mask.shape[-1]
+        k = _gather(k_cache, meta.decode_block_tables, ld)
+        v = _gather(v_cache, meta.decode_block_tables, ld)
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    if meta.prefill_gather is not None:
+        lp = meta.prefill_mask.shape[-1]
+        k = _gather(k_cache, meta.prefill_block_tables, lp)
+        v = _gather(v_cache, meta.prefill_block_tables, lp)
+        qp = q[meta.prefill_gather].transpose(1, 2)  # [Sp, H, Qmax, D]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+        out[meta.prefill_gather[meta.prefill_valid]] = o.transpose(1, 2)[meta.prefill_valid]
+    return out

@@ -1,0 +1,182 @@
+"""Engine behaviour on the real model code (tiny random Llama built in memory)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.engine.scheduler import SchedulerConfig
+from batchjob.engine.sequence import SamplingParams, Sequence
+from batchjob.engine.sampler import row_key
+from batchjob.models.config import ModelConfig
+from batchjob.models.llama import LlamaModel
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaModel:
+    torch.manual_seed(0)
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    weights = {"model.embed_tokens.weight": w(VOCAB, 64, std=1.0), "model.norm.weight": torch.ones(64), "lm_head.weight": w(VOCAB, 64)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(64), p + "post_attention_layernorm.weight": torch.ones(64),
+            p + "self_attn.q_proj.weight": w(64, 64), p + "self_attn.k_proj.weight": w(32, 64),
+            p + "self_attn.v_proj.weight": w(32, 64), p + "self_attn.o_proj.weight": w(64, 64),
+            p + "mlp.gate_proj.weight": w(128, 64), p + "mlp.up_proj.weight": w(128, 64), p + "mlp.down_proj.weight": w(64, 128),
+        })
+    return LlamaModel(cfg, weights, torch.float32)
+
+
+def make_engine(model, *, num_blocks=512, block_size=8, eos=(), **sched) -> Engine:
+    return Engine(model, list(eos), EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=SchedulerConfig(**sched)))
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run(engine: Engine, ps, params, seed=0, first_index=0):
+    seqs = [Sequence(first_index + i, p, params[i] if isinstance(params, list) else params, rng_key=row_key(seed, first_index + i))
+            for i, p in enumerate(ps)]
+    for s in seqs:
+        assert engine.add(s) is None
+    while engine.has_work:
+        engine.step()
+    return seqs
+
+
+def test_greedy_same_alone_batched_and_static(tiny_model):
+    ps = prompts(64, seed=1)
+    lengths = [random.Random(i).randint(1, 40) for i in range(64)]
+    params = [SamplingParams(max_tokens=n) for n in lengths]
+    batched = run(make_engine(tiny_model, max_num_batched_tokens=512), ps, params)
+    static = run(make_engine(tiny_model, static_batch=16, max_num_batched_tokens=1 << 20), ps, params)
+    for i in (0, 7, 31, 63):
+        alone = run(make_engine(tiny_model), [ps[i]], [params[i]], first_index=i)[0]
+        assert alone.output_ids == batched[i].output_ids == static[i].output_ids
+    assert [s.output_ids for s in batched] == [s.output_ids for s in static]
+    assert [s.num_output for s in batched] == lengths
+
+
+def test_sampled_same_alone_and_batched(tiny_model):
+    ps = prompts(24, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0.8)
+    batched = run(make_engine(tiny_model), ps, params, seed=1234)
+    for i in (0, 5, 23):
+        alone = run(make_engine(tiny_model), [ps[i]], params, seed=1234, first_index=i)[0]
+        assert alone.output_ids == batched[i].output_ids
+    other_seed = run(make_engine(tiny_model), ps, params, seed=99)
+    assert [s.output_ids for s in other_seed] != [s.output_ids for s in batched]
+    greedy = run(make_engine(tiny_model), ps, SamplingParams(max_tokens=20))
+    assert [s.output_ids for s in greedy] != [s.output_ids for s in batched]
+
+
+def test_finished_rows_free_blocks_and_new_rows_join_same_step(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    ps = prompts(10, seed=3, lo=5, hi=20)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=2 + 3 * (i % 4)), rng_key=i) for i, p in enumerate(ps)]
+    for s in seqs:
+        engine.add(s)
+    compositions, refilled = [], 0
+    while engine.has_work:
+        before_used = engine.pool.num_used
+        finished = engine.step()
+        step = engine.last_step
+        ids = {s.seq_id for s in step.seqs}
+        compositions.append(ids)
+        for s in finished:
+            assert s.block_table == []  # blocks went back to the pool
+        if finished and not engine.scheduler.waiting and not engine.scheduler.running:
+            assert engine.pool.num_used == 0
+        # a step that finished rows and had waiting rows admits new ones in the next schedule():
+        if len(compositions) >= 2 and compositions[-2] - ids and ids - compositions[-2]:
+            refilled += 1  # some rows left and others joined between consecutive steps
+        assert len(step.seqs) <= 4
+    assert refilled >= 2
+    assert len({frozenset(c) for c in compositions}) > 3  # batch composition changes step by step
+    assert engine.pool.num_used == 0 and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_slot_refilled_in_the_step_a_row_finishes(tiny_model):
+    # max_num_seqs=2: when row 0 finishes at step k, row 2 must be in step k+1 together with row 1 (no idle slot)
+    engine = make_engine(tiny_model, max_num_seqs=2, max_num_batched_tokens=256)
+    ps = prompts(3, seed=4, lo=4, hi=6)
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=10), SamplingParams(max_tokens=3)]
+    seqs = [Sequence(i, p, params[i]) for i, p in enumerate(ps)]
+    for s in seqs:
+        engine.add(s)
+    steps = []
+    while engine.has_work:
+        finished = engine.step()
+        steps.append(([s.seq_id for s in engine.last_step.seqs], [s.seq_id for s in finished]))
+    finish_step = next(i for i, (_, fin) in enumerate(steps) if 0 in fin)
+    assert sorted(steps[finish_step + 1][0]) == [1, 2]
+    assert all(len(ids) == 2 for ids, _ in steps[: finish_step + 2])
+
+
+def test_one_forward_mixes_prompt_and_decode_tokens(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=8, max_num_batched_tokens=64)
+    ps = prompts(6, seed=5, lo=30, hi=40)
+    for i, p in enumerate(ps):
+        engine.add(Sequence(i, p, SamplingParams(max_tokens=30)))
+    mixed = 0
+    calls = []
+    real_forward = tiny_model.forward
+
+    def spy(input_ids, positions, meta, kv):
+        calls.append((meta.num_decode_tokens, input_ids.shape[0]))
+        return real_forward(input_ids, positions, meta, kv)
+
+    tiny_model.forward = spy
+    try:
+        while engine.has_work:
+            engine.step()
+            st = engine.last_stats
+            if st.num_decode and st.num_prefill_tokens:
+                mixed += 1
+    finally:
+        del tiny_model.forward
+    assert mixed >= 1
+    assert len(calls) == len(set(range(len(calls))))  # one forward per step
+    assert any(0 < d < t - 1 for d, t in calls)  # decodes and prompt tokens in one forward
+
+
+def test_chunked_prefill_and_preemption_keep_greedy_output(tiny_model):
+    ps = prompts(12, seed=6, lo=20, hi=100)
+    params = SamplingParams(max_tokens=24)
+    ref = [s.output_ids for s in run(make_engine(tiny_model), ps, params)]
+    chunked = run(make_engine(tiny_model, prefill_chunk=8, max_num_batched_tokens=40), ps, params)
+    assert [s.output_ids for s in chunked] == ref
+    small = make_engine(tiny_model, num_blocks=40, block_size=8)  # 320 tokens: forces preemption
+    preempted = 0
+    real_step = small.step
+
+    def counting_step():
+        nonlocal preempted
+        out = real_step()
+        preempted += len(small.last_step.preempted)
+        return out
+
+    small.step = counting_step
+    tight = run(small, ps, params)
+    assert preempted > 0
+    assert [s.output_ids for s in tight] == ref
+
+
+def test_row_that_cannot_fit_is_refused(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=4, block_size=8)
+    assert "KV cache" in engine.add(Sequence(0, list(range(40)), SamplingParams()))
+    assert "empty" in engine.add(Sequence(1, [], SamplingParams()))
+    assert "context" in make_engine(tiny_model).add(Sequence(2, [1] * 1024, SamplingParams()))
