@@ -1,40 +1,92 @@
-"""BlockPool: the KV cache's fixed-size blocks, as ids with reference counts; no tensors here."""
+"""BlockPool: the KV cache's fixed-size blocks as ids with reference counts, plus the prefix cache.
+
+A full block is identified by a hash chained over all token ids up to its end, so equal hashes mean
+equal prefixes. Blocks whose last user left keep their contents and hash (evictable, least recently
+used first) until the space is needed. No tensors here."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+
+
+def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` from block index `start` on."""
+    out = []
+    h = parent if parent is not None else 0
+    for b in range(start, len(token_ids) // block_size):
+        h = hash((h, tuple(token_ids[b * block_size:(b + 1) * block_size])))
+        out.append(h)
+    return out
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.free: deque[int] = deque(range(num_blocks))
         self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, contents kept; LRU first
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free)} free")
-        out = [self.free.popleft() for _ in range(n)]
-        for b in out:
+        if n > self.num_free:
+            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self.free:
+                b = self.free.popleft()
+            else:
+                b, _ = self.evictable.popitem(last=False)
+                del self.by_hash[self.hash_of[b]]
+                self.hash_of[b] = None
             self.ref[b] = 1
+            out.append(b)
         return out
 
     def release(self, blocks: list[int]) -> None:
-        for b in blocks:
+        # freed in reverse so a row's tail blocks are evicted before its shared head blocks
+        for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self.free.append(b)
+                if self.hash_of[b] is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+
+    # prefix cache
+
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes` (not yet referenced)."""
+        out = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def take(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.evictable[b]
+            self.ref[b] += 1
+
+    def register(self, block: int, h: int) -> None:
+        if self.enable_caching and self.hash_of[block] is None and h not in self.by_hash:
+            self.hash_of[block] = h
+            self.by_hash[h] = block

@@ -1,7 +1,9 @@
-"""Engine: add rows, call `step()` until idle. Each step is one scheduler decision, one forward, one
-sampling pass; rows that finish leave with their output and their blocks return to the pool."""
+"""Engine: add rows, call `step()` until idle. Each step is one scheduler decision, the KV swaps it
+asks for, one forward and one sampling pass; rows that finish leave with their output and their
+blocks return to the pool."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from batchjob.engine.block_pool import BlockPool
@@ -16,6 +18,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0 = derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
+    swap_space_bytes: int = 0  # host pool for preemption=swap|auto
+    num_host_blocks: int = 0  # 0 = derive from swap_space_bytes
+    enable_prefix_caching: bool = True
     scheduler: SchedulerConfig | None = None
 
 
@@ -31,34 +36,60 @@ class StepStats:
     num_waiting: int
     blocks_used: int
     blocks_free: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    step_s: float
+    forward_s: float
+
+
+class CostModel:
+    """preemption=auto: recompute costs tokens / prefill rate, swap costs bytes (out and back) / copy rate.
+    Both rates are measured as the engine runs (exponential averages), starting from rough guesses."""
+
+    def __init__(self, bytes_per_block: int):
+        self.bytes_per_block = bytes_per_block
+        self.tokens_per_s = 2000.0
+        self.bytes_per_s = 4e9
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        if tokens >= 32 and seconds > 0:
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * tokens / seconds
+
+    def observe_swap(self, nbytes: int, seconds: float) -> None:
+        if nbytes and seconds > 0:
+            self.bytes_per_s = 0.8 * self.bytes_per_s + 0.2 * nbytes / seconds
+
+    def prefer_swap(self, seq: Sequence) -> bool:
+        recompute = seq.num_computed / self.tokens_per_s
+        swap = 2 * len(seq.block_table) * self.bytes_per_block / self.bytes_per_s
+        return swap < recompute
 
 
 class Engine:
     def __init__(self, model: LlamaModel, eos_token_ids: list[int], config: EngineConfig | None = None):
         config = config or EngineConfig()
-        num_blocks = config.num_blocks or max(
-            2, config.kv_cache_bytes // ModelRunner.kv_bytes_per_block(model, config.block_size)
-        )
+        per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
+        num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // per_block)
+        num_host = config.num_host_blocks or config.swap_space_bytes // per_block
+        sched_cfg = config.scheduler or SchedulerConfig()
+        sched_cfg.max_model_len = min(sched_cfg.max_model_len, model.config.max_position_embeddings)
         self.model = model
-        self.max_model_len = model.config.max_position_embeddings
         self.eos = frozenset(eos_token_ids)
-        self.pool = BlockPool(num_blocks, config.block_size)
-        self.scheduler = Scheduler(config.scheduler or SchedulerConfig(), self.pool)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.host_pool = BlockPool(num_host, config.block_size) if num_host else None
+        self.cost = CostModel(per_block)
+        self.scheduler = Scheduler(sched_cfg, self.pool, self.host_pool, prefer_swap=self.cost.prefer_swap)
+        self.max_model_len = sched_cfg.max_model_len  # the context, capped at what the KV pool holds
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
-        n = seq.num_prompt
-        if n == 0:
-            return "empty prompt: it has no tokens"
-        if n >= self.max_model_len:
-            return f"prompt has {n} tokens; the model's context is {self.max_model_len} (prompt + 1 generated token must fit)"
-        if self.pool.blocks_for(n + 1) + self.scheduler.config.watermark_blocks > self.pool.num_blocks:
-            return f"prompt has {n} tokens; the KV cache holds {self.pool.num_blocks * self.pool.block_size} tokens"
-        self.scheduler.add(seq)
-        return None
+        err = self.scheduler.never_fits(seq)
+        if err is None:
+            self.scheduler.add(seq)
+        return err
 
     @property
     def has_work(self) -> bool:
@@ -66,14 +97,23 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Run one iteration; returns the rows that finished in it."""
+        t0 = time.perf_counter()
         sched = self.scheduler
         step = sched.schedule()
         self.last_step = step
         finished: list[Sequence] = []
+        forward_s = 0.0
+        if step.swap_out or step.swap_in:
+            ts = time.perf_counter()
+            moved = self.runner.swap(step.swap_out, step.swap_in)
+            self.cost.observe_swap(moved, time.perf_counter() - ts)
         if step:
+            tf = time.perf_counter()
             tokens = self.runner.run(step)
-            for seq, n, tok in zip(step.seqs, step.num_new, tokens):
-                seq.num_computed += n
+            forward_s = time.perf_counter() - tf
+            self.cost.observe_forward(step.num_tokens, forward_s)
+            sched.advance(step)
+            for seq, tok in zip(step.seqs, tokens):
                 if tok is None:
                     continue
                 seq.token_ids.append(tok)
@@ -81,14 +121,16 @@ class Engine:
                 if reason:
                     sched.finish(seq, reason)
                     finished.append(seq)
-        elif sched.waiting and not sched.running:
+        elif sched.num_waiting and not sched.running:
             raise RuntimeError("scheduler made no progress with an empty batch (a row cannot be admitted)")
         num_decode = sum(1 for n in step.num_new if n == 1)
         self.last_stats = StepStats(
             num_seqs=len(step.seqs), num_tokens=step.num_tokens, num_decode=num_decode,
             num_prefill_tokens=step.num_tokens - num_decode, num_finished=len(finished),
-            num_preempted=len(step.preempted), num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_preempted=len(step.preempted), num_running=len(sched.running), num_waiting=sched.num_waiting,
             blocks_used=self.pool.num_used, blocks_free=self.pool.num_free,
+            prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
+            step_s=time.perf_counter() - t0, forward_s=forward_s,
         )
         return finished
 
@@ -109,8 +151,7 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [Sequence(i, list(p), plist[i], rng_key=row_key(seed, i)) for i, p in enumerate(prompts)]
         for s in seqs:
-            err = self.add(s)
-            if err:
+            if self.add(s):
                 s.status, s.finish_reason = SeqStatus.FINISHED, "error"
         while self.has_work:
             self.step()

@@ -11,7 +11,7 @@ from batchjob.models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_host_blocks: int = 0):
         c = model.config
         self.model = model
         self.block_size = block_size
@@ -22,6 +22,27 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.sliding_window = c.sliding_window
+        host_shape = (c.num_layers, 2, num_host_blocks, block_size, c.num_kv_heads, c.head_dim)
+        pin = model.device.type == "cuda"
+        self.host_cache = torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+        """Copy preempted rows' blocks to the host pool, then swapped-in rows' blocks back. Returns bytes moved."""
+        moved = 0
+        for pairs, to_host in ((swap_out, True), (swap_in, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
+            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+                for j, cache in enumerate((k_cache, v_cache)):
+                    host = self.host_cache[layer, j]
+                    if to_host:
+                        host[dst] = cache[src.to(cache.device)].to("cpu")
+                    else:
+                        cache[dst.to(cache.device)] = host[src].to(cache.device, non_blocking=True)
+            moved += len(pairs) * self.kv_bytes_per_block(self.model, self.block_size)
+        return moved
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:

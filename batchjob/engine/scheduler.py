@@ -1,15 +1,27 @@
 """Scheduler: one token-budget loop per step. No prefill phase, no decode phase: every row has
-`num_tokens` and `num_computed`, and the step gives each row the next slice of its tokens.
-Running rows come first (their decode token, or the next chunk of their prompt), then waiting rows
-are admitted while the budget, the slot count and the KV pool allow. The scheduler moves block ids,
-never tensors."""
+`num_tokens` and `num_computed`, and a step gives each row the next slice of its tokens — running
+rows' decode tokens first, then running rows' prompt chunks, then waiting rows admitted by lane.
+
+Policies are the small functions at the bottom: which lane admits next (strict priority, aging,
+weighted fair share in tokens), whether a row fits (admission), and which running row gives way
+(preemption). The scheduler moves block ids, never tensors."""
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from batchjob.engine.block_pool import BlockPool
+from batchjob.engine.block_pool import BlockPool, block_hashes
 from batchjob.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class Lane:
+    name: str = "default"
+    priority: int = 0  # higher is admitted first
+    weight: float = 1.0  # share of tokens among lanes of equal priority
 
 
 @dataclass(slots=True)
@@ -18,7 +30,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 0  # 0 = a row's prompt chunk is limited only by the budget
     static_batch: int = 0  # > 0: classic static batching with batches of this size
-    watermark_blocks: int = 1  # admission keeps this many blocks free for running rows to grow
+    admission: str = "optimistic"  # optimistic (prompt + watermark) | reserve (prompt + max_tokens)
+    preemption: str = "recompute"  # recompute | swap | auto
+    watermark_blocks: int = 1
+    max_wait: float = 300.0  # seconds; a row waiting longer goes ahead of every lane
+    aging: float = 0.0  # priority points gained per second of waiting; 0 = reach the top lane at max_wait
+    max_model_len: int = 1 << 30
+    lanes: list[Lane] = field(default_factory=lambda: [Lane()])
 
 
 @dataclass(slots=True)
@@ -26,6 +44,10 @@ class Step:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens of each row computed in this step
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -36,25 +58,124 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, host_pool: BlockPool | None = None,
+                 clock: Callable[[], float] = time.monotonic, prefer_swap: Callable[[Sequence], bool] | None = None):
         self.config = config
+        # a row can never hold more KV than the pool: it ends with "length" there instead of thrashing
+        config.max_model_len = min(config.max_model_len, (pool.num_blocks - config.watermark_blocks) * pool.block_size)
         self.pool = pool
-        self.waiting: deque[Sequence] = deque()
+        self.host_pool = host_pool
+        self.clock = clock
+        self.prefer_swap = prefer_swap  # preemption=auto: cost model supplied by the engine
+        self.lanes = {lane.name: lane for lane in config.lanes}
+        self.waiting: dict[str, deque[Sequence]] = {name: deque() for name in self.lanes}
         self.running: list[Sequence] = []
+        self.served = {name: 0.0 for name in self.lanes}  # tokens scheduled per lane
+        span = max(lane.priority for lane in config.lanes) - min(lane.priority for lane in config.lanes)
+        self.aging = config.aging or (span + 1) / config.max_wait
         self._arrivals = 0
+        self._host_to_free: list[int] = []
+
+    # queue
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.lane not in self.lanes:
+            raise ValueError(f"unknown lane {seq.lane!r}; lanes: {', '.join(self.lanes)}")
+        seq.priority = self.lanes[seq.lane].priority
+        seq.enqueued_at = self.clock()
+        q = self.waiting[seq.lane]
+        if not q and not any(s.lane == seq.lane for s in self.running):
+            self._catch_up(seq.lane)
+        q.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running) or self.num_waiting > 0
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why a row can never be admitted (a per-row error), or None."""
+        cfg, n = self.config, seq.num_prompt
+        if n == 0:
+            return "empty prompt: it has no tokens"
+        if n + 1 > cfg.max_model_len:
+            return (f"prompt has {n} tokens; at most {cfg.max_model_len - 1} fit (the model's context and the KV "
+                    f"cache of {self.pool.num_blocks * self.pool.block_size} tokens; prompt + 1 generated token must fit)")
+        return None
+
+    # the step
+
+    def schedule(self) -> Step:
+        cfg = self.config
+        if self._host_to_free:  # host blocks read by last step's swap-ins are free only now
+            self.host_pool.release(self._host_to_free)
+            self._host_to_free = []
+        step = Step()
+        budget = cfg.max_num_batched_tokens
+        order = sorted(self.running, key=_admit_order)
+        decoding = [s for s in order if s.num_tokens - s.num_computed == 1]
+        prefilling = [s for s in order if s.num_tokens - s.num_computed > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget)
+            if self._make_room(seq, seq.num_computed + n, step):
+                self._schedule(step, seq, n)
+                budget -= n
+
+        admit = not cfg.static_batch or not self.running
+        max_seqs = cfg.static_batch or cfg.max_num_seqs
+        while admit and budget > 0:
+            seq = self._next_waiting()
+            if seq is None:
+                break
+            if len(self.running) >= max_seqs and not self._evict_lower(seq, step, slots=True):
+                break
+            if not self._admit(seq, step):
+                break
+            n = self._chunk(seq, budget)
+            self._grow(seq, seq.num_computed + n)  # fits: admission counted the whole row
+            self._schedule(step, seq, n)
+            budget -= n
+        return step
+
+    def advance(self, step: Step) -> None:
+        """After the forward: count computed tokens and publish newly full blocks to the prefix cache."""
+        bs = self.pool.block_size
+        for seq, n in zip(step.seqs, step.num_new):
+            seq.num_computed += n
+            full = seq.num_computed // bs
+            if self.pool.enable_caching and full > len(seq.block_hashes):
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                new = block_hashes(seq.token_ids[:full * bs], bs, len(seq.block_hashes), parent)
+                for i, h in enumerate(new, start=len(seq.block_hashes)):
+                    self.pool.register(seq.block_table[i], h)
+                seq.block_hashes.extend(new)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    # mechanics
+
+    def _schedule(self, step: Step, seq: Sequence, n: int) -> None:
+        step.seqs.append(seq)
+        step.num_new.append(n)
+        self.served[seq.lane] += n
+        if seq.first_scheduled_at is None:
+            seq.first_scheduled_at = self.clock()
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_tokens - seq.num_computed, budget)
-        if self.config.prefill_chunk:
-            n = min(n, self.config.prefill_chunk)
-        return n
+        return min(n, self.config.prefill_chunk) if self.config.prefill_chunk else n
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.pool.blocks_for(num_tokens) - len(seq.block_table)
@@ -65,64 +186,136 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the row's cache; it re-prefills prompt + generated tokens later."""
-        self.running.remove(seq)
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+    def _make_room(self, seq: Sequence, num_tokens: int, step: Step) -> bool:
+        """Grow `seq` to `num_tokens`, preempting lower-priority / younger rows; else preempt `seq`."""
+        while not self._grow(seq, num_tokens):
+            victims = [s for s in self.running if s is not seq and s not in step.seqs]
+            victim = min(victims, key=_victim_order, default=None)
+            if victim is None or _victim_order(victim) > _victim_order(seq):
+                self._preempt(seq, step)
+                return False
+            self._preempt(victim, step)
+        return True
 
-    def schedule(self) -> Step:
-        cfg = self.config
-        step = Step()
-        budget = cfg.max_num_batched_tokens
-        scheduled: set[int] = set()
-        for seq in list(self.running):
-            if budget <= 0:
+    def _evict_lower(self, seq: Sequence, step: Step, slots: bool = False, blocks: int = 0) -> bool:
+        """Preempt running rows of lower priority than waiting `seq` until a slot / `blocks` are free."""
+        lower = sorted((s for s in self.running if s.priority < seq.priority), key=_victim_order)
+        if slots:
+            if not lower:
+                return False
+            self._preempt(lower[0], step)
+            return True
+        freeable = sum(len(s.block_table) for s in lower)
+        if self.pool.num_free + freeable < blocks:
+            return False  # evicting everything lower would still not make it fit
+        for victim in lower:
+            if self.pool.num_free >= blocks:
                 break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget)
-            while not self._grow(seq, seq.num_computed + n):
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
-                if victim is None or victim is seq:
-                    break
-                self._preempt(victim)
-                step.preempted.append(victim)
-            else:
-                step.seqs.append(seq)
-                step.num_new.append(n)
-                scheduled.add(id(seq))
-                budget -= n
-                continue
-            self._preempt(seq)  # nothing younger to evict: this row waits for blocks
-            step.preempted.append(seq)
+            self._preempt(victim, step)
+        return self.pool.num_free >= blocks
 
-        admit = not cfg.static_batch or not self.running
-        max_seqs = cfg.static_batch or cfg.max_num_seqs
-        while admit and self.waiting and budget > 0 and len(self.running) < max_seqs:
-            seq = self.waiting[0]
-            # admit only if the whole prompt (+1 generated token) fits beside the watermark
-            need = self.pool.blocks_for(seq.num_tokens + 1) + cfg.watermark_blocks
-            if need > self.pool.num_free:
-                break
-            n = self._chunk(seq, budget)
-            self._grow(seq, seq.num_computed + n)
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            seq.arrival = self._arrivals
-            self._arrivals += 1
-            self.running.append(seq)
-            step.seqs.append(seq)
-            step.num_new.append(n)
-            budget -= n
-        return step
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
+    def _preempt(self, seq: Sequence, step: Step) -> None:
+        if seq in step.seqs:  # refund: it leaves this step's batch
+            i = step.seqs.index(seq)
+            self.served[seq.lane] -= step.num_new[i]
+            del step.seqs[i], step.num_new[i]
         self.running.remove(seq)
-        self.pool.release(seq.block_table)
-        seq.block_table = []
+        seq.num_preemptions += 1
+        step.preempted.append(seq)
+        if self._swap_mode(seq):
+            host = self.host_pool.allocate(len(seq.block_table))
+            step.swap_out.extend(zip(seq.block_table, host))
+            self.pool.release(seq.block_table)
+            seq.block_table = host
+            seq.status = SeqStatus.SWAPPED
+        else:
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+            seq.block_hashes = []
+            seq.num_computed = 0
+            seq.status = SeqStatus.WAITING
+        seq.reserved_blocks = 0
+        self.waiting[seq.lane].appendleft(seq)
+
+    def _swap_mode(self, seq: Sequence) -> bool:
+        mode = self.config.preemption
+        if mode == "recompute" or self.host_pool is None or not self.host_pool.can_allocate(len(seq.block_table)):
+            return False
+        if mode == "auto":
+            return self.prefer_swap is not None and self.prefer_swap(seq)
+        return True
+
+    def _admit(self, seq: Sequence, step: Step) -> bool:
+        cfg, pool = self.config, self.pool
+        if seq.status is SeqStatus.SWAPPED:
+            need = pool.blocks_for(seq.num_tokens + 1)
+            hits = []
+        else:
+            hashes = block_hashes(seq.token_ids, pool.block_size) if pool.enable_caching else []
+            hits = pool.cached_prefix(hashes[: (seq.num_tokens - 1) // pool.block_size])
+            need = pool.blocks_for(seq.num_tokens + 1) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
+            step.prefix_query_tokens += seq.num_tokens
+        reserve = self._reserve_need(seq) if cfg.admission == "reserve" else 0
+        need_free = max(need, reserve - len(hits)) + self._outstanding_reservations() + cfg.watermark_blocks
+        if need_free > pool.num_free and not self._evict_lower(seq, step, blocks=need_free):
+            return False
+        self.waiting[seq.lane].popleft()
+        if seq.status is SeqStatus.SWAPPED:
+            device = pool.allocate(len(seq.block_table))
+            step.swap_in.extend(zip(seq.block_table, device))
+            self._host_to_free.extend(seq.block_table)
+            seq.block_table = device
+        else:
+            pool.take(hits)
+            seq.block_table = list(hits)
+            seq.block_hashes = hashes[: len(hits)]
+            seq.num_computed = len(hits) * pool.block_size
+            seq.prefix_hit_tokens += seq.num_computed
+            step.prefix_hit_tokens += seq.num_computed
+        seq.reserved_blocks = reserve
+        seq.status = SeqStatus.RUNNING
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self.running.append(seq)
+        return True
+
+    def _reserve_need(self, seq: Sequence) -> int:
+        return self.pool.blocks_for(min(seq.num_prompt + seq.params.max_tokens, self.config.max_model_len))
+
+    def _outstanding_reservations(self) -> int:
+        return sum(max(0, s.reserved_blocks - len(s.block_table)) for s in self.running)
+
+    def _next_waiting(self) -> Sequence | None:
+        now = self.clock()
+        best, best_key = None, None
+        for name, q in self.waiting.items():
+            if q:
+                key = lane_key(self.lanes[name], now - q[0].enqueued_at, self.served[name], self.config.max_wait, self.aging)
+                if best_key is None or key > best_key:
+                    best, best_key = q[0], key
+        return best
+
+    def _catch_up(self, lane: str) -> None:
+        """A lane that was idle joins at the others' virtual time instead of claiming its idle share."""
+        active = [self.served[n] / self.lanes[n].weight for n, q in self.waiting.items() if q and n != lane]
+        if active:
+            self.served[lane] = max(self.served[lane], min(active) * self.lanes[lane].weight)
+
+
+# policies
+
+def lane_key(lane: Lane, waited: float, served: float, max_wait: float, aging: float) -> tuple:
+    """Larger is admitted first: overdue rows (oldest first), then effective priority (priority plus
+    aging, in whole levels), then the lane furthest below its weighted share of tokens."""
+    overdue = waited >= max_wait
+    effective = lane.priority + math.floor(aging * waited)
+    return (overdue, waited if overdue else 0.0, effective, -served / lane.weight)
+
+
+def _victim_order(seq: Sequence) -> tuple:
+    """Smallest is preempted first: lowest priority, then the youngest."""
+    return (seq.priority, -seq.arrival)
+
+
+def _admit_order(seq: Sequence) -> tuple:
+    return (-seq.priority, seq.arrival)

@@ -22,6 +22,7 @@ class SamplingParams:
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to the host pool; waits to be swapped back in
     FINISHED = "finished"
 
 
@@ -31,13 +32,20 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     rng_key: int = 0  # derived from (job seed, row index): a row's random stream ignores its batch-mates
+    lane: str = "default"
     priority: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full computed blocks
     arrival: int = 0  # admission order, for "youngest first" preemption
+    enqueued_at: float = 0.0  # when the row entered the waiting queue (aging, wait statistics)
+    first_scheduled_at: float | None = None
+    reserved_blocks: int = 0  # admission=reserve: blocks set aside for the whole row
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,6 +1,8 @@
 """ModelConfig: the architecture facts the model code needs, read from HF config.json or GGUF metadata."""
 from __future__ import annotations
 
+import struct
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 # HF `architectures[0]` / `model_type` -> our family name.
@@ -10,6 +12,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+# GGUF `general.architecture` -> our family name. llama.cpp files Mistral under "llama" too.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -87,3 +92,66 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             sliding_window=sliding,
         )
+
+    @classmethod
+    def from_gguf(cls, meta: dict, tensor_names: Collection[str], source: str = "GGUF") -> "ModelConfig":
+        """`meta`: GGUF metadata as Python values; `tensor_names`: the file's tensor names (GGUF spelling)."""
+        gguf_arch = meta.get("general.architecture")
+        arch = GGUF_ARCHITECTURES.get(gguf_arch)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"{source}: GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def key(name: str, default=None):
+            value = meta.get(f"{gguf_arch}.{name}", default)
+            if isinstance(value, list):  # per-layer values (hybrid models): only uniform ones are ours
+                if len(set(value)) != 1:
+                    raise UnsupportedModelError(f"{source}: {gguf_arch}.{name} varies per layer ({value!r})")
+                value = value[0]
+            if value is None:
+                raise UnsupportedModelError(f"{source}: GGUF metadata lacks {gguf_arch}.{name}")
+            return value
+
+        hidden = int(key("embedding_length"))
+        num_heads = int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // num_heads))
+        rope_dims = int(key("rope.dimension_count", head_dim))
+        if rope_dims != head_dim:
+            raise UnsupportedModelError(f"{source}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+        scaling = meta.get(f"{gguf_arch}.rope.scaling.type", "none")
+        if scaling != "none" or "rope_freqs.weight" in tensor_names:
+            # llama3-style scaling is stored as a precomputed `rope_freqs` tensor we do not interpret
+            raise UnsupportedModelError(
+                f"{source}: GGUF rope scaling ({scaling if scaling != 'none' else 'rope_freqs tensor'}) is not "
+                "supported; load the HF folder instead"
+            )
+        vocab = meta.get(f"{gguf_arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+        if not vocab:
+            raise UnsupportedModelError(f"{source}: GGUF metadata gives no vocab size (no {gguf_arch}.vocab_size, no tokens)")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=_shortest_f32(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=_shortest_f32(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm=arch == "qwen3",
+        )
+
+
+def _shortest_f32(value: float) -> float:
+    """GGUF stores floats as f32: 1e-5 reads back as 9.9999997e-06; give the short decimal it came from."""
+    bits = struct.pack("<f", value)
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == bits:
+            return short
+    return float(value)

@@ -1,0 +1,140 @@
+"""Manifest: the one file that says which part files of an output folder are committed.
+
+A part counts only once it is listed here; `commit` replaces manifest.json atomically, so a crash
+leaves either the old or the new manifest, never a torn one. A checksum field catches the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from batchjob.io.ranges import RowRanges
+
+MANIFEST = "manifest.json"
+VERSION = 1
+
+
+class ManifestError(Exception):
+    """manifest.json is unreadable, corrupt, or belongs to another job."""
+
+
+@dataclass(slots=True)
+class PartEntry:
+    name: str  # file name inside the output folder, e.g. part-00003.arrow
+    num_rows: int
+    rows: list[list[int]]  # row_index ranges [[start, end), ...] held by the part
+    bytes: int
+    sha256: str
+    created: str  # UTC, ISO 8601
+
+    def row_ranges(self) -> RowRanges:
+        return RowRanges.from_json(self.rows)
+
+
+@dataclass(slots=True)
+class Manifest:
+    fingerprint: dict
+    parts: list[PartEntry] = field(default_factory=list)
+    total_rows: int | None = None
+    extra: dict = field(default_factory=dict)  # free-form: resume offsets, stats
+    version: int = VERSION
+
+    def done_rows(self) -> RowRanges:
+        done = RowRanges()
+        for part in self.parts:
+            for start, end in part.rows:
+                done.add(start, end)
+        return done
+
+    def num_rows(self) -> int:
+        return sum(part.num_rows for part in self.parts)
+
+    def to_json(self) -> dict:
+        body = {
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+            "total_rows": self.total_rows,
+            "parts": [asdict(part) for part in self.parts],
+            "extra": self.extra,
+        }
+        return {**body, "checksum": _checksum(body)}
+
+    @classmethod
+    def from_json(cls, data: dict, *, where: str = MANIFEST) -> Manifest:
+        if not isinstance(data, dict) or "checksum" not in data:
+            raise ManifestError(f"{where} has no checksum field; it was not written by batchjob")
+        body = {k: v for k, v in data.items() if k != "checksum"}
+        if _checksum(body) != data["checksum"]:
+            raise ManifestError(f"{where} is corrupt (checksum mismatch); it was edited or damaged — "
+                                "restore it or rerun into a new output folder")
+        if body.get("version") != VERSION:
+            raise ManifestError(f"{where} has version {body.get('version')}; this batchjob reads version {VERSION}")
+        try:
+            return cls(
+                fingerprint=body["fingerprint"],
+                parts=[PartEntry(**part) for part in body["parts"]],
+                total_rows=body["total_rows"],
+                extra=body["extra"],
+                version=body["version"],
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{where} lacks a field or has an unknown one: {e}") from e
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> Manifest | None:
+        """The committed manifest of `out_dir`, or None when there is none yet."""
+        path = Path(out_dir) / MANIFEST
+        try:
+            text = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ManifestError(f"{path} is corrupt (not valid JSON: {e}); restore it or rerun into a new output folder") from e
+        return cls.from_json(data, where=str(path))
+
+    def commit(self, out_dir: str | Path) -> None:
+        """Replace out_dir/manifest.json atomically and durably."""
+        out_dir = Path(out_dir)
+        data = json.dumps(self.to_json(), indent=1, ensure_ascii=False).encode()
+        atomic_write(out_dir / MANIFEST, data)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write a temp file beside `path`, fsync, rename over `path`, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable; not possible on every platform/filesystem.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _checksum(body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,265 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pyarrow as pa
+import pytest
+
+from batchjob.io.manifest import Manifest, ManifestError
+from batchjob.io.ranges import RowRanges
+from batchjob.io.sink import RESULT_SCHEMA, ArrowSink, FingerprintMismatch, SinkError, read_results
+
+FP = {"model": "tiny", "temperature": 0.0, "input": "data.jsonl"}
+
+
+def result(i, **kept):
+    return {"row_index": i, "generated_text": f"answer {i}", "finish_reason": "stop",
+            "prompt_tokens": 3, "completion_tokens": i % 5, "error": None, **kept}
+
+
+def files(out):
+    return sorted(p.name for p in out.iterdir())
+
+
+def test_parts_and_manifest_round_trip(tmp_path):
+    out = tmp_path / "out"
+    order = [7, 3, 0, 24, 1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+    with ArrowSink(out, fingerprint=FP, keep_columns=["id"], part_rows=10, total_rows=25) as sink:
+        for i in order:
+            sink.write(result(i, id=f"r{i}"))
+    assert files(out) == ["manifest.json", "part-00000.arrow", "part-00001.arrow", "part-00002.arrow"]
+
+    manifest = Manifest.load(out)
+    assert manifest.fingerprint == FP and manifest.total_rows == 25
+    assert [p.num_rows for p in manifest.parts] == [10, 10, 5]
+    assert manifest.parts[0].rows == [[0, 9], [24, 25]]
+    assert manifest.done_rows().ranges() == [(0, 25)]
+    for part in manifest.parts:
+        data = (out / part.name).read_bytes()
+        assert data[:6] == b"ARROW1"  # IPC file format, not a stream
+        assert part.bytes == len(data) and part.sha256 == hashlib.sha256(data).hexdigest()
+
+    first = pa.ipc.open_file(out / "part-00000.arrow").read_all()
+    assert first.schema.names == [*RESULT_SCHEMA.names, "id"]
+    assert first.column("row_index").to_pylist() == order[:10]  # written order within a part
+
+    table = read_results(out)
+    assert table.column("row_index").to_pylist() == list(range(25))
+    assert table.column("id").to_pylist() == [f"r{i}" for i in range(25)]
+    assert table.schema.field("prompt_tokens").type == pa.int32()
+
+
+def test_parts_are_readable_by_pandas(tmp_path):
+    pd = pytest.importorskip("pandas")
+    with ArrowSink(tmp_path, fingerprint=FP) as sink:
+        sink.write(result(0))
+    frame = pd.read_feather(tmp_path / "part-00000.arrow")
+    assert frame["generated_text"].tolist() == ["answer 0"]
+
+
+def test_done_holds_committed_rows_only(tmp_path):
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=10)
+    for i in range(5):
+        sink.write(result(i))
+    assert sink.done.count() == 0
+    assert Manifest.load(tmp_path).parts == []  # a fresh folder gets its manifest at once
+    sink.commit()
+    assert sink.done.ranges() == [(0, 5)]
+    sink.close()
+    assert ArrowSink(tmp_path, fingerprint=FP).done.ranges() == [(0, 5)]
+
+
+def test_commits_after_part_seconds(tmp_path, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("batchjob.io.sink.time.monotonic", lambda: clock[0])
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=1000, part_seconds=30)
+    sink.write(result(0))
+    clock[0] += 29
+    sink.write(result(1))
+    assert sink.done.count() == 0
+    clock[0] += 1
+    sink.commit_if_due()  # also callable while no rows arrive
+    assert sink.done.ranges() == [(0, 2)]
+    sink.write(result(2))
+    clock[0] += 31
+    sink.write(result(3))  # the write itself notices
+    assert sink.done.ranges() == [(0, 4)]
+
+
+def test_resume_removes_uncommitted_parts_and_temp_files(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=4) as sink:
+        for i in range(8):
+            sink.write(result(i))
+    # What a crash can leave: a part renamed but never listed, half-written temp files.
+    shutil.copy(tmp_path / "part-00001.arrow", tmp_path / "part-00002.arrow")
+    (tmp_path / ".part-00003.arrow.tmp").write_bytes(b"partial")
+    (tmp_path / ".manifest.json.tmp").write_bytes(b"{")
+    (tmp_path / "notes.txt").write_text("not ours")
+
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=4)
+    assert files(tmp_path) == ["manifest.json", "notes.txt", "part-00000.arrow", "part-00001.arrow"]
+    assert sink.done.ranges() == [(0, 8)]
+    for i in range(8, 12):
+        sink.write(result(i))
+    sink.close()
+    assert "part-00002.arrow" in files(tmp_path)
+    assert read_results(tmp_path).column("row_index").to_pylist() == list(range(12))
+
+
+def test_crash_between_part_rename_and_manifest_commit(tmp_path, monkeypatch):
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    sink.write(result(0))
+    sink.write(result(1))  # committed
+
+    def crash(self, out_dir):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Manifest, "commit", crash)
+    sink.write(result(2))
+    with pytest.raises(OSError):
+        sink.write(result(3))
+    monkeypatch.undo()
+    assert "part-00001.arrow" in files(tmp_path)  # on disk, but not listed
+    assert [p.name for p in sink.manifest.parts] == ["part-00000.arrow"] and sink.done.ranges() == [(0, 2)]
+
+    resumed = ArrowSink(tmp_path, fingerprint=FP)
+    assert resumed.done.ranges() == [(0, 2)]
+    assert "part-00001.arrow" not in files(tmp_path)
+
+
+def test_listed_part_that_is_missing_or_truncated_is_dropped(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(6):
+            sink.write(result(i))
+    (tmp_path / "part-00000.arrow").unlink()
+    data = (tmp_path / "part-00002.arrow").read_bytes()
+    (tmp_path / "part-00002.arrow").write_bytes(data[:-10])
+
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    assert sink.repaired == ["part-00000.arrow", "part-00002.arrow"]
+    assert sink.done.ranges() == [(2, 4)]
+    assert "part-00002.arrow.corrupt" in files(tmp_path)
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(2, 4)]  # repair is committed at once
+    for i in (0, 1, 4, 5):
+        sink.write(result(i))
+    sink.close()
+    assert read_results(tmp_path).column("row_index").to_pylist() == list(range(6))
+    assert not {"part-00000.arrow", "part-00002.arrow"} & {p.name for p in Manifest.load(tmp_path).parts}
+
+
+def test_corrupt_manifest_is_detected(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP) as sink:
+        sink.write(result(0))
+    path = tmp_path / "manifest.json"
+    data = json.loads(path.read_text())
+    data["parts"][0]["num_rows"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="corrupt \\(checksum mismatch\\)"):
+        Manifest.load(tmp_path)
+    with pytest.raises(SinkError, match="checksum mismatch"):
+        ArrowSink(tmp_path, fingerprint=FP)
+    path.write_text('{"version": 1, "parts": [')  # torn write
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_results(tmp_path)
+
+
+def test_a_different_job_is_refused(tmp_path):
+    ArrowSink(tmp_path, fingerprint=FP, total_rows=10).close()
+    with pytest.raises(FingerprintMismatch, match="differs in: temperature"):
+        ArrowSink(tmp_path, fingerprint={**FP, "temperature": 0.7})
+    with pytest.raises(FingerprintMismatch, match="10 rows"):
+        ArrowSink(tmp_path, fingerprint=FP, total_rows=11)
+    ArrowSink(tmp_path, fingerprint=dict(reversed(FP.items())), total_rows=10).close()  # same job
+
+
+def test_extra_is_stored_at_the_next_commit(tmp_path):
+    sink = ArrowSink(tmp_path, fingerprint=FP)
+    sink.set_extra("jsonl_position", [3, 120])
+    assert Manifest.load(tmp_path).extra == {}
+    sink.commit()  # no rows buffered: the manifest is still written
+    assert Manifest.load(tmp_path).extra == {"jsonl_position": [3, 120]}
+    assert ArrowSink(tmp_path, fingerprint=FP).extra == {"jsonl_position": [3, 120]}
+
+
+def test_write_rejects_duplicates_and_bad_rows(tmp_path):
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    sink.write(result(0))
+    with pytest.raises(ValueError, match="already written"):
+        sink.write(result(0))  # still buffered
+    sink.write(result(1))
+    with pytest.raises(ValueError, match="already written"):
+        sink.write(result(1))  # committed
+    with pytest.raises(ValueError, match="finish_reason"):
+        sink.write({**result(2), "finish_reason": "eos"})
+    with pytest.raises(SinkError, match="collide"):
+        ArrowSink(tmp_path / "x", fingerprint=FP, keep_columns=["error"])
+
+
+def test_error_rows_are_kept(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP) as sink:
+        sink.write({"row_index": 0, "finish_reason": "error", "error": "data.jsonl line 1: invalid JSON"})
+    row = read_results(tmp_path).to_pylist()[0]
+    assert row["generated_text"] is None and row["error"].startswith("data.jsonl line 1")
+
+
+def test_kept_column_types_across_parts(tmp_path):
+    messages = [{"role": "user", "content": "hi"}]
+    rows = [
+        dict(score=None, tag=1, messages=messages),  # part 0: score all null
+        dict(score=1, tag=2, messages=messages),  # part 1: score int
+        dict(score=2.5, tag="x", messages=[{"role": "user", "content": "yo", "name": "ann"}]),  # widen / text
+        dict(score=3, tag=4, messages=messages),
+    ]
+    with ArrowSink(tmp_path, fingerprint=FP, keep_columns=["score", "tag", "messages"], part_rows=1) as sink:
+        for i, kept in enumerate(rows):
+            sink.write(result(i, **kept))
+    # A reopened sink keeps widening from the types already on disk.
+    with ArrowSink(tmp_path, fingerprint=FP, keep_columns=["score", "tag", "messages"], part_rows=1) as sink:
+        sink.write(result(4, score=5, tag=5, messages=messages))
+
+    parts = [pa.ipc.open_file(tmp_path / f"part-0000{i}.arrow").schema for i in range(5)]
+    assert [s.field("score").type for s in parts] == [pa.null(), pa.int64(), pa.float64(), pa.float64(), pa.float64()]
+    assert [s.field("tag").type for s in parts] == [pa.int64(), pa.int64(), pa.string(), pa.string(), pa.string()]
+
+    table = read_results(tmp_path)
+    assert table.schema.field("score").type == pa.float64()
+    assert table.column("score").to_pylist() == [None, 1.0, 2.5, 3.0, 5.0]
+    assert table.column("tag").to_pylist() == ["1", "2", "x", "4", "5"]  # conflicting types end as text
+    assert table.column("messages").to_pylist()[2] == [{"role": "user", "content": "yo", "name": "ann"}]
+    assert table.column("messages").to_pylist()[3] == [{"role": "user", "content": "hi", "name": None}]
+
+
+def test_unusable_output_folder_is_a_sink_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SinkError, match="cannot use output folder"):
+        ArrowSink(tmp_path / "file" / "out", fingerprint=FP)
+
+
+def test_read_results_of_an_empty_job_and_of_no_job(tmp_path):
+    ArrowSink(tmp_path / "empty", fingerprint=FP).close()
+    assert read_results(tmp_path / "empty").schema == RESULT_SCHEMA
+    with pytest.raises(ManifestError, match="no manifest.json"):
+        read_results(tmp_path)
+
+
+def test_show_prints_location_schema_and_rows(tmp_path, capsys):
+    from batchjob import show
+
+    with ArrowSink(tmp_path, fingerprint=FP, keep_columns=["prompt"], total_rows=3) as sink:
+        sink.write(result(1, prompt="Name a color."))
+        sink.write(result(0, prompt="What is the capital of France?"))
+    assert show.main([str(tmp_path), "-n", "1"]) == 0
+    text = capsys.readouterr().out
+    assert str(tmp_path.resolve()) in text and "2 rows of 3" in text
+    assert "generated_text: string" in text
+    assert "What is the capital of France?" in text and "Name a color." not in text
+    assert show.main([str(tmp_path / "nothing")]) == 1
+
+
+def test_done_rows_come_back_as_row_ranges(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=3) as sink:
+        for i in [0, 1, 2, 10, 11, 5]:
+            sink.write(result(i))
+    assert Manifest.load(tmp_path).done_rows() == RowRanges([(0, 3), (5, 6), (10, 12)])
