@@ -43,13 +43,21 @@ class JobConfig:
     block_size: int = 16
     kv_cache_gb: float = 1.0
     threads: int = 0  # 0 = torch's default (all cores)
+    # scheduler (see README "Scheduling knobs")
+    admission: str = "optimistic"  # optimistic | reserve
+    preemption: str = "auto"  # auto | recompute | swap
+    swap_space_gb: float = 1.0
+    max_wait: float = 300.0
+    prefix_caching: bool = True
+    lanes: list[dict] = field(default_factory=list)  # [[lanes]] name, priority, weight, input, max_tokens
+    lane_column: str = "lane"  # rows name their lane here (or carry a `priority` column) when lanes have no input
     # output
     part_rows: int = 1000
     part_seconds: float = 30.0
     progress: bool = True
 
     def validate(self) -> "JobConfig":
-        if not self.input:
+        if not self.input and not self.per_lane_inputs:
             raise ConfigError("input: no input given; set `input = \"PATH\"` in the job file or pass --input PATH")
         _choice("scheduling", self.scheduling, ("continuous", "static"))
         if self.dtype is not None:
@@ -67,7 +75,45 @@ class JobConfig:
             raise ConfigError("top_k and prefill_chunk must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        _choice("admission", self.admission, ("optimistic", "reserve"))
+        _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
+        if self.max_wait <= 0:
+            raise ConfigError(f"max_wait: must be > 0 seconds, got {self.max_wait}")
+        self._validate_lanes()
         return self
+
+    @property
+    def per_lane_inputs(self) -> bool:
+        return bool(self.lanes) and all(isinstance(lane, dict) and lane.get("input") for lane in self.lanes)
+
+    def _validate_lanes(self) -> None:
+        allowed = {"name", "priority", "weight", "input", "max_tokens"}
+        names = set()
+        for i, lane in enumerate(self.lanes):
+            where = f"lanes[{i}]"
+            if not isinstance(lane, dict):
+                raise ConfigError(f"{where}: expected a table with {', '.join(sorted(allowed))}")
+            unknown = set(lane) - allowed
+            if unknown:
+                raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+            name = lane.get("name")
+            if not isinstance(name, str) or not name or "/" in name:
+                raise ConfigError(f"{where}.name: a non-empty name without '/' is required")
+            if name in names:
+                raise ConfigError(f"{where}.name: lane {name!r} is declared twice")
+            names.add(name)
+            if not isinstance(lane.get("priority", 0), int):
+                raise ConfigError(f"{where}.priority: expected an integer")
+            w = lane.get("weight", 1.0)
+            if not isinstance(w, (int, float)) or w <= 0:
+                raise ConfigError(f"{where}.weight: expected a number > 0")
+            mt = lane.get("max_tokens")
+            if mt is not None and (not isinstance(mt, int) or mt < 1):
+                raise ConfigError(f"{where}.max_tokens: expected an integer >= 1")
+        with_input = [lane.get("input") is not None for lane in self.lanes]
+        if any(with_input) and not all(with_input):
+            raise ConfigError("lanes: either every lane names its own `input` (per-lane outputs) or none does "
+                              "(rows choose their lane by the lane column or a `priority` column)")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -123,6 +169,10 @@ def _coerce(name: str, value):
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     if isinstance(default, float):
         return float(value)
+    if name == "lanes":
+        if not isinstance(value, list):
+            raise ConfigError("lanes: expected [[lanes]] tables")
+        return value
     if name in ("keep_columns", "stop_token_ids"):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
     num_decode_tokens: int  # the first tokens of the batch are decodes, one per row
-    decode_block_tables: torch.Tensor | None = None  # [Sd, MB]
+    decode_slots: torch.Tensor | None = None  # [Sd, Ld] cache slot of each context position (pad -> 0)
     decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, Ld] bool, True = attend
-    prefill_block_tables: torch.Tensor | None = None  # [Sp, MB]
+    prefill_slots: torch.Tensor | None = None  # [Sp, Lp]
     prefill_mask: torch.Tensor | None = None  # [Sp, 1, Qmax, Lp] bool
     prefill_gather: torch.Tensor | None = None  # [Sp, Qmax] token index into the batch (pad -> 0)
     prefill_valid: torch.Tensor | None = None  # [Sp, Qmax] bool
@@ -31,11 +31,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    # [S, MB] -> [S, Hkv, L, D]
-    s, mb = block_tables.shape
-    kv = cache[block_tables].view(s, mb * cache.shape[1], cache.shape[2], cache.shape[3])
-    return kv[:, :length].transpose(1, 2)
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # [S, L] slots -> [S, Hkv, L, D]; index_select on flat token rows is several times faster than
+    # advanced indexing by block on CPU
+    s, length = slots.shape
+    hkv, d = cache.shape[2], cache.shape[3]
+    kv = cache.view(-1, hkv * d).index_select(0, slots.view(-1))
+    return kv.view(s, length, hkv, d).transpose(1, 2)
 
 
 def paged_attention(
@@ -45,17 +47,15 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        ld = meta.decode_mask.shape[-1]
-        k = _gather(k_cache, meta.decode_block_tables, ld)
-        v = _gather(v_cache, meta.decode_block_tables, ld)
+        k = _gather(k_cache, meta.decode_slots)
+        v = _gather(v_cache, meta.decode_slots)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
         out[:nd] = o.squeeze(2)
     if meta.prefill_gather is not None:
-        lp = meta.prefill_mask.shape[-1]
-        k = _gather(k_cache, meta.prefill_block_tables, lp)
-        v = _gather(v_cache, meta.prefill_block_tables, lp)
+        k = _gather(k_cache, meta.prefill_slots)
+        v = _gather(v_cache, meta.prefill_slots)
         qp = q[meta.prefill_gather].transpose(1, 2)  # [Sp, H, Qmax, D]
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
         out[meta.prefill_gather[meta.prefill_valid]] = o.transpose(1, 2)[meta.prefill_valid]

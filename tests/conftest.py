@@ -62,12 +62,12 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def _hf_model(arch: str, vocab: int, tie: bool):
+def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
     import transformers as tf
 
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+        num_key_value_heads=2, max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=tie,
         bos_token_id=1, eos_token_id=2,
     )
     if arch == "llama":
@@ -94,7 +94,7 @@ def _hf_model(arch: str, vocab: int, tie: bool):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
-    """Factory: `tiny_model_dir(arch, tie_word_embeddings=False)` -> a saved HF folder (fp32, seeded).
+    """Factory: `tiny_model_dir(arch, tie_word_embeddings=False, max_positions=256)` -> a saved HF folder (fp32, seeded).
 
     arch in llama/mistral/qwen2/qwen3: hidden 64, 2 layers, 4 heads / 2 KV heads (qwen3: head_dim 32),
     vocab = the tiny tokenizer's 400; eos = [<|im_end|>, <|endoftext|>] in generation_config.json.
@@ -104,11 +104,11 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     vocab = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
     made: dict[tuple[str, bool], Path] = {}
 
-    def make(arch: str, tie_word_embeddings: bool = False) -> Path:
-        key = (arch, tie_word_embeddings)
+    def make(arch: str, tie_word_embeddings: bool = False, max_positions: int = 256) -> Path:
+        key = (arch, tie_word_embeddings, max_positions)
         if key not in made:
-            folder = tmp_path_factory.mktemp(f"tiny_{arch}{'_tied' if tie_word_embeddings else ''}")
-            _hf_model(arch, vocab, tie_word_embeddings).save_pretrained(folder)
+            folder = tmp_path_factory.mktemp(f"tiny_{arch}{'_tied' if tie_word_embeddings else ''}_{max_positions}")
+            _hf_model(arch, vocab, tie_word_embeddings, max_positions).save_pretrained(folder)
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(tiny_tokenizer_dir / name, folder / name)
             (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 0]}))

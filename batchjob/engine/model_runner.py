@@ -49,9 +49,12 @@ class ModelRunner:
         c = model.config
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
-    def _block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    def _context_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """[S, length] cache slot of every context position of each row (past a row's end: slot 0, masked)."""
+        width = -(-length // self.block_size)
+        bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+        slots = bt[:, :, None] * self.block_size + torch.arange(self.block_size)
+        return slots.view(len(tables), -1)[:, :length].contiguous()
 
     def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Returns input_ids, positions, metadata and the batch index of each row's last token."""
@@ -90,7 +93,7 @@ class ModelRunner:
             mask = keys[None, :] < lens[:, None]
             if window:
                 mask &= keys[None, :] > (lens[:, None] - 1 - window)
-            meta.decode_block_tables = self._block_table_tensor(dec_tables)
+            meta.decode_slots = self._context_slots(dec_tables, int(lens.max()))
             meta.decode_mask = mask[:, None, None, :]
         if pre_rows:
             qmax = max(n for _, n in pre_rows)
@@ -107,7 +110,7 @@ class ModelRunner:
                 mask &= keys[None, None, :] > (qpos[:, :, None] - window)
             mask &= valid[:, :, None]
             mask[:, :, 0] |= ~valid  # padded query rows attend to one key so no row is all-masked
-            meta.prefill_block_tables = self._block_table_tensor(pre_tables)
+            meta.prefill_slots = self._context_slots(pre_tables, int(lens.max()))
             meta.prefill_mask = mask[:, None]
             meta.prefill_gather = gather
             meta.prefill_valid = valid
@@ -119,7 +122,7 @@ class ModelRunner:
         input_ids, positions, meta, last = self.prepare(step)
         if device.type != "cpu":
             input_ids, positions = input_ids.to(device), positions.to(device)
-            for name in ("slot_mapping", "decode_block_tables", "decode_mask", "prefill_block_tables", "prefill_mask", "prefill_gather", "prefill_valid"):
+            for name in ("slot_mapping", "decode_slots", "decode_mask", "prefill_slots", "prefill_mask", "prefill_gather", "prefill_valid"):
                 t = getattr(meta, name)
                 if t is not None:
                     setattr(meta, name, t.to(device))
