@@ -2,6 +2,6 @@
 chosen at the one dispatch point in each module when tensors are on CUDA or the interpreter is on."""
 from .attention import AttentionMetadata, paged_attention, store_kv
 from .norm import rms_norm
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, apply_rotary
 
-__all__ = ["AttentionMetadata", "paged_attention", "store_kv", "rms_norm", "RotaryEmbedding"]
+__all__ = ["AttentionMetadata", "paged_attention", "store_kv", "rms_norm", "RotaryEmbedding", "apply_rotary"]

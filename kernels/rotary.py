@@ -33,11 +33,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for `positions`, [T, 1, D]: looked up once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [T, H, D], k: [T, Hkv, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

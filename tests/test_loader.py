@@ -13,7 +13,7 @@ import torch
 from batchjob.models import loader
 from batchjob.models.config import UnsupportedModelError
 from batchjob.models.loader import ModelLoadError, load_model, resolve_model_path
-from conftest import TINY_ARCHS, llama_cpp_permute, write_gguf
+from tests.conftest import TINY_ARCHS, llama_cpp_permute, write_gguf
 
 
 def hf_state_dict(folder, tied: bool) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import AttentionMetadata, RotaryEmbedding, paged_attention, rms_norm, store_kv
+from batchjob.kernels import AttentionMetadata, RotaryEmbedding, apply_rotary, paged_attention, rms_norm, store_kv
 from batchjob.models.config import ModelConfig
 
 
@@ -55,6 +55,7 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.table(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
@@ -65,7 +66,7 @@ class LlamaModel:
             if layer["q_norm"] is not None:
                 q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-            q, k = self.rotary(positions, q, k)
+            q, k = apply_rotary(q, k, cos, sin)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(o.view(t, self.q_size), layer["o"])
