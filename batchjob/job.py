@@ -5,6 +5,10 @@ A job has one stream (one input, one output folder) or, with per-lane inputs, on
 the number of rows."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import socket
 import sys
 import time
 import zlib
@@ -15,18 +19,26 @@ from typing import Iterator
 import torch
 
 import batchjob
-from batchjob.config import JobConfig
+from batchjob.config import ConfigError, JobConfig
 from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.engine.sampler import row_key
+from batchjob.engine.detokenizer import IncrementalDetokenizer
+from batchjob.engine.sampler import sequence_key
 from batchjob.engine.scheduler import Lane, SchedulerConfig
 from batchjob.engine.sequence import SamplingParams, Sequence
-from batchjob.io.sink import ArrowSink
-from batchjob.io.sources import InputRow, Source, open_source, validate_columns
+from batchjob.io.lock import OutputLock
+from batchjob.io.sink import RESUME_POSITION, ArrowSink, clear_results
+from batchjob.io.openai_batch import RESULTS_FILE, OpenAIBatchSource, write_openai_batch
+from batchjob.io.sources import InputRow, JsonlSource, Source, open_source, validate_columns
 from batchjob.models.llama import LlamaModel
 from batchjob.models.loader import load_model
-from batchjob.requests import PromptBuilder, RowError
+from batchjob.requests import PromptBuilder, RowError, row_sampling
+from batchjob.results import OutputColumns, PendingRow, TokenText, output_columns
+from batchjob.shard import ShardSource, ShardSpec, check_unsharded, claim_shard
 from batchjob.stats import StatsRecorder
+from batchjob.stop import ErrorBudget, StopSignals
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,6 +50,7 @@ class JobSummary:
     wall_s: float = 0.0
     output: str = ""
     stats: dict = field(default_factory=dict)
+    stopped: str | None = None  # the signal that stopped the run before the end (exit 75: resumable)
 
     def line(self) -> str:
         tps = self.generated_tokens / self.wall_s if self.wall_s else 0.0
@@ -54,13 +67,11 @@ class Stream:
     key_salt: int = 0
     rows: Iterator[InputRow] | None = None
     exhausted: bool = False
+    columns: OutputColumns = OutputColumns()  # the optional output columns: kept input columns, logprobs, completions
 
 
 def sampling_params(cfg: JobConfig, max_tokens: int | None = None) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens or cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        stop_token_ids=tuple(cfg.stop_token_ids), ignore_eos=cfg.ignore_eos,
-    )
+    return cfg.sampling_defaults(max_tokens)
 
 
 def lanes_of(cfg: JobConfig) -> list[Lane]:
@@ -95,22 +106,36 @@ def input_identity(path: Path, source: Source) -> dict:
 
 
 PARAM_FIELDS = ("prompt_column", "messages_column", "chat", "chat_template", "system_prompt", "keep_columns",
-                "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "lanes", "lane_column")
+                "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "lanes", "lane_column",
+                "min_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+                "include_stop_str_in_output", "logprobs", "n")
 
 
 def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded, dtype: torch.dtype) -> dict:
     params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
     params["dtype"] = str(dtype).removeprefix("torch.")
-    return {"batchjob": batchjob.__version__, "input": input_identity(Path(input_path), source),
-            "model": loaded.identity, "params": params}
+    fp = {"batchjob": batchjob.__version__, "input": input_identity(Path(input_path), source),
+          "model": loaded.identity, "params": params}
+    if isinstance(source, ShardSource):
+        fp["shard"] = source.info()
+    return fp
 
 
 class Job:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, *, restart: bool = False, resources: contextlib.ExitStack | None = None):
+        """`resources` holds what the job must give back however it ends (the output lock); without
+        it the lock lives as long as the Job. `restart` deletes the folder's results first."""
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         out = Path(cfg.output)
+        self.shard = ShardSpec.resolve(cfg.shard)
+        if self.shard is None:
+            check_unsharded(out)
+        else:  # this process runs one slice of the input, into OUT/shard-K-of-N/
+            if cfg.per_lane_inputs:
+                raise ConfigError("shard: lanes with their own inputs cannot be sharded; shard each lane's input as its own job")
+            out = out / self.shard.folder_name
         if cfg.per_lane_inputs:
             inputs = [(lane["input"], out / lane["name"], lane["name"]) for lane in cfg.lanes]
         else:
@@ -123,17 +148,29 @@ class Job:
                 validate_columns(source, [cfg.prompt_column])
             validate_columns(source, cfg.keep_columns)
             self.use_messages[id(source)] = uses
+        # one writer per output folder (a shard's own folder) from before anything in it is touched
+        self.lock = OutputLock(out)
+        if resources is not None:
+            resources.enter_context(self.lock)
+        if restart:
+            self._restart(out, [folder for _, _, folder, _ in sources])
         device = choose_device(cfg.device)
         dtype = choose_dtype(cfg.dtype, device)
         self.loaded = load_model(cfg.model, dtype=dtype)
+        if self.shard is not None:
+            sources = [self._claim_shard(*sources[0], dtype)]
         template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
         self.builders = {key: PromptBuilder(cfg, self.loaded.tokenizer, uses, template) for key, uses in self.use_messages.items()}
         self.lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         keep = list(cfg.keep_columns) + (["lane"] if self.lane_column_out else [])
+        defaults = sampling_params(cfg)
+        columns = {id(source): output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name)
+                   for source, *_ in sources}
         self.streams = [
-            Stream(source, ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, self.loaded, dtype), keep_columns=keep,
-                                     part_rows=cfg.part_rows, part_seconds=cfg.part_seconds, total_rows=source.num_rows),
-                   lane, key_salt=zlib.crc32(lane.encode()) if lane else 0)
+            Stream(source, ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, self.loaded, dtype),
+                                     keep_columns=columns[id(source)].names, part_rows=cfg.part_rows,
+                                     part_seconds=cfg.part_seconds, total_rows=source.num_rows),
+                   lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns[id(source)])
             for source, path, folder, lane in sources
         ]
         self.engine = build_engine(cfg, self.loaded, device, dtype)
@@ -141,9 +178,28 @@ class Job:
         self.params = {lane["name"]: sampling_params(cfg, lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = sampling_params(cfg)
         self.in_flight: dict[int, tuple[Stream, int, dict]] = {}  # seq_id -> (stream, row_index, kept columns)
+        self.pending: dict[int, tuple[PendingRow, int]] = {}  # seq_id -> (its row's completions, completion index)
+        self.token_text = TokenText(self.loaded.tokenizer)
         self._next_seq = 0
         self.stats = StatsRecorder(out / "stats.jsonl")
         self.summary = JobSummary(output=str(out))
+
+    def _restart(self, out: Path, folders: list[Path]) -> None:
+        """--restart: delete the committed results (parts, manifests, stats) and start over."""
+        removed = 0
+        for folder in {out, *folders}:
+            removed += clear_results(folder)
+            for name in ("stats.jsonl", RESULTS_FILE):
+                if (folder / name).is_file():
+                    (folder / name).unlink()
+                    removed += 1
+        print(f"batchjob: --restart: removed {removed} result files from {out}", file=sys.stderr)
+
+    def _claim_shard(self, source: Source, path: str, folder: Path, lane: str | None, dtype: torch.dtype) -> tuple:
+        """Swap the input for this shard's slice, after checking OUT/job.json (or writing it first)."""
+        sliced = claim_shard(folder.parent, self.shard, source, fingerprint(self.cfg, source, path, self.loaded, dtype))
+        self.use_messages[id(sliced)] = self.use_messages.pop(id(source))
+        return sliced, path, folder, lane
 
     # rows in
 
@@ -177,7 +233,7 @@ class Job:
                 stream.exhausted = True
                 return
             record = item.record or {}
-            kept = {c: record.get(c) for c in cfg.keep_columns}
+            kept = {c: record.get(c) for c in stream.columns.keep}
             if item.error:
                 self._emit(stream, item.row_index, kept, error=item.error)
                 continue
@@ -186,26 +242,34 @@ class Job:
                 if self.lane_column_out:
                     kept["lane"] = lane
                 ids = builder.token_ids(record)
+                params = row_sampling(record, self.params.get(lane, self.default_params))
+                stream.columns.check(params)
             except RowError as e:
                 self._emit(stream, item.row_index, kept, error=str(e))
                 continue
-            seq_id = self._next_seq
-            self._next_seq += 1
-            params = self.params.get(lane, self.default_params)
-            seq = Sequence(seq_id, ids, params, rng_key=row_key(cfg.seed ^ stream.key_salt, item.row_index), lane=lane)
-            err = self.engine.add(seq)
-            if err:
-                self._emit(stream, item.row_index, kept, error=err, prompt_tokens=len(ids))
-                continue
-            self.in_flight[seq_id] = (stream, item.row_index, kept)
+            row = PendingRow(params.n, stream.columns)
+            for c in range(params.n):  # n completions: n Sequences, each with its own random stream
+                seq_id = self._next_seq
+                self._next_seq += 1
+                key = sequence_key(params, cfg.seed ^ stream.key_salt, item.row_index, c)
+                detok = IncrementalDetokenizer(self.loaded.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
+                                               include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
+                seq = Sequence(seq_id, ids, params, rng_key=key, lane=lane, detokenizer=detok)
+                err = self.engine.add(seq)
+                if err:  # the prompt never fits: the same for every completion
+                    self._emit(stream, item.row_index, kept, error=err, prompt_tokens=len(ids))
+                    break
+                self.in_flight[seq_id] = (stream, item.row_index, kept)
+                self.pending[seq_id] = (row, c)
 
     # rows out
 
     def _emit(self, stream: Stream, row_index: int, kept: dict, *, text: str = "", reason: str = "error",
-              prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None) -> None:
+              prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None, extra: dict | None = None) -> None:
         row = {"row_index": row_index, "generated_text": text, "finish_reason": reason,
                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "error": error}
         row.update(kept)
+        row.update(extra or {})
         stream.sink.write(row)
         s = self.summary
         s.rows += 1
@@ -215,12 +279,19 @@ class Job:
         if self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix_str(f"{s.generated_tokens / (time.perf_counter() - self.t0):.0f} tok/s", refresh=False)
+        if reason == "error":
+            self._check_errors()
+
+    def _check_errors(self, final: bool = False) -> None:
+        """max_errors, over this run's rows and those committed before it."""
+        rows, errors = self.before
+        self.budget.check(errors + self.summary.errors, rows + self.summary.rows, final)
 
     def _finished(self, seq: Sequence) -> None:
         stream, row_index, kept = self.in_flight.pop(seq.seq_id)
-        text = self.loaded.tokenizer.decode(seq.output_ids)
-        self._emit(stream, row_index, kept, text=text, reason=seq.finish_reason,
-                   prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output)
+        row, index = self.pending.pop(seq.seq_id)
+        if row.add(index, seq, self.loaded.tokenizer, self.token_text):  # the row's last completion
+            self._emit(stream, row_index, kept, **row.fields())
 
     # the loop
 
@@ -235,22 +306,51 @@ class Job:
             from tqdm import tqdm
             self.progress = tqdm(total=total, unit="row", desc="batchjob", dynamic_ncols=True)
         for stream in self.streams:
-            stream.rows = stream.source.rows(skip=stream.sink.done)
-        read_ahead = 2 * cfg.max_num_seqs
+            stream.rows = self._rows(stream)
+        committed = [s.sink.manifest.totals() for s in self.streams]
+        self.before = (sum(c["rows"] for c in committed), sum(c["errors"] for c in committed))
+        inputs = [s.source.num_rows for s in self.streams]
+        self.budget = ErrorBudget(cfg.max_errors, None if None in inputs else sum(inputs))
+        read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
         engine = self.engine
+        self.dropped = 0  # rows read but put back by a stop
+        stop = self.stop = StopSignals(cfg.drain_timeout)
+        stop.install()  # here, not at import: only a running job turns signals into a drain
         try:
-            while True:
-                for stream in self.streams:
-                    self._feed(stream, read_ahead)
-                if not engine.has_work:
-                    break
-                finished = engine.step()
-                for seq in finished:
-                    self._finished(seq)
-                self.stats.step(engine.last_stats, finished)
+            self._mark_run("running")
+            try:
+                self._check_errors()  # the rows committed before may be over the limit already
+                draining = False
+                while True:
+                    if stop.stopping and not draining:
+                        draining = True
+                        self._drop_waiting()
+                    if not draining:
+                        for stream in self.streams:
+                            self._feed(stream, read_ahead)
+                    if not engine.has_work or (draining and stop.drain_over()):
+                        break
+                    finished = engine.step()
+                    for seq in finished:
+                        self._finished(seq)
+                    self.stats.step(engine.last_stats, finished)
+                    for stream in self.streams:
+                        stream.sink.commit_if_due()
+                if not stop.stopping:
+                    self._check_errors(final=True)
+            except Exception as e:
+                self._mark_run("failed", error=str(e))
+                self._close_sinks()  # what finished is committed, if the disk lets us
+                raise
+            complete = not self.in_flight and not self.dropped and all(s.exhausted for s in self.streams)
+            self.summary.stopped = None if complete else stop.received  # a signal after the last row changes nothing
+            self._mark_run("stopped" if self.summary.stopped else "finished")
             for stream in self.streams:
                 stream.sink.close()
+                if cfg.output_format == "openai-batch" and stream.exhausted and not self.summary.stopped:  # every row is in: the response file
+                    write_openai_batch(stream.sink.out_dir)
         finally:
+            stop.restore()
             if self.progress is not None:
                 self.progress.close()
         self.summary.wall_s = time.perf_counter() - self.t0
@@ -258,6 +358,62 @@ class Job:
         self.stats.write(self.summary.stats)
         return self.summary
 
+    def _rows(self, stream: Stream) -> Iterator[InputRow]:
+        """The rows not committed yet. JSONL resumes at the byte offset of the first row not committed
+        (the committed prefix is never read) and notes each row's offset for the next resume; Parquet
+        and datasets inputs skip whole row groups / files instead."""
+        source, sink = stream.source, stream.sink
+        reader = getattr(source, "inner", source)  # a shard reads through its inner source
+        if not isinstance(reader, JsonlSource):
+            yield from source.rows(skip=sink.done)
+            return
+        start = tuple(source.position())  # (0, 0), or where a shard begins
+        resume = sink.extra.get(RESUME_POSITION)
+        # valid only while every row before it is committed (a damaged part's rows must be read again)
+        if resume and resume[0] > start[0] and sink.done.covers(start[0], resume[0]):
+            start = (int(resume[0]), int(resume[1]))
+        before = start
+        for item in source.rows(skip=sink.done, start_offset=start):
+            sink.note_position(item.row_index, list(before))
+            yield item
+            before = reader.position()
+        if source.num_rows is None:
+            sink.set_total_rows(before[0])  # now known: `status` and `export` can tell what is missing
 
-def run_job(cfg: JobConfig) -> JobSummary:
-    return Job(cfg).run()
+    def _drop_waiting(self) -> None:
+        """Stopping: rows that have not started go back to the input (rerun on resume)."""
+        for seq in self.engine.scheduler.drop_waiting():
+            self.in_flight.pop(seq.seq_id, None)
+            self.pending.pop(seq.seq_id, None)
+            self.dropped += 1
+
+    def _mark_run(self, state: str, error: str | None = None) -> None:
+        """This run in each manifest (extra["run"]), for `batchjob status`: who, since when, how it ended."""
+        for stream in self.streams:
+            sink = stream.sink
+            if state == "running":
+                totals = sink.manifest.totals()
+                run = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                       "rows_at_start": totals["rows"], "completion_tokens_at_start": totals["completion_tokens"]}
+            else:
+                run = {**sink.extra.get("run", {}), "ended": time.time()}
+            run["state"] = state
+            if error:
+                run["error"] = error[:1000]
+            if state == "stopped":
+                run["signal"] = self.summary.stopped
+            sink.set_extra("run", run)
+            if state == "running":
+                sink.commit()  # at once: status shows this run before its first part
+
+    def _close_sinks(self) -> None:
+        for stream in self.streams:
+            try:
+                stream.sink.close()
+            except Exception as e:  # e.g. the disk is still full: the rows run again on resume
+                log.warning("could not commit the last rows of %s: %s", stream.sink.out_dir, e)
+
+
+def run_job(cfg: JobConfig, *, restart: bool = False) -> JobSummary:
+    with contextlib.ExitStack() as held:  # the output lock goes back however the job ends
+        return Job(cfg, restart=restart, resources=held).run()

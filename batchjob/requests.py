@@ -1,10 +1,18 @@
-"""Turns an input record into prompt token ids: a plain prompt, a prompt wrapped as a chat message,
-or a `messages` list rendered with the chat template. Problems are per-row errors (RowError)."""
+"""Turns an input record into a request: prompt token ids (a plain prompt, a list of token ids, a prompt
+wrapped as a chat message, or a `messages` list rendered with the chat template) and the row's sampling
+parameters (the job's, overridden by a `sampling` column and by columns named like the parameters).
+Problems are per-row errors (RowError)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 from batchjob.config import JobConfig
+from batchjob.engine.sequence import SamplingParams
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_COLUMN = "sampling"
 
 
 class RowError(ValueError):
@@ -49,6 +57,9 @@ class PromptBuilder:
         msgs = self.messages(record)
         tok = self.tokenizer
         if msgs is None:
+            value = record.get(self.config.prompt_column)
+            if isinstance(value, list):
+                return self._given_ids(value)
             return tok.encode(self._prompt_text(record))
         try:
             text = tok.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
@@ -56,3 +67,43 @@ class PromptBuilder:
             raise RowError(f"chat template failed: {e}") from None
         # the template writes the special tokens itself (bos included)
         return tok.encode(text, add_special_tokens=False)
+
+    def _given_ids(self, value: list) -> list[int]:
+        """A prompt given as token ids (vLLM's prompt_token_ids, OpenAI's token prompts): used as is."""
+        col, vocab = self.config.prompt_column, self.tokenizer.vocab_size
+        if not value:
+            raise RowError(f"column {col!r}: the token id list is empty")
+        bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RowError(f"column {col!r}: expected a string or a list of token ids in [0, {vocab}), found {bad[0]!r}")
+        return list(value)
+
+
+def row_sampling(record: dict, base: SamplingParams) -> SamplingParams:
+    """`base` (the job's or the lane's parameters) overridden by the row: first its `sampling` column (a
+    struct, a JSON object or a JSON string of one), then columns named like a parameter. Nulls keep base."""
+    values: dict = {}
+    given = record.get(SAMPLING_COLUMN)
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except ValueError as e:
+            raise RowError(f"column {SAMPLING_COLUMN!r}: invalid JSON: {e}") from None
+    if given is not None:
+        if not isinstance(given, dict):
+            raise RowError(f"column {SAMPLING_COLUMN!r}: expected an object of sampling parameters, got {type(given).__name__}")
+        values.update(given)
+    for name in SAMPLING_FIELDS:
+        if record.get(name) is not None:
+            values[name] = record[name]
+    if not values:
+        return base
+    try:
+        return SamplingParams.parse(values, base)
+    except ValueError as e:
+        raise RowError(f"sampling parameter {e}") from None
+
+
+def has_row_sampling(columns) -> bool:
+    """Whether rows of an input with these columns can carry their own sampling parameters."""
+    return SAMPLING_COLUMN in columns or any(name in columns for name in SAMPLING_FIELDS)

@@ -3,6 +3,7 @@ seconds (one JSON object a line) and summarized at the end."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class StatsRecorder:
         self.lanes: dict[str, LaneWaits] = {}
         self.last: StepStats | None = None
         self._window = [0, 0]  # steps, tokens since the last line
+        self._write_failed = False
 
     def step(self, st: StepStats, finished: list[Sequence]) -> None:
         self.steps += 1
@@ -105,5 +107,10 @@ class StatsRecorder:
 
     def write(self, record: dict) -> None:
         if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:  # diagnostics only: a full disk shows up where results are committed
+                if not self._write_failed:
+                    self._write_failed = True
+                    logging.getLogger(__name__).warning("cannot write %s: %s", self.path, e)

@@ -104,6 +104,7 @@ output = "{tmp_path / 'out'}"
 max_tokens = 12
 ignore_eos = true
 max_num_seqs = 4
+read_ahead = 100             # every row is queued at the start: waits compare like for like
 progress = false
 
 [[lanes]]

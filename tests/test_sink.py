@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import shutil
 
 import pyarrow as pa
@@ -9,7 +11,8 @@ import pytest
 
 from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.ranges import RowRanges
-from batchjob.io.sink import RESULT_SCHEMA, ArrowSink, FingerprintMismatch, SinkError, read_results
+from batchjob.io.sink import (RESULT_SCHEMA, ArrowSink, FingerprintMismatch, OutputError, SinkError, clear_results,
+                              fingerprint_changes, read_results)
 
 FP = {"model": "tiny", "temperature": 0.0, "input": "data.jsonl"}
 
@@ -29,7 +32,7 @@ def test_parts_and_manifest_round_trip(tmp_path):
     with ArrowSink(out, fingerprint=FP, keep_columns=["id"], part_rows=10, total_rows=25) as sink:
         for i in order:
             sink.write(result(i, id=f"r{i}"))
-    assert files(out) == ["manifest.json", "part-00000.arrow", "part-00001.arrow", "part-00002.arrow"]
+    assert files(out) == ["manifest.json", "manifest.json.prev", "part-00000.arrow", "part-00001.arrow", "part-00002.arrow"]
 
     manifest = Manifest.load(out)
     assert manifest.fingerprint == FP and manifest.total_rows == 25
@@ -99,7 +102,7 @@ def test_resume_removes_uncommitted_parts_and_temp_files(tmp_path):
     (tmp_path / "notes.txt").write_text("not ours")
 
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=4)
-    assert files(tmp_path) == ["manifest.json", "notes.txt", "part-00000.arrow", "part-00001.arrow"]
+    assert files(tmp_path) == ["manifest.json", "manifest.json.prev", "notes.txt", "part-00000.arrow", "part-00001.arrow"]
     assert sink.done.ranges() == [(0, 8)]
     for i in range(8, 12):
         sink.write(result(i))
@@ -158,11 +161,61 @@ def test_corrupt_manifest_is_detected(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="corrupt \\(checksum mismatch\\)"):
         Manifest.load(tmp_path)
-    with pytest.raises(SinkError, match="checksum mismatch"):
-        ArrowSink(tmp_path, fingerprint=FP)
     path.write_text('{"version": 1, "parts": [')  # torn write
     with pytest.raises(ManifestError, match="not valid JSON"):
         read_results(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["edited", "truncated", "deleted"])
+def test_a_damaged_manifest_is_rebuilt_from_the_previous_generation_and_verified_parts(tmp_path, damage):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=3, total_rows=9) as sink:
+        for i in range(9):
+            sink.write(result(i))
+    path = tmp_path / "manifest.json"
+    assert [p.name for p in Manifest.load(tmp_path, "manifest.json.prev").parts] == ["part-00000.arrow", "part-00001.arrow"]
+    if damage == "edited":
+        path.write_text(path.read_text().replace('"num_rows": 3', '"num_rows": 4', 1))
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        path.unlink()
+    (tmp_path / "part-00003.arrow").write_bytes(b"ARROW1 torn")  # an unlisted, unreadable part goes
+
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=3, total_rows=9)
+    assert sink.damaged_manifest and sink.adopted == ["part-00002.arrow"]  # not in .prev, but whole
+    assert sink.done.ranges() == [(0, 9)]  # no committed row lost
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 9)]  # the rebuilt manifest is committed
+    assert "part-00003.arrow" not in files(tmp_path)
+    assert ("manifest.json.corrupt" in files(tmp_path)) == (damage != "deleted")
+    assert read_results(tmp_path).column("row_index").to_pylist() == list(range(9))
+
+
+def test_a_manifest_damaged_beyond_repair_is_refused_with_a_way_out(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=1) as sink:
+        sink.write(result(0))
+        sink.write(result(1))
+    (tmp_path / "manifest.json").write_text("{")
+    (tmp_path / "manifest.json.prev").write_text("{")
+    with pytest.raises(SinkError, match="--restart"):
+        ArrowSink(tmp_path, fingerprint=FP)
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "manifest.json.prev").unlink()
+    with pytest.raises(SinkError, match="part files but no manifest.json"):
+        ArrowSink(tmp_path, fingerprint=FP)
+    assert clear_results(tmp_path) == 2
+    assert ArrowSink(tmp_path, fingerprint=FP).done.count() == 0
+
+
+def test_a_part_with_a_wrong_checksum_is_set_aside_and_its_rows_rerun(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(4):
+            sink.write(result(i))
+    data = bytearray((tmp_path / "part-00001.arrow").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte
+    (tmp_path / "part-00001.arrow").write_bytes(bytes(data))
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    assert sink.repaired == ["part-00001.arrow"] and sink.done.ranges() == [(0, 2)]
+    assert "part-00001.arrow.corrupt" in files(tmp_path)
 
 
 def test_a_different_job_is_refused(tmp_path):
@@ -179,8 +232,49 @@ def test_extra_is_stored_at_the_next_commit(tmp_path):
     sink.set_extra("jsonl_position", [3, 120])
     assert Manifest.load(tmp_path).extra == {}
     sink.commit()  # no rows buffered: the manifest is still written
-    assert Manifest.load(tmp_path).extra == {"jsonl_position": [3, 120]}
-    assert ArrowSink(tmp_path, fingerprint=FP).extra == {"jsonl_position": [3, 120]}
+    assert Manifest.load(tmp_path).extra["jsonl_position"] == [3, 120]
+    assert ArrowSink(tmp_path, fingerprint=FP).extra["jsonl_position"] == [3, 120]
+
+
+def test_the_resume_position_is_that_of_the_first_row_not_committed(tmp_path):
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    for i in range(6):
+        sink.note_position(i, [i, 10 * i])
+    sink.write(result(1))
+    sink.write(result(0))  # commits rows 0, 1
+    assert Manifest.load(tmp_path).extra["resume_position"] == [2, 20]
+    sink.write(result(3))
+    sink.write(result(4))  # row 2 is still running: the position stays at row 2
+    assert Manifest.load(tmp_path).extra["resume_position"] == [2, 20]
+    sink.write(result(2))
+    sink.write(result(5))
+    assert Manifest.load(tmp_path).extra["resume_position"] == [2, 20]  # row 6 was never noted: keep the last
+    assert sink._positions == {}  # committed rows are forgotten: memory stays bounded
+    sink.set_total_rows(6)
+    sink.close()
+    assert Manifest.load(tmp_path).total_rows == 6
+    part = Manifest.load(tmp_path).parts[0]
+    assert (part.errors, part.prompt_tokens, part.completion_tokens) == (0, 6, 1)
+
+
+def test_a_failed_write_is_an_output_error_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    sink.write(result(0))
+    real_fsync = os.fsync
+    monkeypatch.setattr("batchjob.io.sink.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OutputError, match="No space left on device.*rerun"):
+        sink.write(result(1))
+    monkeypatch.setattr("batchjob.io.sink.os.fsync", real_fsync)
+    assert files(tmp_path) == ["manifest.json"]
+    sink.commit()  # space is back: the same rows commit
+    assert ArrowSink(tmp_path, fingerprint=FP).done.ranges() == [(0, 2)]
+
+
+def test_fingerprint_changes_name_the_path_and_both_values():
+    old = {"params": {"temperature": 0.0, "top_k": 0}, "input": {"files": [["a.jsonl", 10, 5]]}}
+    new = {"params": {"temperature": 0.8, "top_k": 0}, "input": {"files": [["a.jsonl", 12, 6]]}}
+    assert fingerprint_changes(old, new) == ['input.files[0]: ["a.jsonl", 10, 5] -> ["a.jsonl", 12, 6]',
+                                             "params.temperature: 0.0 -> 0.8"]
 
 
 def test_write_rejects_duplicates_and_bad_rows(tmp_path):
@@ -263,3 +357,14 @@ def test_done_rows_come_back_as_row_ranges(tmp_path):
         for i in [0, 1, 2, 10, 11, 5]:
             sink.write(result(i))
     assert Manifest.load(tmp_path).done_rows() == RowRanges([(0, 3), (5, 6), (10, 12)])
+
+
+def test_a_manifest_of_a_newer_format_is_refused_and_left_alone(tmp_path):
+    ArrowSink(tmp_path, fingerprint=FP).close()
+    manifest = Manifest.load(tmp_path)
+    manifest.version = 2
+    manifest.commit(tmp_path)
+    before = (tmp_path / "manifest.json").read_bytes()
+    with pytest.raises(SinkError, match="version 2"):
+        ArrowSink(tmp_path, fingerprint=FP)
+    assert (tmp_path / "manifest.json").read_bytes() == before and "manifest.json.corrupt" not in files(tmp_path)

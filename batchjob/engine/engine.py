@@ -88,6 +88,8 @@ class Engine:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
         err = self.scheduler.never_fits(seq)
         if err is None:
+            p = seq.params
+            seq.stop_token_set = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
             self.scheduler.add(seq)
         return err
 
@@ -136,9 +138,9 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p: SamplingParams = seq.params
-        if not p.ignore_eos and tok in self.eos:
-            return "stop"
-        if tok in p.stop_token_ids:
+        # the detokenizer sees every token, so a row's text includes a (non-special) stop token, as in vLLM
+        stop_string = seq.detokenizer is not None and seq.detokenizer.step(tok)
+        if stop_string or (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
             return "stop"
         if seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -146,10 +148,10 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seed: int = 0) -> list[Sequence]:
         """Convenience for tests and benchmarks: run prompts to completion, return sequences in input order."""
-        from batchjob.engine.sampler import row_key
+        from batchjob.engine.sampler import sequence_key
 
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [Sequence(i, list(p), plist[i], rng_key=row_key(seed, i)) for i, p in enumerate(prompts)]
+        seqs = [Sequence(i, list(p), plist[i], rng_key=sequence_key(plist[i], seed, i)) for i, p in enumerate(prompts)]
         for s in seqs:
             if self.add(s):
                 s.status, s.finish_reason = SeqStatus.FINISHED, "error"

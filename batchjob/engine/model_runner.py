@@ -133,7 +133,8 @@ class ModelRunner:
             return out
         logits = self.model.logits(hidden[torch.tensor([last[i] for i in rows], device=device)]).cpu()
         seqs = [step.seqs[i] for i in rows]
-        tokens = sampler.sample(logits, [s.params for s in seqs], [s.rng_key for s in seqs], [s.num_output for s in seqs])
+        tokens = sampler.sample(logits, seqs)
         for i, t in zip(rows, tokens):
             out[i] = t
         return out
+

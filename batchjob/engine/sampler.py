@@ -1,4 +1,8 @@
-"""Sampler: greedy, temperature, top-k, top-p, with one uniform number per row and step.
+"""Sampler: one pass over a step's rows -> one token per row, plus logprobs for the rows that ask.
+
+The order is vLLM's: raw logprobs (log-softmax of the model's logits) -> min_tokens mask -> penalties ->
+argmax for greedy rows; temperature -> min_p -> top-k -> top-p -> draw for the others. Each stage runs
+once over all the rows that use it; a greedy row without penalties costs its share of one argmax.
 
 A row's random draw at output position t is a pure function of (row key, t): the same text comes out
 whatever the row was batched with, and after a preemption or a resume. Sampling uses the inverse CDF
@@ -6,11 +10,15 @@ whatever the row was batched with, and after a preemption or a resume. Sampling 
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence as Seq
+
 import torch
 
-from batchjob.engine.sequence import SamplingParams
+from batchjob.engine.sequence import SamplingParams, Sequence
 
 _MASK64 = (1 << 64) - 1
+SEEDED_ROW = _MASK64  # the row index a row's own seed is hashed with: no input row has it
 
 
 def splitmix64(x: int) -> int:
@@ -24,42 +32,199 @@ def row_key(seed: int, row_index: int, sample_index: int = 0) -> int:
     return splitmix64(splitmix64(splitmix64(seed & _MASK64) ^ row_index) ^ sample_index)
 
 
+def sequence_key(params: SamplingParams, job_seed: int, row_index: int, sample_index: int = 0) -> int:
+    """The key of completion `sample_index` of a row: from the row's own seed when it has one (the same
+    seed and prompt give the same text in any row, as in vLLM), else from (job seed, row index)."""
+    if params.seed is not None:
+        return row_key(params.seed, SEEDED_ROW, sample_index)
+    return row_key(job_seed, row_index, sample_index)
+
+
 def uniform(key: int, position: int) -> float:
     """A float in [0, 1) with 53 random bits."""
     return (splitmix64(key ^ splitmix64(position)) >> 11) * (1.0 / (1 << 53))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], positions: list[int]) -> list[int]:
-    """logits: [B, V] float32. Returns one token id per row."""
-    out = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+    """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
+    token id per row; rows with `params.logprobs` set get an entry appended to `seq.logprobs`."""
+    params = [s.params for s in seqs]
+    vocab = logits.shape[-1]
+    device = logits.device
+    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw_lp = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
+    logits = logits.float()
+
+    banned = [(i, t) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens
+              for t in s.stop_token_set if t < vocab]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if banned or penalized:
+        logits = logits.clone()
+    if banned:
+        rows, toks = zip(*banned)
+        logits[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = float("-inf")
+    if penalized:
+        apply_penalties(logits, penalized, seqs)
+
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if len(sampled) < len(params):
+        out = logits.argmax(dim=-1)
+    else:  # no greedy row: skip the argmax pass
+        out = torch.empty(len(params), dtype=torch.long, device=device)
     if sampled:
-        idx = torch.tensor(sampled)
-        rows = logits[idx]
-        temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32)
-        rows = rows / temps[:, None]
-        top_k = [params[i].top_k for i in sampled]
-        top_p = [params[i].top_p for i in sampled]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            rows = _mask_top_k_top_p(rows, top_k, top_p)
-        probs = torch.softmax(rows, dim=-1, dtype=torch.float64)
-        u = torch.tensor([uniform(keys[i], positions[i]) for i in sampled], dtype=torch.float64)
-        cdf = probs.cumsum(dim=-1)
-        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
-        choice = choice.clamp_(max=logits.shape[-1] - 1)
+        idx = torch.tensor(sampled, device=device)
+        sp = [params[i] for i in sampled]
+        temps = torch.tensor([p.temperature for p in sp], device=device)[:, None]
+        rows = (logits if len(sampled) == len(params) else logits[idx]) / temps
+        u = torch.tensor([uniform(seqs[i].rng_key, seqs[i].num_output) for i in sampled], dtype=torch.float64, device=device)
+        choice = torch.empty(len(sampled), dtype=torch.long, device=device)
+        for rows_of, ids, weights in candidates(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]):
+            cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+            # right=True: the first token whose CDF passes u, so a zero-weight (masked) token is never drawn
+            pick = torch.searchsorted(cdf, u[rows_of][:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
+            choice[rows_of] = pick.squeeze(1) if ids is None else ids.gather(1, pick).squeeze(1)
         out[idx] = choice
-    return out.tolist()
+    tokens = out.tolist()
+    if want_lp:
+        _record_logprobs(raw_lp, [seqs[i] for i in want_lp], [tokens[i] for i in want_lp])
+    return tokens
 
 
-def _mask_top_k_top_p(rows: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    vocab = rows.shape[-1]
-    sorted_logits, order = rows.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k])
-    ranks = torch.arange(vocab)[None, :]
-    drop = ranks >= k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+NUCLEUS_WINDOW = 1024  # top-p without top-k looks at the 1024 most likely tokens; the whole vocabulary only if needed
+
+
+def candidates(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]):
+    """Temperature-scaled logits [R, V] -> groups (rows, ids, weights): each row's sampleable tokens with
+    unnormalized weights, 0 where masked; `ids` None means the whole vocabulary in token order. vLLM's
+    order and definitions: min_p (p >= min_p * p_max), then top-k (the k most likely), then top-p (the
+    smallest prefix of the rest, most likely first, whose mass reaches top_p). Off: top_k 0 (or >= V),
+    top_p 1, min_p 0.
+
+    Rows are grouped by how many tokens they need in order (k, the nucleus window, or none), so no row
+    pays for a full sort of the vocabulary unless its nucleus is wider than the window. A row's path
+    depends on its own parameters and logits only: its draw is the same in any batch."""
+    device, vocab = rows.device, rows.shape[-1]
+    if any(m > 0 for m in min_p):  # p >= min_p * p_max  <=>  logit >= logit_max + log(min_p)
+        floor = torch.tensor([math.log(m) if m > 0 else float("-inf") for m in min_p], device=device)
+        rows = rows.masked_fill(rows < rows.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf"))
+    groups: dict[tuple[str, int], list[int]] = {}
+    for j, (k, p) in enumerate(zip(top_k, top_p)):
+        if 0 < k < vocab:
+            key = ("top_k", k)
+        elif p < 1.0:
+            key = ("window", min(NUCLEUS_WINDOW, vocab))
+        else:
+            key = ("all", 0)
+        groups.setdefault(key, []).append(j)
+    out = []
+    for (kind, width), js in groups.items():
+        idx = torch.tensor(js, device=device)
+        sub = rows[idx]
+        if kind == "all":  # temperature (and min_p) only
+            out.append((idx, None, torch.softmax(sub, dim=-1)))
+            continue
+        p = torch.tensor([top_p[j] for j in js], dtype=torch.float64, device=device)[:, None]
+        vals, ids = sub.topk(width, dim=-1)
+        if kind == "top_k":  # the k best, renormalized among themselves, then top-p
+            out.append((idx, ids, _top_p(torch.softmax(vals, dim=-1, dtype=torch.float64), p)))
+            continue
+        # top-p alone: the window's probabilities over the whole vocabulary
+        probs = (vals.double() - torch.logsumexp(sub.double(), dim=-1, keepdim=True)).exp()
+        closed = probs.sum(dim=-1) >= p.squeeze(1)  # the nucleus ends inside the window
+        if bool(closed.all()):
+            out.append((idx, ids, _top_p(probs, p)))
+            continue
+        if bool(closed.any()):
+            out.append((idx[closed], ids[closed], _top_p(probs[closed], p[closed])))
+        wide = ~closed
+        vals, ids = sub[wide].sort(dim=-1, descending=True)
+        out.append((idx[wide], ids, _top_p(torch.softmax(vals, dim=-1, dtype=torch.float64), p[wide])))
+    return out
+
+
+def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """probs [R, W], most likely first and summing to 1 over the row's candidates -> zero outside the
+    smallest prefix whose mass reaches p (the first token always stays)."""
     before = probs.cumsum(dim=-1) - probs
-    drop |= before >= torch.tensor(top_p)[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(rows).scatter_(-1, order, sorted_logits)
+    return probs.masked_fill((before >= p) & (p < 1.0), 0.0)
+
+
+def sampleable(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> list[set[int]]:
+    """The tokens each row can draw (for tests, and for reading the sampler)."""
+    kept: list[set[int]] = [set() for _ in range(rows.shape[0])]
+    for rows_of, ids, weights in candidates(rows, top_k, top_p, min_p):
+        for j, r in enumerate(rows_of.tolist()):
+            where = torch.nonzero(weights[j] > 0).flatten()
+            kept[r] = set((where if ids is None else ids[j][where]).tolist())
+    return kept
+
+
+class _PenaltyState:
+    """A row's token counts for the penalties: the prompt's distinct ids (once) and output counts, caught
+    up with the row's tokens at each call, so nothing is recounted."""
+
+    __slots__ = ("prompt_ids", "counts", "counted")
+
+    def __init__(self, seq: Sequence, device: torch.device):
+        self.prompt_ids = torch.tensor(sorted(set(seq.prompt_ids)), dtype=torch.long, device=device)
+        self.counts: dict[int, int] = {}
+        self.counted = 0
+
+    def catch_up(self, seq: Sequence) -> dict[int, int]:
+        counts = self.counts
+        for t in seq.token_ids[seq.num_prompt + self.counted:]:
+            counts[t] = counts.get(t, 0) + 1
+        self.counted = seq.num_output
+        return counts
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) -> None:
+    """In place on logits [B, V], as vLLM: the repetition penalty over every token id seen in the prompt or
+    the output (positive logits divided by it, negative multiplied), then logit -= frequency * count +
+    presence * (count > 0) over the output tokens. Touches only the (row, token) pairs that occur."""
+    vocab, device = logits.shape[-1], logits.device
+    flat = logits.view(-1)
+    seen: list[torch.Tensor] = []  # linear indices row * V + token
+    out_rows: list[int] = []
+    out_tokens: list[int] = []
+    out_counts: list[int] = []
+    rep_of, freq_of, pres_of = [1.0] * logits.shape[0], [0.0] * logits.shape[0], [0.0] * logits.shape[0]
+    for r in rows:
+        seq = seqs[r]
+        p = seq.params
+        state = seq.sampler_state
+        if not isinstance(state, _PenaltyState):
+            state = seq.sampler_state = _PenaltyState(seq, device)
+        counts = state.catch_up(seq)
+        if counts:
+            out_rows.extend([r] * len(counts))
+            out_tokens.extend(counts)
+            out_counts.extend(counts.values())
+        if p.repetition_penalty != 1.0:
+            seen.append(state.prompt_ids + r * vocab)
+        rep_of[r], freq_of[r], pres_of[r] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    rep, freq, pres = (torch.tensor(x, dtype=logits.dtype, device=device) for x in (rep_of, freq_of, pres_of))
+    out_row = torch.tensor(out_rows, dtype=torch.long, device=device)
+    out_lin = out_row * vocab + torch.tensor(out_tokens, dtype=torch.long, device=device)
+    if seen:
+        lin = torch.unique(torch.cat([*seen, out_lin[rep[out_row] != 1.0]]))
+        rp = rep[lin // vocab]
+        v = flat[lin]
+        flat[lin] = torch.where(v > 0, v / rp, v * rp)
+    if out_rows:
+        cnt = torch.tensor(out_counts, dtype=logits.dtype, device=device)
+        flat[out_lin] -= freq[out_row] * cnt + pres[out_row]
+
+
+def _record_logprobs(raw_lp: torch.Tensor, seqs: list[Sequence], chosen: list[int]) -> None:
+    top_n = max(s.params.logprobs for s in seqs)
+    chosen_lp = raw_lp.gather(1, torch.tensor(chosen, device=raw_lp.device)[:, None]).squeeze(1).tolist()
+    if top_n:
+        top_v, top_i = raw_lp.topk(top_n, dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, seq in enumerate(seqs):
+        n = seq.params.logprobs
+        top = tuple(zip(top_i[j][:n], top_v[j][:n])) if n else ()
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append((chosen[j], chosen_lp[j], top))

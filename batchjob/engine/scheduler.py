@@ -96,6 +96,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 
+    def drop_waiting(self) -> list[Sequence]:
+        """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""
+        dropped = []
+        for q in self.waiting.values():
+            started = [s for s in q if s.first_scheduled_at is not None]  # preempted rows keep their place
+            dropped.extend(s for s in q if s.first_scheduled_at is None)
+            q.clear()
+            q.extend(started)
+        return dropped
+
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a row can never be admitted (a per-row error), or None."""
         cfg, n = self.config, seq.num_prompt
@@ -256,7 +266,8 @@ class Scheduler:
             need = pool.blocks_for(seq.num_tokens + 1) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
             step.prefix_query_tokens += seq.num_tokens
         reserve = self._reserve_need(seq) if cfg.admission == "reserve" else 0
-        need_free = max(need, reserve - len(hits)) + self._outstanding_reservations() + cfg.watermark_blocks
+        outstanding = self._outstanding_reservations() if cfg.admission == "reserve" else 0  # else always 0: skip the O(running) sum
+        need_free = max(need, reserve - len(hits)) + outstanding + cfg.watermark_blocks
         if need_free > pool.num_free and not self._evict_lower(seq, step, blocks=need_free):
             return False
         self.waiting[seq.lane].popleft()

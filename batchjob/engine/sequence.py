@@ -1,22 +1,118 @@
 """A row inside the engine: its token ids, how many are cached, its block table, its sampling state."""
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
+MAX_N = 128  # completions per row, as the OpenAI API
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
+    """What a row asks of the sampler and of the stop checks; the meanings are vLLM's (README, "Sampling
+    parameters"). Build from untrusted values with `SamplingParams.parse`, which names the bad field."""
     max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings unmatched, until this many tokens
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (-1 is accepted as off, like vLLM)
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (0: the chosen token's only); None = off
+    n: int = 1  # completions per row; the job runs each as its own Sequence
+    seed: int | None = None  # a row's own seed: replaces the key derived from (job seed, row index)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def parse(cls, values: dict, base: SamplingParams | None = None) -> SamplingParams:
+        """`base` with the non-null `values` replaced, coerced and checked. Raises ValueError("field: why")."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown sampling parameter; known: {', '.join(known)}")
+        changes = {k: _coerce(k, v) for k, v in values.items() if v is not None}
+        params = dataclasses.replace(base or cls(), **changes)
+        params.check()
+        return params
+
+    def check(self) -> None:
+        """Raises ValueError("field: why") for a value vLLM would refuse."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not self.temperature >= 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k: must be >= 0 (0 or -1 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty or math.isinf(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
+
+
+_INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOLS = ("include_stop_str_in_output", "ignore_eos")
+
+
+def _coerce(name: str, value):
+    if name in _BOOLS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if name in _INTS:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected an integer, got {value!r}")
+        if name == "top_k" and value == -1:
+            return 0
+        return value
+    if name in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if name == "stop":
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"stop: expected a string or a list of strings, got {value!r}")
+        return tuple(value)
+    if name == "stop_token_ids":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ValueError(f"stop_token_ids: expected a list of integers, got {value!r}")
+        return tuple(value)
+    return value
 
 
 class SeqStatus(enum.Enum):
@@ -46,6 +142,10 @@ class Sequence:
     reserved_blocks: int = 0  # admission=reserve: blocks set aside for the whole row
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
+    stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids; set by Engine.add
+    detokenizer: object | None = None  # rows with stop strings: an IncrementalDetokenizer (engine/detokenizer.py)
+    logprobs: list | None = None  # params.logprobs set: one (token id, logprob, top [(id, logprob)]) per output token
+    sampler_state: object | None = None  # the sampler's per-row cache (penalty token counts)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

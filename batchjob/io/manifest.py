@@ -1,7 +1,9 @@
 """Manifest: the one file that says which part files of an output folder are committed.
 
 A part counts only once it is listed here; `commit` replaces manifest.json atomically, so a crash
-leaves either the old or the new manifest, never a torn one. A checksum field catches the rest.
+leaves either the old or the new manifest, never a torn one. A checksum field catches the rest, and
+the generation before the last one stays beside it as manifest.json.prev, so damage to the current
+file (a bad disk, an editor, a copy cut short) can be repaired from the previous one plus the parts.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ from pathlib import Path
 from batchjob.io.ranges import RowRanges
 
 MANIFEST = "manifest.json"
+PREVIOUS = "manifest.json.prev"
 VERSION = 1
 
 
 class ManifestError(Exception):
     """manifest.json is unreadable, corrupt, or belongs to another job."""
+
+
+class ManifestVersionError(ManifestError):
+    """manifest.json is intact but in a format this batchjob does not read (a newer one wrote it)."""
 
 
 @dataclass(slots=True)
@@ -31,6 +38,10 @@ class PartEntry:
     bytes: int
     sha256: str
     created: str  # UTC, ISO 8601
+    # what the part holds, so `status` needs no part file (absent in manifests of batchjob <= 0.1)
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
     def row_ranges(self) -> RowRanges:
         return RowRanges.from_json(self.rows)
@@ -54,6 +65,12 @@ class Manifest:
     def num_rows(self) -> int:
         return sum(part.num_rows for part in self.parts)
 
+    def totals(self) -> dict:
+        """Rows, errors and tokens of the committed parts."""
+        return {"rows": self.num_rows(), "errors": sum(p.errors for p in self.parts),
+                "prompt_tokens": sum(p.prompt_tokens for p in self.parts),
+                "completion_tokens": sum(p.completion_tokens for p in self.parts)}
+
     def to_json(self) -> dict:
         body = {
             "version": self.version,
@@ -73,7 +90,7 @@ class Manifest:
             raise ManifestError(f"{where} is corrupt (checksum mismatch); it was edited or damaged — "
                                 "restore it or rerun into a new output folder")
         if body.get("version") != VERSION:
-            raise ManifestError(f"{where} has version {body.get('version')}; this batchjob reads version {VERSION}")
+            raise ManifestVersionError(f"{where} has version {body.get('version')}; this batchjob reads version {VERSION}")
         try:
             return cls(
                 fingerprint=body["fingerprint"],
@@ -86,9 +103,9 @@ class Manifest:
             raise ManifestError(f"{where} lacks a field or has an unknown one: {e}") from e
 
     @classmethod
-    def load(cls, out_dir: str | Path) -> Manifest | None:
-        """The committed manifest of `out_dir`, or None when there is none yet."""
-        path = Path(out_dir) / MANIFEST
+    def load(cls, out_dir: str | Path, name: str = MANIFEST) -> Manifest | None:
+        """The committed manifest of `out_dir` (or its previous generation), or None when there is none."""
+        path = Path(out_dir) / name
         try:
             text = path.read_bytes()
         except FileNotFoundError:
@@ -100,20 +117,53 @@ class Manifest:
         return cls.from_json(data, where=str(path))
 
     def commit(self, out_dir: str | Path) -> None:
-        """Replace out_dir/manifest.json atomically and durably."""
+        """Replace out_dir/manifest.json atomically and durably, keeping the replaced generation as
+        manifest.json.prev (a hard link: no copy)."""
         out_dir = Path(out_dir)
         data = json.dumps(self.to_json(), indent=1, ensure_ascii=False).encode()
-        atomic_write(out_dir / MANIFEST, data)
+        path = out_dir / MANIFEST
+        if path.exists():
+            keep_previous(path, out_dir / PREVIOUS)
+        atomic_write(path, data)
+
+
+def keep_previous(path: Path, prev: Path) -> None:
+    if prev.exists() and os.path.samefile(path, prev):
+        return  # already kept (a commit that failed after this step); rename() would keep the temp link
+    tmp = prev.with_name(f".{prev.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except OSError:  # no hard links on this filesystem: copy
+        atomic_write(prev, path.read_bytes())
+        return
+    os.replace(tmp, prev)
+
+
+def result_folders(root: str | Path) -> list[Path]:
+    """`root` and every folder below it that holds committed results (a manifest), sorted: a job's
+    folder, its per-lane folders (OUTPUT/<lane>/) and shard folders (OUTPUT/shard-K-of-N/...)."""
+    root = Path(root)
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if MANIFEST in files or PREVIOUS in files:
+            found.append(Path(folder))
+    return sorted(found)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write a temp file beside `path`, fsync, rename over `path`, fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing half-written behind
+        raise
     fsync_dir(path.parent)
 
 

@@ -3,6 +3,11 @@
 Commit protocol: a part is written under a temp name, fsynced and renamed, then the manifest that
 lists it replaces the old one. Only listed parts count, so a crash anywhere loses at most the rows
 still buffered, and reopening the folder sweeps away what the crash left behind.
+
+Reopening also verifies every listed part against its size and SHA-256: a damaged part is set aside
+(`.corrupt`) and its rows are generated again. A damaged manifest is rebuilt from the previous
+generation (manifest.json.prev) plus the part files it does not list, each checked to be a whole
+Arrow file whose rows no other part holds; nothing verifiable is dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchjob.io.manifest import Manifest, ManifestError, PartEntry, fsync_dir, utc_now
+from batchjob.io.manifest import (MANIFEST, PREVIOUS, Manifest, ManifestError, ManifestVersionError, PartEntry, fsync_dir,
+                                  utc_now)
 from batchjob.io.ranges import RowRanges
 
 log = logging.getLogger(__name__)
@@ -33,7 +39,8 @@ RESULT_SCHEMA = pa.schema([
 ])
 FINISH_REASONS = ("stop", "length", "error")
 PART_NAME = re.compile(r"part-(\d{5,})\.arrow")
-TEMP_NAME = re.compile(r"\.(part-\d{5,}\.arrow|manifest\.json)\.tmp")
+TEMP_NAME = re.compile(r"\.(part-\d{5,}\.arrow|manifest\.json(\.prev)?)\.tmp")
+RESUME_POSITION = "resume_position"  # manifest extra: where a reader resumes (first row not committed)
 
 
 class SinkError(Exception):
@@ -42,6 +49,11 @@ class SinkError(Exception):
 
 class FingerprintMismatch(SinkError):
     """The output folder holds results of a different job."""
+
+
+class OutputError(SinkError, OSError):
+    """Writing a part or the manifest failed (disk full, quota, I/O error). What was committed before
+    stays committed and nothing half-written is left behind: the folder can be resumed."""
 
 
 class ArrowSink:
@@ -57,9 +69,7 @@ class ArrowSink:
         self.part_seconds = part_seconds
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            manifest = Manifest.load(self.out_dir)
-        except ManifestError as e:
-            raise SinkError(str(e)) from e
+            manifest, self.damaged_manifest = _load_manifest(self.out_dir)
         except OSError as e:
             raise SinkError(f"cannot use output folder {self.out_dir}: {e}") from e
 
@@ -71,7 +81,8 @@ class ArrowSink:
             _check_same_job(self.out_dir, manifest, fingerprint, total_rows)
             manifest.total_rows = manifest.total_rows if total_rows is None else total_rows
         self.manifest = manifest
-        self.repaired = self._recover()  # names of listed parts that were missing or damaged
+        # names of listed parts that were missing or damaged; with a damaged manifest, the parts adopted
+        self.repaired, self.adopted = self._recover(adopt=self.damaged_manifest is not None)
 
         self.done: RowRanges = manifest.done_rows()  # committed rows only
         self._pending = RowRanges()
@@ -79,9 +90,10 @@ class ArrowSink:
         self._first_buffered_at: float | None = None
         self._extra_dirty = False
         self._closed = False
+        self._positions: dict[int, object] = {}  # row read but not committed -> where reading it again starts
         self._types = self._kept_types()
-        if fresh or self.repaired:
-            manifest.commit(self.out_dir)  # marks the folder as this job's before any part exists
+        if fresh or self.repaired or self.damaged_manifest:
+            self._commit_manifest()  # marks the folder as this job's before any part exists
 
     # writing
 
@@ -119,22 +131,50 @@ class ArrowSink:
     def extra(self) -> dict:
         return self.manifest.extra
 
+    def set_total_rows(self, total: int) -> None:
+        """The input's row count once known (a JSONL file read to its end); stored at the next commit."""
+        if self.manifest.total_rows != total:
+            self.manifest.total_rows = total
+            self._extra_dirty = True
+
+    def note_position(self, row_index: int, position) -> None:
+        """Where a reader starts to read `row_index` again (JSON-able, opaque here: a JSONL
+        (row, byte offset)). Each commit stores the position of the first row not committed as
+        extra["resume_position"]. Held only until the row is committed, so memory stays bounded by the
+        rows in flight plus one part."""
+        self._positions[row_index] = position
+
     def commit(self) -> None:
         if not self._buffer and not self._extra_dirty:
             return
-        listed = self.manifest.parts
-        if self._buffer:
-            self.manifest.parts = [*listed, self._write_part()]
+        listed, extra = self.manifest.parts, dict(self.manifest.extra)
+        done = self.done.union(self._pending)
+        position = self._positions.get(done.first_missing())
+        if position is not None:
+            self.manifest.extra[RESUME_POSITION] = position
+        self.manifest.extra["last_commit"] = time.time()
         try:
-            self.manifest.commit(self.out_dir)
+            if self._buffer:
+                self.manifest.parts = [*listed, self._write_part()]
+            self._commit_manifest()
         except BaseException:
-            self.manifest.parts = listed  # the part file stays an orphan until the next resume
+            # a written part stays an orphan, removed on resume
+            self.manifest.parts, self.manifest.extra = listed, extra
             raise
-        self.done = self.done.union(self._pending)
+        for start, end in self._pending.ranges():
+            for row in range(start, end):
+                self._positions.pop(row, None)
+        self.done = done
         self._pending = RowRanges()
         self._buffer = []
         self._first_buffered_at = None
         self._extra_dirty = False
+
+    def _commit_manifest(self) -> None:
+        try:
+            self.manifest.commit(self.out_dir)
+        except OSError as e:
+            raise _output_error(self.out_dir / MANIFEST, e) from e
 
     def close(self) -> None:
         if not self._closed:
@@ -158,15 +198,19 @@ class ArrowSink:
 
         name = f"part-{self._next_part:05d}.arrow"
         tmp = self.out_dir / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out_dir / name)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.out_dir / name)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _output_error(self.out_dir / name, e) from e
         fsync_dir(self.out_dir)
         self._next_part += 1
         return PartEntry(name=name, num_rows=table.num_rows, rows=self._pending.to_json(), bytes=len(data),
-                         sha256=hashlib.sha256(data).hexdigest(), created=utc_now())
+                         sha256=hashlib.sha256(data).hexdigest(), created=utc_now(), **_counts(self._buffer))
 
     def _table(self) -> pa.Table:
         arrays, fields = [], []
@@ -210,40 +254,190 @@ class ArrowSink:
 
     # recovery
 
-    def _recover(self) -> list[str]:
+    def _recover(self, adopt: bool) -> tuple[list[str], list[str]]:
+        """Sweep temp files and unlisted parts (adopt verifiable ones instead when the manifest was
+        rebuilt from its previous generation), and set aside listed parts that fail their checksum."""
         listed = {part.name for part in self.manifest.parts}
-        for path in self.out_dir.iterdir():
-            orphan = PART_NAME.fullmatch(path.name) and path.name not in listed
-            if orphan or TEMP_NAME.fullmatch(path.name):
+        unlisted = []
+        for path in sorted(self.out_dir.iterdir()):
+            if TEMP_NAME.fullmatch(path.name):
                 log.info("removing %s: written but never committed", path)
                 path.unlink()
+            elif PART_NAME.fullmatch(path.name) and path.name not in listed:
+                unlisted.append(path)
         repaired, kept = [], []
         for part in self.manifest.parts:
             path = self.out_dir / part.name
-            size = path.stat().st_size if path.exists() else None
-            if size == part.bytes:
+            problem = _check_part(path, part)
+            if problem is None:
                 kept.append(part)
                 continue
             repaired.append(part.name)
-            log.warning("%s is %s; its %d rows will be generated again", path,
-                        "missing" if size is None else f"{size} bytes, not {part.bytes}", part.num_rows)
-            if size is not None:
+            log.warning("%s is %s; its %d rows will be generated again", path, problem, part.num_rows)
+            if path.exists():
                 path.rename(path.with_name(path.name + ".corrupt"))
         self.manifest.parts = kept
-        numbers = [int(PART_NAME.fullmatch(name).group(1)) for name in (*listed, *repaired)]
+        adopted = []
+        done = self.manifest.done_rows()
+        for path in unlisted:
+            entry = _adopt_part(path, done) if adopt else None
+            if entry is None:
+                log.info("removing %s: written but never committed", path)
+                path.unlink()
+                continue
+            log.warning("%s was not in the previous manifest; verified and kept (%d rows)", path, entry.num_rows)
+            self.manifest.parts.append(entry)
+            done = done.union(entry.row_ranges())
+            adopted.append(path.name)
+        self.manifest.parts.sort(key=lambda p: p.name)
+        numbers = [int(PART_NAME.fullmatch(name).group(1)) for name in (*listed, *repaired, *adopted)]
         self._next_part = max(numbers, default=-1) + 1
-        return repaired
+        return repaired, adopted
+
+
+START_OVER = ("rerun the original job unchanged to continue it, or add --restart to delete this folder's "
+              "results and start over, or write to another --output folder")
 
 
 def _check_same_job(out_dir: Path, manifest: Manifest, fingerprint: dict, total_rows: int | None) -> None:
     if manifest.fingerprint != fingerprint:
-        keys = sorted(k for k in {*manifest.fingerprint, *fingerprint}
-                      if manifest.fingerprint.get(k) != fingerprint.get(k))
-        raise FingerprintMismatch(f"{out_dir} holds results of a different job (differs in: {', '.join(keys)}); "
-                                  "use a new output folder, or delete this one to start over")
+        changes = fingerprint_changes(manifest.fingerprint, fingerprint)
+        raise FingerprintMismatch(f"{out_dir} holds results of a different job (differs in: {'; '.join(changes)}); "
+                                  + START_OVER)
     if manifest.total_rows is not None and total_rows is not None and manifest.total_rows != total_rows:
         raise FingerprintMismatch(f"{out_dir} was written for an input of {manifest.total_rows} rows, "
-                                  f"the input now has {total_rows}; use a new output folder")
+                                  f"the input now has {total_rows}; " + START_OVER)
+
+
+_ABSENT = object()
+
+
+def fingerprint_changes(old: dict, new: dict, limit: int = 8) -> list[str]:
+    """What differs between two fingerprints, as 'path: old -> new' lines (at most `limit`)."""
+    changes: list[str] = []
+
+    def walk(a, b, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted({*a, *b}, key=str):
+                x, y = a.get(key, _ABSENT), b.get(key, _ABSENT)
+                if x != y:
+                    walk(x, y, f"{path}.{key}" if path else str(key))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and not (_flat(a) and _flat(b)):
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    walk(x, y, f"{path}[{i}]")
+        else:
+            changes.append(f"{path}: {_short(a)} -> {_short(b)}")
+
+    walk(old, new, "")
+    more = len(changes) - limit
+    return changes[:limit] + ([f"and {more} more"] if more > 0 else [])
+
+
+def _flat(value: list) -> bool:
+    """A list of plain values (an input file's [name, bytes, mtime], a column list) is shown whole."""
+    return not any(isinstance(v, (dict, list)) for v in value)
+
+
+def _short(value) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _load_manifest(out_dir: Path) -> tuple[Manifest | None, str | None]:
+    """The committed manifest, or None for a fresh folder. When manifest.json is damaged (or gone while
+    a previous generation exists), the previous generation and why; the damaged file is kept aside."""
+    try:
+        manifest = Manifest.load(out_dir)
+        if manifest is not None:
+            return manifest, None
+        problem = f"{out_dir / MANIFEST} is missing"
+    except ManifestVersionError as e:
+        raise SinkError(f"{e}: use that batchjob version for this folder, or another output folder") from e
+    except ManifestError as e:
+        problem = str(e)
+    try:
+        previous = Manifest.load(out_dir, PREVIOUS)
+    except ManifestError as e:
+        raise SinkError(f"{problem}, and its previous generation is damaged too ({e}); the results in {out_dir} "
+                        "cannot be verified: add --restart to delete them and start over, or use another output folder") from e
+    if previous is None:
+        if (out_dir / MANIFEST).exists():
+            raise SinkError(f"{problem}; there is no previous generation to repair it from: add --restart to "
+                            "delete this folder's results and start over, or use another output folder")
+        if any(PART_NAME.fullmatch(p.name) for p in out_dir.iterdir()):
+            raise SinkError(f"{out_dir} holds part files but no manifest.json, so they cannot be verified; add "
+                            "--restart to delete them and start over, or use another output folder")
+        return None, None
+    if (out_dir / MANIFEST).exists():
+        os.replace(out_dir / MANIFEST, out_dir / (MANIFEST + ".corrupt"))
+    log.warning("%s; rebuilding it from %s and the part files it does not list", problem, PREVIOUS)
+    return previous, problem
+
+
+def _check_part(path: Path, part: PartEntry) -> str | None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != part.bytes:
+        return f"{size} bytes, not {part.bytes}"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != part.sha256:
+        return "damaged (SHA-256 mismatch)"
+    return None
+
+
+def _adopt_part(path: Path, done: RowRanges) -> PartEntry | None:
+    """A manifest entry for an unlisted part that is a whole, valid result file whose rows no listed
+    part holds; None when it is not."""
+    data = path.read_bytes()
+    try:
+        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, OSError):
+        return None
+    if table.schema.names[: len(RESULT_SCHEMA)] != RESULT_SCHEMA.names:
+        return None
+    rows = RowRanges()
+    for index in table.column("row_index").to_pylist():
+        if index is None or index in done or index in rows:
+            return None
+        rows.add_row(index)
+    return PartEntry(name=path.name, num_rows=table.num_rows, rows=rows.to_json(), bytes=len(data),
+                     sha256=hashlib.sha256(data).hexdigest(), created=utc_now(), **_counts(table.to_pylist()))
+
+
+def _counts(rows: list[dict]) -> dict:
+    return {"errors": sum(r["finish_reason"] == "error" for r in rows),
+            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows),
+            "completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
+
+
+def _output_error(path: Path, e: OSError) -> OutputError:
+    return OutputError(f"cannot write {path}: {e.strerror or e}; the rows committed before are kept and "
+                       "nothing half-written is left: free space (or fix the folder) and rerun the same "
+                       "command to continue")
+
+
+def clear_results(out_dir: str | Path) -> int:
+    """Delete what batchjob wrote in `out_dir` (parts, manifests, temp and set-aside files); other files
+    stay. Returns how many files went."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return 0
+    ours = re.compile(r"(part-\d{5,}\.arrow|manifest\.json(\.prev)?)(\.corrupt)?")
+    removed = 0
+    for path in out_dir.iterdir():
+        if path.is_file() and (ours.fullmatch(path.name) or TEMP_NAME.fullmatch(path.name)):
+            path.unlink()
+            removed += 1
+    return removed
 
 
 def to_text(values: list) -> list[str | None]:

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from batchjob.io.ranges import RowRanges
 
-FORMATS = {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "parquet": "parquet", "datasets": "datasets"}
+FORMATS = {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "parquet": "parquet", "datasets": "datasets",
+           "openai-batch": "openai-batch"}
 SUPPORTED = "JSON Lines (.jsonl/.json/.ndjson), Parquet (.parquet file or a folder of them), a `datasets` save_to_disk folder"
 
 
@@ -46,6 +47,11 @@ class Source:
         """Rows in input order, leaving out `skip`. `columns` narrows each record (a read hint)."""
         raise NotImplementedError
 
+    def unit_starts(self) -> list[int]:
+        """Row indices where a unit a reader can skip whole (Parquet row group or file, datasets
+        shard) begins; shards cut here so that none reads another's data."""
+        return [0]
+
     def describe(self) -> str:
         count = f"{self.num_rows} rows" if self.num_rows is not None else "row count unknown"
         return f"{self.path} ({self.format_name}, {count}, columns: {', '.join(self.columns)})"
@@ -69,9 +75,27 @@ def open_source(path: str | Path, *, input_format: str | None = None) -> Source:
     if kind is None:
         raise SourceError(f"unknown input_format {input_format!r}; use one of: {', '.join(sorted(FORMATS))}")
     try:
+        if kind == "jsonl" and input_format is None and _first_line_is_openai_batch(path):
+            kind = "openai-batch"
+        if kind == "openai-batch":
+            from batchjob.io.openai_batch import OpenAIBatchSource  # it builds on JsonlSource
+
+            return OpenAIBatchSource(path)
         return {"jsonl": JsonlSource, "parquet": ParquetSource, "datasets": DatasetsSource}[kind](path)
     except PermissionError as e:
         raise SourceError(f"cannot read {path}: permission denied ({e.filename})") from e
+
+
+def _first_line_is_openai_batch(path: Path) -> bool:
+    from batchjob.io.openai_batch import is_openai_batch_line
+
+    with open(path, "rb") as f:  # decided by the first line that parses (a bad first line is a row error)
+        for _, line in zip(range(100), f):
+            try:
+                return is_openai_batch_line(json.loads(line)) if line.strip() else None
+            except ValueError:
+                continue
+    return False
 
 
 def _detect(path: Path) -> str:
@@ -139,6 +163,14 @@ class JsonlSource(Source):
         """(next row_index, byte offset just past the last yielded row): pass it back as
         `start_offset` to resume there. Valid after each row the current `rows()` yielded."""
         return self._position
+
+    def row_ends(self) -> Iterator[int]:
+        """The byte offset just past each row's line, in row order, without parsing a line: row r
+        starts at (r, ends[r - 1]) (shard planning)."""
+        with open(self.path, "rb") as f:
+            for line, _, end in self._lines(f, 0):
+                if line.strip():
+                    yield end
 
     def rows(self, skip: RowRanges | None = None, *, columns: list[str] | None = None,
              start_offset: tuple[int, int] | None = None) -> Iterator[InputRow]:
@@ -257,6 +289,14 @@ class ParquetSource(Source):
             self._row_groups.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         self.num_rows = sum(sum(groups) for groups in self._row_groups)
 
+    def unit_starts(self) -> list[int]:
+        starts, row = [], 0
+        for groups in self._row_groups:
+            for n in groups:
+                starts.append(row)
+                row += n
+        return starts or [0]
+
     def rows(self, skip: RowRanges | None = None, *, columns: list[str] | None = None) -> Iterator[InputRow]:
         first_row = 0
         for file, groups in zip(self.files, self._row_groups):
@@ -297,6 +337,13 @@ class DatasetsSource(Source):
                     self.columns = reader.schema.names
                 self._file_rows.append(sum(batch.num_rows for batch in self._batches(reader)))
         self.num_rows = sum(self._file_rows)
+
+    def unit_starts(self) -> list[int]:
+        starts, row = [], 0
+        for n in self._file_rows:
+            starts.append(row)
+            row += n
+        return starts or [0]
 
     def rows(self, skip: RowRanges | None = None, *, columns: list[str] | None = None) -> Iterator[InputRow]:
         first_row = 0

@@ -129,6 +129,9 @@ def _load_hf_dir(folder: Path, dtype: torch.dtype) -> LoadedModel:
         ],
         # small files are hashed whole; weight shards are named and sized only (hashing GBs is too slow)
         "sha256": {n: _sha256(folder / n) for n in small if (folder / n).is_file()},
+        # ... plus their header (names, dtypes, shapes, offsets) and 3 MiB of the weights, so retrained
+        # weights of the same shapes are a different model too
+        "weights_sample_sha256": {p.name: _sample_sha256(p) for p in shards},
     }
     return LoadedModel(config, weights, tokenizer, identity, name=folder.name)
 
@@ -272,6 +275,20 @@ class _FastGGUFReader(gguf.GGUFReader):
     @data.setter
     def data(self, value):
         self._data = value.view(np.ndarray)
+
+
+def _sample_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a safetensors file's header and of `chunk` bytes at the start, middle and end of its data."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(0)
+        h.update(f.read(min(8 + header, size)))
+        for at in (8 + header, max(8 + header, size // 2), max(8 + header, size - chunk)):
+            f.seek(at)
+            h.update(f.read(chunk))
+    return h.hexdigest()
 
 
 def _sha256(path: Path, limit: int | None = None) -> str:

@@ -1,0 +1,5 @@
+import sys
+
+from batchjob.bench.run import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""`batchjob bench` / `python -m batchjob.bench`: the issue-7 benchmark in one invocation.
+
+Order: build the models (cached under bench/cache/), time the matmul ceiling, run every system on every
+workload (one process per system and model), run the pipeline jobs, then print the table and targets and
+write bench/results-<date>.json and .png."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from batchjob.bench import report
+from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
+
+MODELS = ["tiny", "smollm2"]
+# Peers that need minutes per workload on SmolLM2 run its headline workload (W1) only, unless --full.
+SLOW_ON_SMOLLM2 = {"hf-static16", "hf-static64", "hf-continuous", "vllm", "batchjob-static64"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="batchjob bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tiny model, first 16 rows of each workload, pipeline at 1k/10k rows")
+    ap.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated: {','.join(SYSTEMS)} (optional: {','.join(OPTIONAL_SYSTEMS)})")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: tiny,smollm2")
+    ap.add_argument("--rows", type=int, default=0, help="first N rows of each workload (default: all)")
+    ap.add_argument("--full", action="store_true",
+                    help="every system on every model and workload (default: on smollm2 the HF peers, vLLM and "
+                         "batchjob static 64 run W1 only)")
+    ap.add_argument("--pipeline-rows", default="10000,100000", help="comma-separated row counts for the pipeline jobs")
+    ap.add_argument("--pipeline-format", default="jsonl", choices=["jsonl", "parquet"])
+    ap.add_argument("--no-pipeline", action="store_true")
+    ap.add_argument("--pipeline-only", action="store_true")
+    ap.add_argument("--no-roofline", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
+    ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
+    ap.add_argument("--cache-dir", default="bench/cache", help="built models and pipeline files (default: bench/cache)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per bench process")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.rows = "tiny", args.rows or 16
+        if args.pipeline_rows == "10000,100000":
+            args.pipeline_rows = "1000,10000"
+    return args
+
+
+def plan(args) -> list[tuple[str, str, list[str]]]:
+    """(model, system, workloads) per bench process."""
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS + OPTIONAL_SYSTEMS]
+    if unknown:
+        raise SystemExit(f"bench: unknown systems {unknown}; known: {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    out = []
+    for model in [m for m in args.models.split(",") if m]:
+        if model not in MODELS:
+            raise SystemExit(f"bench: unknown model {model!r}; known: {', '.join(MODELS)}")
+        for system in systems:
+            wls = workloads
+            if model == "smollm2" and not args.full and system.removesuffix("-bf16") in SLOW_ON_SMOLLM2:
+                wls = [w for w in workloads if w == "W1"]
+            if wls:
+                out.append((model, system, wls))
+    return out
+
+
+def machine() -> dict:
+    import torch
+
+    from batchjob.device import cpu_has_bf16_matmul
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "bf16_matmul": cpu_has_bf16_matmul(), "torch": torch.__version__, "python": platform.python_version(),
+            "loadavg_start": os.getloadavg()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    out_dir = Path(args.out_dir)
+    stamp = time.strftime("%Y-%m-%d-%H%M")
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+
+    import torch
+
+    from batchjob.bench import launch, models, roofline
+    from batchjob.bench.workloads import make
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine()
+    log(f"bench: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), "
+        f"load average {info['loadavg_start'][0]:.1f}")
+    work = plan(args) if not args.pipeline_only else []
+    wanted = list(dict.fromkeys(m for m, _, _ in work))
+    specs = {}
+    for name in wanted:
+        t = time.perf_counter()
+        specs[name] = models.prepare(name, Path(args.cache_dir))
+        log(f"model {name}: {specs[name].path} ({specs[name].matmul_params / 1e6:.1f} M matmul params/token, "
+            f"ready in {time.perf_counter() - t:.1f} s)")
+
+    def ceilings(when: str) -> None:
+        for name, spec in specs.items():
+            for dtype in (torch.bfloat16, torch.float32):
+                t = roofline.measure(spec, dtype, batches=(1, 16, 64, 128, 256))
+                key = f"{name}/{t['dtype']}"
+                if key in tables:  # the ceiling is the best the machine showed, start or end
+                    t["flops_start"] = tables[key]["flops"]
+                    t["flops"] = {m: max(v, t["flops_start"][m]) for m, v in t["flops"].items()}
+                    t["ceiling_tok_s"] = {m: f / (2 * spec.matmul_params) for m, f in t["flops"].items()}
+                tables[key] = t
+                log(f"matmul ceiling ({when}) {name} {t['dtype']}: " + ", ".join(
+                    f"{m} rows {t['flops'][m] / 1e9:.0f} GFLOP/s = {t['ceiling_tok_s'][m]:.0f} tok/s" for m in (16, 64, 256)))
+
+    tables: dict = {}
+    if work and not args.no_roofline:
+        ceilings("start")
+
+    raws: list[tuple[dict, object]] = []
+    failed: list[dict] = []
+    for model, system, wls in work:
+        spec = specs[model]
+        log(f"run {system} on {model}: {','.join(wls)} ...")
+        results, err = launch.run_system(system, spec, wls, rows=args.rows, timeout=args.timeout, threads=args.threads)
+        done = set()
+        for raw in results:
+            raws.append((raw, spec))
+            row = report.summarize(raw)
+            done.add(raw["workload"])
+            log(f"  {model} {raw['workload']} {system}: {row['tok_s']:.0f} tok/s ({row['output_tokens']} tokens in "
+                f"{row['gen_s']:.1f} s, process {row['process_s']:.1f} s), peak RSS {row['peak_rss_mb']:.0f} MB"
+                + ("" if row["tokens_ok"] else f"  TOKEN COUNT MISMATCH (expected {row['useful_tokens']})"))
+        for w in wls:
+            if w not in done:
+                status = err if err and err.startswith("skipped") else f"failed: {err or 'no result'}"
+                failed.append(report.failed_row(system, model, w, status))
+                log(f"  {model} {w} {system}: {status}")
+    if work and not args.no_roofline:
+        ceilings("end")
+    rows = [report.summarize(raw, spec, tables) for raw, spec in raws] + failed
+
+    pipe = None
+    if not args.no_pipeline:
+        from batchjob.bench import pipeline
+
+        sizes = tuple(int(n) for n in args.pipeline_rows.split(",") if n)
+        tiny = models.prepare("tiny", Path(args.cache_dir))
+        log(f"pipeline: batchjob run, max_tokens 1, tiny model, {args.pipeline_format}, {', '.join(f'{n:,}' for n in sizes)} rows")
+        pipe = pipeline.measure(Path(args.cache_dir) / "pipeline", str(Path(tiny.path).resolve()), sizes,
+                                fmt=args.pipeline_format, log=log)
+
+    tgts = report.targets(rows, pipe)
+    info["loadavg_end"] = os.getloadavg()
+    result = {
+        "date": stamp, "args": vars(args), "machine": info, "elapsed_s": time.time() - t_start,
+        "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
+        "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
+        "roofline": tables, "results": rows, "pipeline": pipe, "targets": tgts,
+        "notes": {
+            "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
+            "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
+            "outside_fwd": "1 - model forward (incl. logits) time / engine step time, over all steps (share_at_64: steps with 64 rows)",
+            "roofline": "tok/s / (bf16 matmul FLOP/s at the run's mean rows per step / (2 x matmul params per token)); "
+                        "FLOP/s: the better of the timings at the start and at the end of the run",
+            "vllm_reference": report.VLLM_REFERENCE,
+        },
+    }
+    json_path = out_dir / f"results-{stamp}.json"
+    png_path = out_dir / f"results-{stamp}.png"
+    why = report.chart(png_path, rows) if rows else "no system results"
+    result["chart"] = str(png_path) if why is None else f"not drawn: {why}"
+    report.write_json(json_path, result)
+
+    log("")
+    if rows:
+        log(report.table(rows))
+        log("")
+    log("pipeline (input -> engine -> Arrow sink):")
+    log(report.pipeline_text(pipe))
+    log("")
+    log("targets (issue 7):")
+    log(report.targets_text(tgts))
+    log("")
+    log(f"wrote {json_path}" + (f" and {png_path}" if why is None else f" (no chart: {why})")
+        + f" in {result['elapsed_s'] / 60:.1f} min; load average {info['loadavg_end'][0]:.1f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Status and export of a sharded output folder: every shard's progress (with its Slurm task's
+state when squeue is there), and all shards merged back in input order."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+# the single-folder export's streaming merge, fed with the parts of every shard
+from batchjob.io.export import CHUNK_ROWS, FORMATS, _conform, _merged, _schema, _Writer
+from batchjob.io.lock import lock_holder
+from batchjob.io.manifest import Manifest, fsync_dir
+from batchjob.io.ranges import RowRanges
+from batchjob.shard import JOB_FILE, ShardError, ShardSpec, ShardState, is_sharded, shard_states
+from batchjob.slurm import last_submission, task_states
+from batchjob.status import FolderStatus, folder_status
+
+__all__ = ["is_sharded", "is_sharded_folder", "sharded_status", "format_sharded_status", "export_shards", "ShardError"]
+
+
+def is_sharded_folder(out: str | Path) -> bool:
+    """A sharded job's folder: job.json written, or submitted to Slurm and not started yet."""
+    return is_sharded(out) or last_submission(Path(out)) is not None
+
+
+def sharded_status(out: str | Path, *, slurm: bool = True, now: float | None = None) -> dict:
+    """The whole job and every shard, started or not: each started shard's folder as `batchjob status`
+    sees a single folder (rows, errors, state from its lock and manifest, rate, ETA), plus its row
+    range and its Slurm task's state (from squeue, when there is one and the job was submitted)."""
+    out = Path(out)
+    now = time.time() if now is None else now
+    submission = last_submission(out) if slurm else None
+    tasks = task_states(submission["job_id"]) if submission else None
+    if is_sharded(out):
+        job, states = shard_states(out)
+        count, total = job.shards, job.total_rows
+    elif submission is not None:  # submitted, no task has started yet
+        states, count, total = [], submission["shards"], None
+    else:
+        raise ShardError(f"{out} is not a sharded job folder (no {JOB_FILE}, nothing submitted)")
+    shards = []
+    for k in range(count):
+        s = states[k] if states else None
+        if s is not None and s.started:
+            f = asdict(folder_status(out, s.folder, now))
+            f["state"] = "finished" if s.complete and f["state"] != "running" else f["state"]
+        else:  # no manifest yet; a process may hold the lock while it loads the model
+            name = ShardSpec(k, count).folder_name
+            holder = lock_holder(out / name)
+            f = asdict(FolderStatus(name, "running" if holder.held else "not started", pid=holder.pid, host=holder.host))
+        f.pop("lanes")
+        f.update(shard=k, start=s.range.start if s else None, end=s.range.end if s else None,
+                 rows_done=s.done if s else 0, total_rows=s.range.num_rows if s else None,
+                 missing=s.missing.to_json()[:20] if s else [], slurm_state=tasks.get(k) if tasks else None)
+        shards.append(f)
+    running = [f for f in shards if f["state"] == "running"]
+    done = sum(f["rows_done"] for f in shards)
+    rate = sum(f["rows_per_s"] or 0 for f in running) or None
+    if running:
+        state = "running"
+    elif total is not None and done >= total:
+        state = "finished"
+    else:
+        state = "not started" if all(f["state"] == "not started" for f in shards) else "stopped"
+    return {
+        "output": str(out), "state": state, "shards": count, "rows_done": done, "total_rows": total,
+        "errors": sum(f["errors"] for f in shards),
+        "prompt_tokens": sum(f["prompt_tokens"] for f in shards),
+        "completion_tokens": sum(f["completion_tokens"] for f in shards),
+        "rows_per_s": rate, "tokens_per_s": sum(f["tokens_per_s"] or 0 for f in running) or None,
+        "eta_s": (total - done) / rate if rate and total is not None else None,
+        "last_commit": max((f["last_commit"] for f in shards if f["last_commit"]), default=None),
+        "slurm_job": submission["job_id"] if submission else None, "squeue": tasks is not None,
+        "shard_states": shards,
+    }
+
+
+def format_sharded_status(st: dict, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    by_state: dict[str, int] = {}
+    for f in st["shard_states"]:
+        by_state[f["state"]] = by_state.get(f["state"], 0) + 1
+    total = st["total_rows"]
+    rows = "rows not known until a shard starts" if total is None else \
+        f"{st['rows_done']}/{total} rows ({100.0 * st['rows_done'] / total if total else 100.0:.1f}%)"
+    lines = [f"{st['output']}: {st['state']}, {rows}, {st['errors']} errors; {st['shards']} shards: "
+             + ", ".join(f"{n} {state}" for state, n in sorted(by_state.items()))]
+    line = f"  tokens: {st['prompt_tokens']} prompt + {st['completion_tokens']} completion"
+    if st["rows_per_s"]:
+        line += f"; {st['rows_per_s']:.1f} rows/s, {st['tokens_per_s'] or 0:.0f} tokens/s now"
+    if st["eta_s"] is not None:
+        line += f"; ETA {_duration(st['eta_s'])}"
+    lines.append(line)
+    if st["last_commit"]:
+        lines.append(f"  last commit: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st['last_commit']))} "
+                     f"({_duration(now - st['last_commit'])} ago)")
+    if st["slurm_job"]:
+        lines.append(f"  slurm job {st['slurm_job']}" + ("" if st["squeue"] else " (no squeue here: task states unknown)"))
+    lines.append(f"  {'shard':>5}  {'rows':<15} {'done':>13} {'errors':>6}  {'state':<11} {'rows/s':>7} {'ETA':>8}  slurm")
+    for f in st["shard_states"]:
+        span = "?" if f["start"] is None else f"{f['start']}-{f['end'] - 1}" if f["end"] > f["start"] else "(none)"
+        of = "?" if f["total_rows"] is None else f["total_rows"]
+        rate = f"{f['rows_per_s']:.1f}" if f["rows_per_s"] else "-"
+        eta = _duration(f["eta_s"]) if f["eta_s"] is not None else "-"
+        lines.append(f"  {f['shard']:>5}  {span:<15} {f['rows_done']:>6}/{of:<6} {f['errors']:>6}  {f['state']:<11} "
+                     f"{rate:>7} {eta:>8}  {f['slurm_state'] or '-'}")
+        if f["note"] and f["state"] not in ("finished", "running"):
+            lines.append(f"         {f['note']}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}" if m else f"{s}s"
+
+
+def incomplete_message(out: Path, states: list[ShardState]) -> str | None:
+    missing = [s for s in states if not s.complete]
+    if not missing:
+        return None
+    parts = [f"shard {s.index} ({s.folder.name}) lacks {s.missing.count()} of {s.range.num_rows} rows: "
+             f"{s.describe_missing()}" + ("" if s.started else " (never started)") for s in missing]
+    return (f"{out} is not complete: " + "; ".join(parts) +
+            f". Rerun those shards (e.g. `sbatch --array=K {out}/slurm/batchjob.sbatch` or `batchjob run JOB --shard K/N`)")
+
+
+def export_shards(out: str | Path, to: str | Path, *, partial: bool = False) -> tuple[int, RowRanges]:
+    """Write every committed row of every shard, in input order, to `to` (.parquet, .jsonl or .arrow),
+    streaming like a single folder's export (all shards' parts merged by row_index, a few parts in
+    memory). Refuses when a shard is incomplete, naming it and its missing rows, unless `partial`.
+    Returns (rows written, rows missing)."""
+    out, to = Path(out), Path(to)
+    kind = FORMATS.get(to.suffix.lower())
+    if kind is None:
+        raise ShardError(f"--to {to}: unknown format {to.suffix!r}; use a file name ending in .parquet, .jsonl or .arrow")
+    job, states = shard_states(out)
+    problem = incomplete_message(out, states)
+    if problem and not partial:
+        raise ShardError(problem + "; or pass --partial to export the committed rows only")
+    missing = RowRanges()
+    for s in states:
+        missing = missing.union(s.missing)
+    # every shard's parts as parts of OUT, named by their path below it
+    parts = [replace(part, name=f"{s.folder.name}/{part.name}")
+             for s in states if s.started for part in Manifest.load(s.folder).parts]
+    schema = _schema(out, parts)
+    rows = 0
+    tmp = to.with_name(f".{to.name}.tmp-{os.getpid()}")
+    try:
+        with _Writer(kind, tmp, schema) as writer:
+            for table in _merged(out, parts, CHUNK_ROWS):
+                writer.write(_conform(table, schema))
+                rows += table.num_rows
+        if rows + missing.count() != job.total_rows:
+            raise ShardError(f"{out}: the shards hold {rows} rows and lack {missing.count()}, but {JOB_FILE} "
+                             f"says the input has {job.total_rows}")
+        os.replace(tmp, to)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(to.parent)
+    return rows, missing

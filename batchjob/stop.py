@@ -1,0 +1,106 @@
+"""Why a running job stops early: a signal (SIGINT, SIGTERM, SIGUSR1: drain, commit, exit 75) or too
+many failed rows (`max_errors`).
+
+On the first signal the job admits no new rows and lets the running ones finish for up to
+`drain_timeout` seconds, then commits and exits with EXIT_RESUMABLE; rerunning the same command
+continues. A second SIGINT raises KeyboardInterrupt at once (committed parts are all that count, so
+nothing is corrupt); a second SIGTERM/SIGUSR1 ends the drain now and commits what finished.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+EXIT_RESUMABLE = 75  # EX_TEMPFAIL: "try again later" — the job is resumable
+SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+
+class TooManyErrors(Exception):
+    """More rows failed than `max_errors` allows."""
+
+
+class StopSignals:
+    def __init__(self, drain_timeout: float) -> None:
+        self.drain_timeout = drain_timeout
+        self.received: str | None = None  # name of the first signal
+        self.deadline: float | None = None
+        self.hurry = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        """Only from the main thread (Python delivers signals there); elsewhere signals keep their handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def request(self, name: str = "request") -> None:
+        """Stop as on a first signal (what the handler does; also for tests and embedding)."""
+        if self.received is None:
+            self.received = name
+            self.deadline = time.monotonic() + self.drain_timeout
+
+    @property
+    def stopping(self) -> bool:
+        return self.received is not None
+
+    def drain_over(self) -> bool:
+        return self.hurry or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.request(name)
+            _say(f"batchjob: {name}: admitting no new rows; finishing the running ones (up to "
+                 f"{self.drain_timeout:g}s), then committing and exiting with {EXIT_RESUMABLE}. "
+                 f"Rerun the same command to continue; SIGINT again stops at once.\n")
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        else:
+            self.hurry = True
+
+
+class ErrorBudget:
+    """`max_errors`: a row count (10) or a fraction of the rows (0.1). A fraction counts against the
+    input's rows when their number is known, else against the rows done so far once there are 100."""
+
+    def __init__(self, max_errors: int | float | None, total_rows: int | None) -> None:
+        self.max_errors = max_errors
+        self.total_rows = total_rows
+
+    def limit(self, rows_done: int, final: bool = False) -> int | None:
+        m = self.max_errors
+        if m is None:
+            return None
+        if isinstance(m, int):
+            return m
+        if self.total_rows is not None:
+            return math.floor(m * self.total_rows)
+        if rows_done < 100 and not final:
+            return None  # too few rows to judge a fraction yet
+        return math.floor(m * rows_done)
+
+    def check(self, errors: int, rows_done: int, final: bool = False) -> None:
+        limit = self.limit(rows_done, final)
+        if limit is not None and errors > limit:
+            what = f"{self.max_errors:g} of the rows, {limit}" if isinstance(self.max_errors, float) else str(limit)
+            raise TooManyErrors(f"{errors} rows failed, more than max_errors allows ({what}); everything done so "
+                                "far is committed — the `error` column says why each row failed (batchjob export "
+                                "OUT --to FILE --partial). Fix the input, or raise --max-errors and rerun to continue")
+
+
+def _say(text: str) -> None:
+    try:
+        os.write(2, text.encode())  # not print(): a handler may run while the main code is printing
+    except OSError:
+        pass
