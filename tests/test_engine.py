@@ -180,3 +180,71 @@ def test_row_that_cannot_fit_is_refused(tiny_model):
     assert "KV cache" in engine.add(Sequence(0, list(range(40)), SamplingParams()))
     assert "empty" in engine.add(Sequence(1, [], SamplingParams()))
     assert "context" in make_engine(tiny_model).add(Sequence(2, [1] * 1024, SamplingParams()))
+
+
+def _outputs(engine, ps, params):
+    return [s.output_ids for s in run(engine, ps, params)]
+
+
+def test_greedy_identical_across_prefill_chunk_sizes(tiny_model):
+    ps = prompts(10, seed=7, lo=40, hi=150)
+    params = SamplingParams(max_tokens=12)
+    unlimited = _outputs(make_engine(tiny_model, max_num_batched_tokens=4096), ps, params)
+    for chunk in (8, 64):
+        assert _outputs(make_engine(tiny_model, prefill_chunk=chunk, max_num_batched_tokens=256), ps, params) == unlimited
+
+
+def _count_preemptions(engine):
+    seen = {"preempted": 0, "swapped_out": 0, "swapped_in": 0}
+    real_step = engine.step
+
+    def step():
+        out = real_step()
+        st = engine.last_step
+        seen["preempted"] += len(st.preempted)
+        seen["swapped_out"] += len(st.swap_out)
+        seen["swapped_in"] += len(st.swap_in)
+        return out
+
+    engine.step = step
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption_keeps_greedy_and_sampled_output(tiny_model, mode):
+    ps = prompts(12, seed=8, lo=20, hi=90)
+    for params in (SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=0.8)):
+        ref = _outputs(make_engine(tiny_model), ps, params)
+        engine = Engine(tiny_model, [], EngineConfig(num_blocks=40, block_size=8, num_host_blocks=200 if mode == "swap" else 0,
+                                                     scheduler=SchedulerConfig(preemption=mode)))
+        seen = _count_preemptions(engine)
+        assert _outputs(engine, ps, params) == ref
+        assert seen["preempted"] > 0
+        if mode == "swap":
+            assert seen["swapped_out"] > 0 and seen["swapped_in"] > 0
+        else:
+            assert seen["swapped_out"] == 0
+
+
+def test_prefix_caching_on_and_off_give_the_same_greedy_output(tiny_model):
+    shared = prompts(1, seed=9, lo=100, hi=100)[0]
+    ps = [shared + tail for tail in prompts(16, seed=10, lo=1, hi=20)]
+    params = SamplingParams(max_tokens=10)
+
+    def go(caching):
+        engine = Engine(tiny_model, [], EngineConfig(num_blocks=512, block_size=8, enable_prefix_caching=caching,
+                                                     scheduler=SchedulerConfig(max_num_seqs=4)))
+        hits = queries = 0
+        seqs = [Sequence(i, p, params) for i, p in enumerate(ps)]
+        for s in seqs:
+            engine.add(s)
+        while engine.has_work:
+            engine.step()
+            hits += engine.last_stats.prefix_hit_tokens
+            queries += engine.last_stats.prefix_query_tokens
+        return [s.output_ids for s in seqs], hits / queries
+
+    cached, hit_rate = go(True)
+    uncached, no_hits = go(False)
+    assert cached == uncached
+    assert hit_rate > 0.5 and no_hits == 0
