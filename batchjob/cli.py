@@ -89,7 +89,7 @@ def _run_command(fn):
 @_run_command
 def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     """Run JOB (a TOML file whose keys are the option names below, with underscores; optional
-    [sampling], [engine] and [output] tables). Flags override the file. Re-running the same command
+    [sampling] and [engine] tables). Flags override the file. Re-running the same command
     on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed,
     75 stopped by a signal (rerun to continue), 130 stopped at once by a second Ctrl-C."""
     from batchjob.io.sink import SinkError

@@ -3,6 +3,7 @@ built here (seeded) and SmolLM2-135M converted once from its GGUF. Both are cach
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,12 +52,15 @@ def prepare(name: str, cache: Path = CACHE) -> ModelSpec:
     """Build (once) and return the model's HF folder."""
     folder = cache / name
     if not (folder / "model.safetensors").is_file():
-        tmp = cache / f".{name}.tmp"
+        tmp = cache / f".{name}.{os.getpid()}.tmp"  # per process: two benchmarks may build at once
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         {"tiny": _build_tiny, "smollm2": _convert_smollm2}[name](tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
+        if (folder / "model.safetensors").is_file():  # another process finished first: same seeded weights
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
     return spec_from_folder(name, folder)
 
 

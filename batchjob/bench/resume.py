@@ -62,8 +62,10 @@ def _job(folder: Path | str, model: str) -> dict:
 
 
 def measure(folder: Path, model: str) -> dict:
-    """In a fresh process: seconds from its start to the first new row, peak RSS, input lines read (past
-    the first lines every open samples for the column names)."""
+    """In a fresh process: seconds from its start to the first new row, peak RSS (noisy: it includes model
+    loading), the peak of Python objects while the job opens and runs (manifest, row ranges, resume
+    positions: what would grow with committed rows), input lines read (past the first lines every
+    open samples for the column names)."""
     code = f"""
 import time; t0 = time.perf_counter()
 import json, resource, sys
@@ -79,6 +81,7 @@ def counting(self, *a):
         yield item
 JsonlSource._lines = counting
 imported = time.perf_counter() - t0
+import tracemalloc; tracemalloc.start()  # Python objects only (not tensors): what could grow with committed rows
 job = Job(load_job(None, _job({str(folder)!r}, {model!r})))
 opened = time.perf_counter() - t0
 first = []
@@ -91,7 +94,8 @@ Job._emit = timed
 summary = job.run()
 print(json.dumps({{"imports_s": round(imported, 2), "job_open_s": round(opened, 2), "first_row_s": round(first[0], 2),
                   "done_s": round(time.perf_counter() - t0, 2), "rows": summary.rows, "lines_read": scanned[0] - JsonlSource.sample_lines,
-                  "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}}))
+                  "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                  "python_heap_peak_mb": round(tracemalloc.get_traced_memory()[1] / 2**20, 2)}}))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"{n:>7} committed of {n + EXTRA}: first new row {row['resume']['first_row_s']}s after start "
                   f"(imports {row['resume']['imports_s']}s, job open {row['resume']['job_open_s']}s), "
-                  f"peak RSS {row['resume']['peak_rss_mb']} MB, {row['resume']['lines_read']} input lines read; "
+                  f"peak RSS {row['resume']['peak_rss_mb']} MB (Python objects {row['resume']['python_heap_peak_mb']} MB), "
+                  f"{row['resume']['lines_read']} input lines read; "
                   f"without the byte offset: first row {row['resume_without_offset']['first_row_s']}s, "
                   f"{row['resume_without_offset']['lines_read']} lines read (build {row['build_s']}s)", flush=True)
     if args.json:

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     raws: list[tuple[dict, object]] = []
     failed: list[dict] = []
     for model, system, wls in work:
-        spec = specs[model]
+        spec = specs[model] = models.prepare(model, Path(args.cache_dir))  # rebuilt if the cache was removed meanwhile
         log(f"run {system} on {model}: {','.join(wls)} ...")
         results, err = launch.run_system(system, spec, wls, rows=args.rows, timeout=args.timeout, threads=args.threads)
         done = set()

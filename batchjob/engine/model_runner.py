@@ -24,7 +24,9 @@ class ModelRunner:
         self.sliding_window = c.sliding_window
         host_shape = (c.num_layers, 2, num_host_blocks, block_size, c.num_kv_heads, c.head_dim)
         pin = model.device.type == "cuda"
-        self.host_cache = torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
+        # empty, not zeros: every host block is written by a swap-out before it is read, and untouched
+        # pages cost no memory or start-up time
+        self.host_cache = torch.empty(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
         """Copy preempted rows' blocks to the host pool, then swapped-in rows' blocks back. Returns bytes moved."""
