@@ -1,6 +1,13 @@
 """The matmul-only ceiling: how fast this machine runs the model's own weight matmuls, timed with torch at
 the start of the run, and the tokens/s that allows at the batch sizes a run used. Attention, norms,
-sampling and scheduling are left out, so no torch engine on this machine can beat it."""
+sampling and scheduling are left out, so no torch engine on this machine can beat it.
+
+Two timings per batch size:
+- `flops` (the ceiling used): one distinct weight per matmul, as in the model (SmolLM2's 270 MB of bf16
+  weights stream from memory every step), each in the layout the engine uses (`kernels.Linear`: oneDNN's
+  packed layout for bf16 where the CPU supports it).
+- `flops_hot`: the same shapes with one shared weight per shape and `F.linear`, so the weights stay in
+  cache. It is higher at small batches (no memory traffic) and is kept for comparison only."""
 from __future__ import annotations
 
 import bisect
@@ -14,17 +21,27 @@ from batchjob.bench.models import ModelSpec
 BATCHES = (1, 4, 16, 32, 64, 128, 256)
 
 
-def time_matmuls(spec: ModelSpec, rows: int, dtype: torch.dtype, min_s: float = 0.3, reps: int = 3) -> float:
+def _weights(spec: ModelSpec, dtype: torch.dtype, hot: bool) -> list:
+    from batchjob.kernels import Linear
+
+    g = torch.Generator().manual_seed(0)
+    if hot:
+        shared = {shape: torch.randn(shape[1], shape[0], generator=g).to(dtype) for shape in set(spec.matmul_shapes())}
+        return [(shape[0], Linear(shared[shape], pack=False)) for shape in spec.matmul_shapes()]
+    return [(shape[0], Linear(torch.randn(shape[1], shape[0], generator=g).to(dtype))) for shape in spec.matmul_shapes()]
+
+
+def time_matmuls(spec: ModelSpec, rows: int, dtype: torch.dtype, min_s: float = 0.3, reps: int = 3,
+                 hot: bool = False, weights: list | None = None) -> float:
     """Seconds for one pass of `rows` tokens through every weight matmul of the model (lm_head included):
     the best of `reps` timings of at least `min_s` each (a ceiling: other load on the machine only slows it)."""
-    g = torch.Generator().manual_seed(0)
-    weights = {shape: torch.randn(shape[1], shape[0], generator=g).to(dtype) for shape in set(spec.matmul_shapes())}
+    g = torch.Generator().manual_seed(1)
+    weights = weights or _weights(spec, dtype, hot)
     x = {h: torch.randn(rows, h, generator=g).to(dtype) for h in {i for i, _ in spec.matmul_shapes()}}
-    shapes = spec.matmul_shapes()
 
     def once():
-        for shape in shapes:
-            torch.nn.functional.linear(x[shape[0]], weights[shape])
+        for width, linear in weights:
+            linear(x[width])
 
     with torch.inference_mode():
         once()  # warm-up: oneDNN picks and caches its kernels
@@ -43,14 +60,16 @@ def time_matmuls(spec: ModelSpec, rows: int, dtype: torch.dtype, min_s: float = 
 
 def measure(spec: ModelSpec, dtype: torch.dtype, batches=BATCHES) -> dict:
     """{"flops": {rows: FLOP/s}, "ceiling_tok_s": {rows: tokens/s}} for one model and dtype."""
-    flops, ceiling = {}, {}
+    flops, ceiling, hot = {}, {}, {}
     per_token = 2 * spec.matmul_params
+    model_weights, hot_weights = _weights(spec, dtype, hot=False), _weights(spec, dtype, hot=True)
     for m in batches:
-        t = time_matmuls(spec, m, dtype)
+        t = time_matmuls(spec, m, dtype, weights=model_weights)
         flops[m] = per_token * m / t
         ceiling[m] = m / t
+        hot[m] = per_token * m / time_matmuls(spec, m, dtype, weights=hot_weights)
     return {"model": spec.name, "dtype": str(dtype).removeprefix("torch."), "matmul_params": spec.matmul_params,
-            "flops": flops, "ceiling_tok_s": ceiling}
+            "flops": flops, "ceiling_tok_s": ceiling, "flops_hot": hot}
 
 
 def flops_at(table: dict, rows: float) -> float:

@@ -126,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                     t["flops_start"] = tables[key]["flops"]
                     t["flops"] = {m: max(v, t["flops_start"][m]) for m, v in t["flops"].items()}
                     t["ceiling_tok_s"] = {m: f / (2 * spec.matmul_params) for m, f in t["flops"].items()}
+                    t["flops_hot"] = {m: max(v, tables[key]["flops_hot"][m]) for m, v in t["flops_hot"].items()}
                 tables[key] = t
                 log(f"matmul ceiling ({when}) {name} {t['dtype']}: " + ", ".join(
-                    f"{m} rows {t['flops'][m] / 1e9:.0f} GFLOP/s = {t['ceiling_tok_s'][m]:.0f} tok/s" for m in (16, 64, 256)))
+                    f"{m} rows {t['flops'][m] / 1e9:.0f} GFLOP/s = {t['ceiling_tok_s'][m]:.0f} tok/s" for m in (16, 64, 256))
+                    + f" (weights hot in cache, F.linear: 64 rows {t['flops_hot'][64] / 2 / spec.matmul_params:.0f} tok/s)")
 
     tables: dict = {}
     if work and not args.no_roofline:

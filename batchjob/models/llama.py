@@ -1,14 +1,15 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a flattened token batch.
 
 `forward(input_ids, positions, meta)` sees only flat tensors: no request objects, no padding of the
-batch, no per-row loops. Q/K/V and gate/up projections are fused into one matmul each at load time.
+batch, no per-row loops. Q/K/V and gate/up projections are fused into one matmul each at load time, and
+every weight is laid out for the device once (`kernels/linear.py`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import AttentionMetadata, RotaryEmbedding, apply_rotary, paged_attention, rms_norm, store_kv
+from batchjob.kernels import AttentionMetadata, Linear, RotaryEmbedding, apply_rotary, paged_attention, rms_norm, store_kv
 from batchjob.models.config import ModelConfig
 
 
@@ -20,7 +21,7 @@ class LlamaModel:
         c = config
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head = Linear(self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"])
         self.final_norm = w["model.norm.weight"]
         self.layers = []
         for i in range(c.num_layers):
@@ -29,16 +30,16 @@ class LlamaModel:
             layer = {
                 "in_norm": w[p + "input_layernorm.weight"],
                 "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                "o": w[a + "o_proj.weight"],
-                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                "down": w[p + "mlp.down_proj.weight"],
-                "qkv_bias": None,
+                "qkv": Linear(
+                    torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                    torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]) if c.attention_bias else None,
+                ),
+                "o": Linear(w[a + "o_proj.weight"]),
+                "gate_up": Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                "down": Linear(w[p + "mlp.down_proj.weight"]),
                 "q_norm": w.get(a + "q_norm.weight"),
                 "k_norm": w.get(a + "k_norm.weight"),
             }
-            if c.attention_bias:
-                layer["qkv_bias"] = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
             self.layers.append(layer)
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
         self.rotary.cos = self.rotary.cos.to(self.device)
@@ -58,7 +59,7 @@ class LlamaModel:
         cos, sin = self.rotary.table(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
             k = k.view(t, c.num_kv_heads, c.head_dim)
@@ -69,11 +70,11 @@ class LlamaModel:
             q, k = apply_rotary(q, k, cos, sin)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(o.view(t, self.q_size), layer["o"])
+            h = h + layer["o"](o.view(t, self.q_size))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
         return rms_norm(h, self.final_norm, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
