@@ -1,7 +1,8 @@
 """Paged KV cache ops: write new keys/values into cache slots, and attention over block tables.
 
-The flattened batch holds decode tokens first (one per decoding row), then the prompt chunks of
-prefilling rows. Decodes attend as one batched [rows, 1, ctx] problem; prompt chunks as one batched
+The flattened batch holds decode tokens first (one per decoding row, shortest context first), then
+the prompt chunks of prefilling rows. Decodes attend as a few batched [rows, 1, ctx] problems, each
+group of rows padded to its own longest context; prompt chunks as one batched
 [rows, chunk, ctx] problem with a causal mask offset by what each row already has cached. Masks and
 gather indices are built once per step by the model runner and shared by every layer.
 """
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
     num_decode_tokens: int  # the first tokens of the batch are decodes, one per row
-    decode_slots: torch.Tensor | None = None  # [Sd, Ld] cache slot of each context position (pad -> 0)
-    decode_mask: torch.Tensor | None = None  # [Sd, 1, 1, Ld] bool, True = attend
+    # decode rows in groups of similar context length: (first, end, slots [n, L] (pad -> slot 0),
+    # mask [n, 1, 1, L] bool, True = attend), L the group's longest context
+    decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
     prefill_slots: torch.Tensor | None = None  # [Sp, Lp]
     prefill_mask: torch.Tensor | None = None  # [Sp, 1, Qmax, Lp] bool
     prefill_gather: torch.Tensor | None = None  # [Sp, Qmax] token index into the batch (pad -> 0)
@@ -46,13 +48,11 @@ def paged_attention(
     """q: [T, H, D] (new tokens, already rotated; their K/V already stored). Returns [T, H, D]."""
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
-        k = _gather(k_cache, meta.decode_slots)
-        v = _gather(v_cache, meta.decode_slots)
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = o.squeeze(2)
+    for a, b, slots, mask in meta.decode_groups if nd else ():
+        k = _gather(k_cache, slots)
+        v = _gather(v_cache, slots)
+        o = F.scaled_dot_product_attention(q[a:b].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[a:b] = o.squeeze(2)
     if meta.prefill_gather is not None:
         k = _gather(k_cache, meta.prefill_slots)
         v = _gather(v_cache, meta.prefill_slots)

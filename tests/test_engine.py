@@ -248,3 +248,18 @@ def test_prefix_caching_on_and_off_give_the_same_greedy_output(tiny_model):
     uncached, no_hits = go(False)
     assert cached == uncached
     assert hit_rate > 0.5 and no_hits == 0
+
+
+def test_decode_rows_attend_in_groups_of_similar_length(tiny_model):
+    from batchjob.engine.model_runner import ModelRunner
+
+    assert ModelRunner._decode_groups([5] * 15) == [(0, 15)]
+    groups = ModelRunner._decode_groups(list(range(64)))
+    assert groups == [(0, 16), (16, 32), (32, 48), (48, 64)]  # contiguous, covering every row once
+    engine = make_engine(tiny_model)
+    for i, p in enumerate(prompts(40, seed=3)):
+        engine.add(Sequence(i, p, SamplingParams(max_tokens=3), rng_key=row_key(0, i)))
+    engine.step()  # the prompts
+    _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
+    widths = [slots.shape[1] for _, _, slots, _ in meta.decode_groups]
+    assert len(widths) == 2 and widths[0] < widths[1]  # the short half is padded only to its own longest row

@@ -58,10 +58,23 @@ class ModelRunner:
         slots = bt[:, :, None] * self.block_size + torch.arange(self.block_size)
         return slots.view(len(tables), -1)[:, :length].contiguous()
 
+    @staticmethod
+    def _decode_groups(lens: list[int], max_groups: int = 4, min_rows: int = 16) -> list[tuple[int, int]]:
+        """Split decode rows (sorted by context length) into up to `max_groups` runs of equal size, each
+        padded only to its own longest context. Measured on SmolLM2 W1 (62 rows, contexts 40-280): gather +
+        attention per layer 10-15% faster with 3-4 groups than one padded batch; more groups cost more
+        in per-call overhead than they save."""
+        n = len(lens)
+        groups = max(1, min(max_groups, n // min_rows))
+        edges = [round(i * n / groups) for i in range(groups + 1)]
+        return list(zip(edges, edges[1:]))
+
     def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Returns input_ids, positions, metadata and the batch index of each row's last token."""
         bs = self.block_size
-        order = sorted(range(len(step.seqs)), key=lambda i: step.num_new[i] != 1)  # decodes first
+        # decodes first, shortest context first, so that the decode attention can run in groups of similar
+        # lengths (less padding); then prompt chunks
+        order = sorted(range(len(step.seqs)), key=lambda i: (step.num_new[i] != 1, step.seqs[i].num_computed))
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -91,12 +104,14 @@ class ModelRunner:
         window = self.sliding_window
         if dec_lens:
             lens = torch.tensor(dec_lens)
-            keys = torch.arange(int(lens.max()))
-            mask = keys[None, :] < lens[:, None]
-            if window:
-                mask &= keys[None, :] > (lens[:, None] - 1 - window)
-            meta.decode_slots = self._context_slots(dec_tables, int(lens.max()))
-            meta.decode_mask = mask[:, None, None, :]
+            meta.decode_groups = []
+            for a, b in self._decode_groups(dec_lens):
+                width = dec_lens[b - 1]  # sorted: the group's longest context
+                keys = torch.arange(width)
+                mask = keys[None, :] < lens[a:b, None]
+                if window:
+                    mask &= keys[None, :] > (lens[a:b, None] - 1 - window)
+                meta.decode_groups.append((a, b, self._context_slots(dec_tables[a:b], width), mask[:, None, None, :]))
         if pre_rows:
             qmax = max(n for _, n in pre_rows)
             q_off = torch.arange(qmax)
@@ -124,10 +139,12 @@ class ModelRunner:
         input_ids, positions, meta, last = self.prepare(step)
         if device.type != "cpu":
             input_ids, positions = input_ids.to(device), positions.to(device)
-            for name in ("slot_mapping", "decode_slots", "decode_mask", "prefill_slots", "prefill_mask", "prefill_gather", "prefill_valid"):
+            for name in ("slot_mapping", "prefill_slots", "prefill_mask", "prefill_gather", "prefill_valid"):
                 t = getattr(meta, name)
                 if t is not None:
                     setattr(meta, name, t.to(device))
+            if meta.decode_groups:
+                meta.decode_groups = [(a, b, sl.to(device), m.to(device)) for a, b, sl, m in meta.decode_groups]
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
         out: list[int | None] = [None] * len(step.seqs)
