@@ -2,7 +2,8 @@
 
 The flattened batch holds decode tokens first (one per decoding row, shortest context first), then
 the prompt chunks of prefilling rows. Decodes attend as a few batched [rows, 1, ctx] problems, each
-group of rows padded to its own longest context; prompt chunks as one batched
+group of rows padded to its own longest context; fresh prompts as a few batched causal [rows, chunk,
+chunk] problems (no mask: SDPA skips the upper triangle), and chunks that continue a row as one batched
 [rows, chunk, ctx] problem with a causal mask offset by what each row already has cached. Masks and
 gather indices are built once per step by the model runner and shared by every layer.
 """
@@ -21,10 +22,9 @@ class AttentionMetadata:
     # decode rows in groups of similar context length: (first, end, slots [n, L] (pad -> slot 0),
     # mask [n, 1, 1, L] bool, True = attend), L the group's longest context
     decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
-    prefill_slots: torch.Tensor | None = None  # [Sp, Lp]
-    prefill_mask: torch.Tensor | None = None  # [Sp, 1, Qmax, Lp] bool
-    prefill_gather: torch.Tensor | None = None  # [Sp, Qmax] token index into the batch (pad -> 0)
-    prefill_valid: torch.Tensor | None = None  # [Sp, Qmax] bool
+    # prompt chunks in groups: (gather [n, Qmax] token index into the batch (pad -> 0), valid [n, Qmax] bool,
+    # slots [n, L], mask [n, 1, Qmax, L] bool or None = plain causal (rows that start at position 0, L == Qmax))
+    prefill_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -53,10 +53,10 @@ def paged_attention(
         v = _gather(v_cache, slots)
         o = F.scaled_dot_product_attention(q[a:b].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[a:b] = o.squeeze(2)
-    if meta.prefill_gather is not None:
-        k = _gather(k_cache, meta.prefill_slots)
-        v = _gather(v_cache, meta.prefill_slots)
-        qp = q[meta.prefill_gather].transpose(1, 2)  # [Sp, H, Qmax, D]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
-        out[meta.prefill_gather[meta.prefill_valid]] = o.transpose(1, 2)[meta.prefill_valid]
+    for gather, valid, slots, mask in meta.prefill_groups or ():
+        k = _gather(k_cache, slots)
+        v = _gather(v_cache, slots)
+        qp = q[gather].transpose(1, 2)  # [n, H, Qmax, D]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[gather[valid]] = o.transpose(1, 2)[valid]
     return out

@@ -65,16 +65,41 @@ class ModelRunner:
         attention per layer 10-15% faster with 3-4 groups than one padded batch; more groups cost more
         in per-call overhead than they save."""
         n = len(lens)
+        if not n:
+            return []
         groups = max(1, min(max_groups, n // min_rows))
         edges = [round(i * n / groups) for i in range(groups + 1)]
         return list(zip(edges, edges[1:]))
+
+    def _prefill_group(self, rows: list[tuple[int, int]], tables: list[list[int]], starts: list[int] | None = None,
+                       window: int | None = None) -> tuple:
+        """(gather [S, Qmax] batch index of each query (pad -> 0), valid [S, Qmax], context slots [S, L],
+        mask [S, 1, Qmax, L] or None). Without `starts` every row starts at position 0 and the group runs
+        as plain causal attention (L == Qmax: a padded query row sees only padding, and is dropped)."""
+        qmax = max(n for _, n in rows)
+        q_off = torch.arange(qmax)
+        firsts = torch.tensor([f for f, _ in rows])
+        counts = torch.tensor([n for _, n in rows])
+        valid = q_off[None, :] < counts[:, None]
+        gather = torch.where(valid, firsts[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
+        if starts is None:
+            return gather, valid, self._context_slots(tables, qmax), None
+        lens = [st + n for st, (_, n) in zip(starts, rows)]
+        keys = torch.arange(max(lens))
+        qpos = torch.tensor(starts)[:, None] + q_off[None, :]  # [S, Qmax] absolute positions
+        mask = keys[None, None, :] <= qpos[:, :, None]
+        if window:
+            mask &= keys[None, None, :] > (qpos[:, :, None] - window)
+        mask &= valid[:, :, None]
+        mask[:, :, 0] |= ~valid  # padded query rows attend to one key so no row is all-masked
+        return gather, valid, self._context_slots(tables, max(lens)), mask[:, None]
 
     def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Returns input_ids, positions, metadata and the batch index of each row's last token."""
         bs = self.block_size
         # decodes first, shortest context first, so that the decode attention can run in groups of similar
-        # lengths (less padding); then prompt chunks
-        order = sorted(range(len(step.seqs)), key=lambda i: (step.num_new[i] != 1, step.seqs[i].num_computed))
+        # lengths (less padding); then prompt chunks, shortest first
+        order = sorted(range(len(step.seqs)), key=lambda i: (step.num_new[i] != 1, step.seqs[i].num_computed if step.num_new[i] == 1 else step.num_new[i]))
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -113,24 +138,17 @@ class ModelRunner:
                     mask &= keys[None, :] > (lens[a:b, None] - 1 - window)
                 meta.decode_groups.append((a, b, self._context_slots(dec_tables[a:b], width), mask[:, None, None, :]))
         if pre_rows:
-            qmax = max(n for _, n in pre_rows)
-            q_off = torch.arange(qmax)
-            firsts = torch.tensor([f for f, _ in pre_rows])
-            counts = torch.tensor([n for _, n in pre_rows])
-            valid = q_off[None, :] < counts[:, None]
-            gather = torch.where(valid, firsts[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
-            lens = torch.tensor(pre_lens)
-            keys = torch.arange(int(lens.max()))
-            qpos = torch.tensor(pre_start)[:, None] + q_off[None, :]  # [Sp, Qmax] absolute positions
-            mask = keys[None, None, :] <= qpos[:, :, None]
-            if window:
-                mask &= keys[None, None, :] > (qpos[:, :, None] - window)
-            mask &= valid[:, :, None]
-            mask[:, :, 0] |= ~valid  # padded query rows attend to one key so no row is all-masked
-            meta.prefill_slots = self._context_slots(pre_tables, int(lens.max()))
-            meta.prefill_mask = mask[:, None]
-            meta.prefill_gather = gather
-            meta.prefill_valid = valid
+            # fresh prompts (nothing cached before the chunk): plain causal attention, no mask, in groups of
+            # similar length; chunks that continue a row (chunked prefill, prefix-cache hits) need the causal
+            # mask offset by what is cached, and go together in one masked group
+            fresh = [j for j, st in enumerate(pre_start) if st == 0 and not window]
+            cont = [j for j, st in enumerate(pre_start) if st != 0 or window]
+            meta.prefill_groups = []
+            for a, b in self._decode_groups([pre_rows[j][1] for j in fresh], min_rows=4):
+                meta.prefill_groups.append(self._prefill_group([pre_rows[j] for j in fresh[a:b]], [pre_tables[j] for j in fresh[a:b]]))
+            if cont:
+                meta.prefill_groups.append(self._prefill_group([pre_rows[j] for j in cont], [pre_tables[j] for j in cont],
+                                                               [pre_start[j] for j in cont], window))
         return torch.tensor(ids, dtype=torch.long), positions, meta, last
 
     def run(self, step: Step) -> list[int | None]:
@@ -139,10 +157,9 @@ class ModelRunner:
         input_ids, positions, meta, last = self.prepare(step)
         if device.type != "cpu":
             input_ids, positions = input_ids.to(device), positions.to(device)
-            for name in ("slot_mapping", "prefill_slots", "prefill_mask", "prefill_gather", "prefill_valid"):
-                t = getattr(meta, name)
-                if t is not None:
-                    setattr(meta, name, t.to(device))
+            meta.slot_mapping = meta.slot_mapping.to(device)
+            if meta.prefill_groups:
+                meta.prefill_groups = [tuple(t if t is None else t.to(device) for t in g) for g in meta.prefill_groups]
             if meta.decode_groups:
                 meta.decode_groups = [(a, b, sl.to(device), m.to(device)) for a, b, sl, m in meta.decode_groups]
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
