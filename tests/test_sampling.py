@@ -334,3 +334,16 @@ def test_parse_names_the_bad_field():
     p = SamplingParams.parse({"stop": "###", "top_k": -1, "max_tokens": 5.0, "temperature": None}, base)
     assert p.stop == ("###",) and p.top_k == 0 and p.max_tokens == 5 and p.temperature == 0.0
     assert row_sampling({"prompt": "x"}, base) is base
+
+
+def test_argmax_rows_matches_torch_argmax_including_ties_and_nan():
+    from batchjob.engine.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 1024, generator=g)
+    x[1, 3] = x[1, 700] = 50.0  # a tie across chunks: the first index wins
+    x[2, 130] = x[2, 131] = 50.0  # a tie within a chunk
+    x[3, 900] = float("nan")  # NaN counts as the maximum, as in torch
+    x[4] = -float("inf")
+    for t in (x, x.bfloat16(), x[:, :1000]):  # 1000: not a multiple of the chunk width (plain argmax)
+        assert torch.equal(argmax_rows(t), t.argmax(dim=-1))

@@ -45,6 +45,19 @@ def uniform(key: int, position: int) -> float:
     return (splitmix64(key ^ splitmix64(position)) >> 11) * (1.0 / (1 << 53))
 
 
+def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:
+    """`x.argmax(-1)` for [rows, vocab] logits, same result (first index of the maximum; NaN counts as the
+    maximum), in two passes: the maximum of each `width`-wide chunk (`amax`, vectorized and threaded on
+    CPU), then argmax over the chunk maxima and within the winning chunk. torch's CPU argmax over a long
+    last dim took 1.7-6 ms for 46-128 rows x 32-49k vocab here, this 0.2-0.9 ms."""
+    rows, vocab = x.shape
+    if vocab % width or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    chunks = x.view(rows, vocab // width, width)
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    return best * width + chunks[torch.arange(rows), best].argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
     token id per row; rows with `params.logprobs` set get an entry appended to `seq.logprobs`."""
@@ -68,7 +81,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
 
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if len(sampled) < len(params):
-        out = logits.argmax(dim=-1)
+        out = argmax_rows(logits)
     else:  # no greedy row: skip the argmax pass
         out = torch.empty(len(params), dtype=torch.long, device=device)
     if sampled:
