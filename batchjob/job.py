@@ -31,7 +31,7 @@ from batchjob.io.sink import RESUME_POSITION, ArrowSink, clear_results
 from batchjob.io.openai_batch import RESULTS_FILE, OpenAIBatchSource, write_openai_batch
 from batchjob.io.sources import InputRow, JsonlSource, Source, open_source, validate_columns
 from batchjob.models.llama import LlamaModel
-from batchjob.models.loader import load_model
+from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.requests import PromptBuilder, RowError, row_sampling
 from batchjob.results import OutputColumns, PendingRow, TokenText, output_columns
 from batchjob.shard import ShardSource, ShardSpec, check_unsharded, claim_shard
@@ -148,6 +148,7 @@ class Job:
                 validate_columns(source, [cfg.prompt_column])
             validate_columns(source, cfg.keep_columns)
             self.use_messages[id(source)] = uses
+        resolve_model_path(cfg.model)  # a mistyped model fails here, before an output folder is created
         # one writer per output folder (a shard's own folder) from before anything in it is touched
         self.lock = OutputLock(out)
         if resources is not None:

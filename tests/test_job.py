@@ -160,8 +160,10 @@ def test_job_level_errors_exit_1_with_a_clear_message(tmp_path, model_dir):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hi"}])
     r = runner.invoke(main, ["run", "--model", str(model_dir), "--input", str(src), "--output", str(tmp_path / "o")])
     assert r.exit_code == 1 and "'prompt'" in r.output and "text" in r.output  # names the column and the available ones
-    r = runner.invoke(main, ["run", "--model", str(tmp_path / "nope"), "--input", str(src), "--prompt-column", "text"])
+    r = runner.invoke(main, ["run", "--model", str(tmp_path / "nope"), "--input", str(src), "--prompt-column", "text",
+                             "--output", str(tmp_path / "o-nope")])
     assert r.exit_code == 1 and "nope" in r.output
+    assert not (tmp_path / "o-nope").exists()  # a mistyped model leaves no output folder behind
     bad = tmp_path / "bad.toml"
     bad.write_text('input = "x.jsonl"\nmax_tokenz = 3\n')
     r = runner.invoke(main, ["run", str(bad)])
