@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchjob.io.manifest import utc_now
+from batchjob.stop import EXIT_RESUMABLE  # what batchjob exits with after draining on a signal
 
-EXIT_RESUMABLE = 75  # what batchjob exits with after draining on a signal (EX_TEMPFAIL)
 SCRIPT = "batchjob.sbatch"
 SUBMISSIONS = "submissions.jsonl"
 

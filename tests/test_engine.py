@@ -253,8 +253,8 @@ def test_prefix_caching_on_and_off_give_the_same_greedy_output(tiny_model):
 def test_decode_rows_attend_in_groups_of_similar_length(tiny_model):
     from batchjob.engine.model_runner import ModelRunner
 
-    assert ModelRunner._decode_groups([5] * 15) == [(0, 15)]
-    groups = ModelRunner._decode_groups(list(range(64)))
+    assert ModelRunner._length_groups([5] * 15) == [(0, 15)]
+    groups = ModelRunner._length_groups(list(range(64)))
     assert groups == [(0, 16), (16, 32), (32, 48), (48, 64)]  # contiguous, covering every row once
     engine = make_engine(tiny_model)
     for i, p in enumerate(prompts(40, seed=3)):
