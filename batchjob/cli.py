@@ -39,6 +39,9 @@ RUN_OPTIONS = [
     ("--n", "n", int, "completions per row, each with its own random stream (default: 1)"),
     ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "compute dtype (default: bfloat16 on CUDA and on CPUs with bf16 matmul, else float32)"),
     ("--device", "device", click.Choice(["cpu", "cuda"]), "device (default: cuda when available)"),
+    ("--kernels", "kernels", click.Choice(["auto", "torch", "native", "triton"]),
+     "model kernels: torch references, native (C++ for this CPU, compiled at first use), triton (GPU; not built yet), "
+     "or auto: native where it builds, else torch (default: auto)"),
     ("--scheduling", "scheduling", click.Choice(["continuous", "static"]), "continuous batching (default) or classic static batching, for comparison"),
     ("--batch-size", "batch_size", int, "static batching's batch size (default: 16)"),
     ("--max-num-seqs", "max_num_seqs", int, "most rows in one step (default: 128)"),
@@ -94,6 +97,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     75 stopped by a signal (rerun to continue), 130 stopped at once by a second Ctrl-C."""
     from batchjob.io.sink import SinkError
     from batchjob.io.sources import SourceError
+    from batchjob.kernels import KernelError
     from batchjob.models.config import UnsupportedModelError
     from batchjob.models.loader import ModelLoadError
     from batchjob.stop import EXIT_RESUMABLE, TooManyErrors
@@ -103,7 +107,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
         from batchjob.job import run_job
 
         summary = run_job(cfg, restart=restart)
-    except (ConfigError, SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors) as e:
+    except (ConfigError, SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError) as e:
         click.echo(f"batchjob: error: {e}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -46,6 +46,7 @@ class JobConfig:
     # engine
     dtype: str | None = None  # float32 | bfloat16 | float16; default: measured choice for the device
     device: str | None = None  # cpu | cuda; default cuda when available
+    kernels: str = "auto"  # auto | torch | native | triton (kernels/dispatch.py)
     scheduling: str = "continuous"  # continuous | static
     batch_size: int = 16  # static batching's batch size
     max_num_seqs: int = 128
@@ -83,6 +84,7 @@ class JobConfig:
             _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.device is not None:
             _choice("device", self.device, ("cpu", "cuda"))
+        _choice("kernels", self.kernels, ("auto", "torch", "native", "triton"))
         for name in ("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "batch_size", "part_rows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")

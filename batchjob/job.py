@@ -51,11 +51,13 @@ class JobSummary:
     output: str = ""
     stats: dict = field(default_factory=dict)
     stopped: str | None = None  # the signal that stopped the run before the end (exit 75: resumable)
+    kernels: str = ""  # which kernel set ran (torch | native | triton)
 
     def line(self) -> str:
         tps = self.generated_tokens / self.wall_s if self.wall_s else 0.0
         return (f"batchjob: {self.rows} rows ({self.errors} errors), {self.prompt_tokens} prompt tokens, "
-                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s) -> {self.output}")
+                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s, {self.kernels} kernels) "
+                f"-> {self.output}")
 
 
 @dataclass(slots=True, eq=False)
@@ -81,7 +83,7 @@ def lanes_of(cfg: JobConfig) -> list[Lane]:
 
 
 def build_engine(cfg: JobConfig, loaded, device: str, dtype: torch.dtype) -> Engine:
-    model = LlamaModel(loaded.config, loaded.weights, dtype, device)
+    model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size)
     static = cfg.scheduling == "static"
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
@@ -182,8 +184,8 @@ class Job:
         self.pending: dict[int, tuple[PendingRow, int]] = {}  # seq_id -> (its row's completions, completion index)
         self.token_text = TokenText(self.loaded.tokenizer)
         self._next_seq = 0
-        self.stats = StatsRecorder(out / "stats.jsonl")
-        self.summary = JobSummary(output=str(out))
+        self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
+        self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name)
 
     def _restart(self, out: Path, folders: list[Path]) -> None:
         """--restart: delete the committed results (parts, manifests, stats) and start over."""
@@ -394,7 +396,7 @@ class Job:
             sink = stream.sink
             if state == "running":
                 totals = sink.manifest.totals()
-                run = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                run = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "kernels": self.summary.kernels,
                        "rows_at_start": totals["rows"], "completion_tokens_at_start": totals["completion_tokens"]}
             else:
                 run = {**sink.extra.get("run", {}), "ended": time.time()}

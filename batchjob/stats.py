@@ -41,8 +41,9 @@ class LaneWaits:
 
 
 class StatsRecorder:
-    def __init__(self, path: Path | None, interval: float = 5.0):
+    def __init__(self, path: Path | None, interval: float = 5.0, kernels: str = ""):
         self.path = path
+        self.kernels = kernels
         self.interval = interval
         self.t0 = time.monotonic()
         self.last_write = self.t0
@@ -99,7 +100,7 @@ class StatsRecorder:
     def summary(self) -> dict:
         out = self.snapshot()
         out.update({
-            "summary": True, "tokens": self.tokens, "decode_tokens": self.decode_tokens,
+            "summary": True, "kernels": self.kernels, "tokens": self.tokens, "decode_tokens": self.decode_tokens,
             "prefill_tokens": self.prefill_tokens, "prefix_hit_tokens": self.prefix_hits,
             "outside_forward_share": round(1 - self.forward_s / self.step_s, 4) if self.step_s else None,
         })

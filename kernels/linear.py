@@ -1,12 +1,18 @@
 """Weight matmuls (`y = x @ W.T + b`) with the weight laid out once, at load time, for the device.
 
-On a CPU with oneDNN bf16 support a bf16 weight is reordered into oneDNN's blocked layout (the packing
-torch's inductor does when it freezes weights). The matmul then streams the weight in the order its
-AMX/AVX-512 kernels read it instead of repacking it on every call: measured on the 2-core development
-machine, SmolLM2-135M's 121 weight matmuls per step took 12 ms instead of 26 ms at 8 rows, 28 instead of
-48 ms at 64 rows, and a 2048-token prefill 514 instead of 701 ms, with bit-identical results. fp32 and
-fp16 weights, and weights on CUDA, keep torch's layout (`F.linear`, the reference): packed fp32 saved
-little there and changes the accumulation order.
+On a CPU with oneDNN, a bf16 (where the CPU has bf16 support) or fp32 weight is reordered into oneDNN's
+blocked layout (the packing torch's inductor does when it freezes weights). The matmul then streams the
+weight in the order its AVX-512/AMX kernels read it instead of repacking it on every call: measured on
+the 2-core development machine, SmolLM2-135M's 121 bf16 weight matmuls per step took 12 ms instead of
+26 ms at 8 rows, 28 instead of 48 ms at 64 rows; fp32 [576x1536] at 64 rows 0.55 vs 0.79 ms (MKL), the
+fp32 LM head 18 vs 32 ms.
+
+Batch invariance: a row's result must not depend on how many rows share the call (a resumed job batches
+rows differently). Measured with torch 2.13 (tests/test_linear.py): oneDNN's packed bf16 and fp32
+kernels give each row bitwise the same result for 2 to 2048 rows and 1 or 2 threads, but a single row
+takes another code path (different sums, e.g. [11008x4096] bf16, every fp32 shape with K >= 1536), so a
+lone row is computed as two. MKL's fp32 `F.linear` varies with the row count at every shape tried, so it
+is only the reference and the path on CUDA and for fp16.
 """
 from __future__ import annotations
 
@@ -15,13 +21,11 @@ import torch.nn.functional as F
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 class Linear:
@@ -39,5 +43,7 @@ class Linear:
         if self.packed:
             if x.dim() != 2:
                 return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+            if x.shape[0] == 1:  # one row runs as two: the same kernel, and the same sums, as in a batch
+                return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.weight, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -136,7 +136,7 @@ def test_one_forward_mixes_prompt_and_decode_tokens(tiny_model):
     real_forward = tiny_model.forward
 
     def spy(input_ids, positions, meta, kv):
-        calls.append((meta.num_decode_tokens, input_ids.shape[0]))
+        calls.append((meta.num_decodes, input_ids.shape[0]))
         return real_forward(input_ids, positions, meta, kv)
 
     tiny_model.forward = spy
@@ -250,16 +250,18 @@ def test_prefix_caching_on_and_off_give_the_same_greedy_output(tiny_model):
     assert hit_rate > 0.5 and no_hits == 0
 
 
-def test_decode_rows_attend_in_groups_of_similar_length(tiny_model):
-    from batchjob.engine.model_runner import ModelRunner
+def test_torch_reference_attends_decodes_in_groups_of_similar_length(tiny_model):
+    from batchjob.kernels.attention import _TorchPlan, length_groups
 
-    assert ModelRunner._length_groups([5] * 15) == [(0, 15)]
-    groups = ModelRunner._length_groups(list(range(64)))
-    assert groups == [(0, 16), (16, 32), (32, 48), (48, 64)]  # contiguous, covering every row once
+    assert length_groups(15) == [(0, 15)]
+    assert length_groups(64) == [(0, 16), (16, 32), (32, 48), (48, 64)]  # contiguous, covering every row once
     engine = make_engine(tiny_model)
     for i, p in enumerate(prompts(40, seed=3)):
         engine.add(Sequence(i, p, SamplingParams(max_tokens=3), rng_key=row_key(0, i)))
     engine.step()  # the prompts
     _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
-    widths = [slots.shape[1] for _, _, slots, _ in meta.decode_groups]
+    nd = meta.num_decodes  # decodes come first, one query token each
+    assert nd >= 32 and meta.query_start_loc[:nd + 1].tolist() == list(range(nd + 1))
+    plan = _TorchPlan(meta, engine.runner.block_size, None, torch.device("cpu"))
+    widths = [slots.shape[1] for _, slots, _ in plan.decode_groups]
     assert len(widths) == 2 and widths[0] < widths[1]  # the short half is padded only to its own longest row

@@ -1,24 +1,32 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a flattened token batch.
 
-`forward(input_ids, positions, meta)` sees only flat tensors: no request objects, no padding of the
-batch, no per-row loops. Q/K/V and gate/up projections are fused into one matmul each at load time, and
-every weight is laid out for the device once (`kernels/linear.py`).
+`forward(input_ids, positions, meta, kv_caches)` sees only flat tensors: no request objects, no padding
+of the batch, no per-row loops. Q/K/V and gate/up projections are fused into one matmul each at load
+time, every weight is laid out for the device once (`kernels/linear.py`), and the KV store and paged
+attention run on the kernel set chosen at load (`kernels/dispatch.py`: torch, native or triton).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import AttentionMetadata, Linear, RotaryEmbedding, apply_rotary, paged_attention, rms_norm, store_kv
+from batchjob.kernels import AttentionMetadata, Linear, RotaryEmbedding, apply_rotary, rms_norm, select_kernels
 from batchjob.models.config import ModelConfig
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu"):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
+                 kernels: str = "auto", block_size: int = 16):
+        """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
+        tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
+        that cannot run here."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         c = config
+        self.kernel_choice = kernels
+        self.block_size = block_size
+        self.kernels = select_kernels(kernels, self.device, dtype, c.head_dim, c.num_heads // c.num_kv_heads, block_size)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = Linear(self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"])
@@ -47,6 +55,14 @@ class LlamaModel:
         self.scale = c.head_dim ** -0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        self.window = c.sliding_window
+
+    def fit_kernels(self, block_size: int) -> None:
+        """Choose the kernels again for KV blocks of `block_size` tokens, when they differ from the ones chosen."""
+        if block_size != self.block_size:
+            c = self.config
+            self.kernels = select_kernels(self.kernel_choice, self.device, self.dtype, c.head_dim, c.num_heads // c.num_kv_heads, block_size)
+            self.block_size = block_size
 
     @torch.inference_mode()
     def forward(
@@ -54,6 +70,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
         c = self.config
+        ops = self.kernels
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.table(positions)
@@ -68,8 +85,8 @@ class LlamaModel:
                 q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
             q, k = apply_rotary(q, k, cos, sin)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window)
             h = h + layer["o"](o.view(t, self.q_size))
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)

@@ -1,0 +1,61 @@
+"""The one place that chooses the kernels a model runs with: `--kernels auto|torch|native|triton`.
+
+- torch: the references (kernels/attention.py and friends), on any device.
+- native: the compiled CPU kernels (kernels/csrc/, built at first use by kernels/build.py).
+- triton: the GPU kernels (not built yet: the GPU path is the next step; asking for them says so).
+- auto: native on CPUs where it builds, else torch with one log line saying why; torch on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import paged_attention_torch, store_kv
+from .build import BuildError, default_log
+
+CHOICES = ("auto", "torch", "native", "triton")
+
+
+class KernelError(RuntimeError):
+    """The kernels asked for cannot run here; the message names the flag and what to do."""
+
+
+class TorchKernels:
+    """The references: caches [blocks, block_size, kv_heads, head_dim], SDPA over the gathered context."""
+    name = "torch"
+
+    @staticmethod
+    def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return shape, shape
+
+    @staticmethod
+    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def attention(q, k_cache, v_cache, meta, scale, window=None):
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+
+
+def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int,
+                   block_size: int = 16, log=default_log):
+    """The kernel set for a model and KV block size; raises KernelError when an explicit choice cannot run here."""
+    device = torch.device(device)
+    if choice not in CHOICES:
+        raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "triton":
+        raise KernelError("kernels: 'triton' is not implemented yet (the Triton GPU kernels are the next step); "
+                          "use --kernels auto or torch")
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        return TorchKernels()
+    if device.type != "cpu":
+        raise KernelError(f"kernels: 'native' runs on the CPU, not on {device.type}; use --kernels auto or torch")
+    from .native import NativeKernels
+
+    try:
+        return NativeKernels(head_dim, gqa, dtype, block_size, log=log)
+    except BuildError as e:
+        if choice == "native":
+            raise KernelError(f"kernels: 'native' cannot run here: {e}; use --kernels auto or torch") from None
+        log(f"native kernels unavailable ({e}); using the torch reference kernels")
+        return TorchKernels()

@@ -1,0 +1,91 @@
+"""The compiled CPU kernels (kernels/csrc/), loaded through ctypes: a plain C ABI, so a build takes
+seconds (no torch headers to parse) and a call costs ~10 us.
+
+`NativeKernels(head_dim, gqa)` compiles the sources specialised to the model's head_dim and GQA group
+at first use (kernels/build.py) and raises BuildError when that cannot work here; the caller then falls
+back to the torch references.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .attention import AttentionMetadata
+from .build import BuildError, build, cpu_identity
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    _, flags = cpu_identity()
+    return (torch.float32, torch.bfloat16) if "avx512_bf16" in flags else (torch.float32,)
+
+
+class NativeKernels:
+    name = "native"
+
+    def __init__(self, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int, log=None):
+        if dtype not in supported_dtypes():
+            raise BuildError(f"no native kernel for {str(dtype).removeprefix('torch.')} on this CPU "
+                             f"(fp32, and bf16 with AVX512-BF16)")
+        if head_dim % 16 or head_dim > 256:
+            raise BuildError(f"no native kernel for head_dim {head_dim} (multiples of 16 up to 256)")
+        if block_size % 16:
+            raise BuildError(f"no native kernel for block_size {block_size} (multiples of 16)")
+        path = build("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}, log=log)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise BuildError(f"cannot load {path}: {e}") from None
+        fn = lib.bj_paged_attention
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I]
+        self._attention = fn
+        fn = lib.bj_store_kv
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I]
+        self._store_kv = fn
+        self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
+        self.dtype_code = _DTYPE_CODES[dtype]
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+        """K and V cache shapes in the kernel's layout (kernels/csrc/paged_attention.cpp, "Layouts"):
+        a 16-key tile of one KV head is a run of 64-byte loads, with no transposing at attention time."""
+        if self.dtype == torch.bfloat16:
+            return (num_blocks, num_kv_heads, head_dim // 2, block_size, 2), (num_blocks, num_kv_heads, block_size // 2, head_dim, 2)
+        return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D] (rows may be strided) into their slots of the caches."""
+        k, v = _rows_contiguous(k), _rows_contiguous(v)
+        rc = self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                            slot_mapping.data_ptr(), k.shape[0], k.shape[1], k_cache.shape[3], self.dtype_code,
+                            torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native KV store refused its arguments (code {rc})")
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, window: int | None = None) -> torch.Tensor:
+        """Same contract as attention.paged_attention_torch."""
+        t, h, d = q.shape
+        q = _rows_contiguous(q)
+        out = torch.empty((t, h, d), dtype=q.dtype)
+        bt = meta.block_tables
+        rc = self._attention(
+            q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            bt.data_ptr(), bt.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
+            meta.seq_lens.shape[0], h, k_cache.shape[1], k_cache.shape[3], window or 0, scale, self.dtype_code,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"native paged attention refused its arguments (code {rc})")
+        return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] whose rows may be strided (a split of a fused projection) but each row is dense."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2] else x.contiguous()
+
