@@ -8,8 +8,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .attention import paged_attention_torch, store_kv
+from .norm import rms_norm
+from .rotary import apply_rotary
 from .build import BuildError, default_log
 
 CHOICES = ("auto", "torch", "native", "triton")
@@ -35,6 +38,29 @@ class TorchKernels:
     @staticmethod
     def attention(q, k_cache, v_cache, meta, scale, window=None):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        """residual += x (in place), then RMSNorm of it."""
+        residual.add_(x)
+        return rms_norm(residual, weight, eps)
+
+    @staticmethod
+    def prepare_rotary(rope, positions):
+        return rope.table(positions)  # cos and sin rows of this step, shared by every layer
+
+    @staticmethod
+    def rotary(q, k, prepared):
+        return apply_rotary(q, k, *prepared)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int,

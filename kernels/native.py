@@ -34,11 +34,8 @@ class NativeKernels:
             raise BuildError(f"no native kernel for head_dim {head_dim} (multiples of 16 up to 256)")
         if block_size % 16:
             raise BuildError(f"no native kernel for block_size {block_size} (multiples of 16)")
-        path = build("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}, log=log)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise BuildError(f"cannot load {path}: {e}") from None
+        lib = _load("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}, log)
+        fused = _load("fused.cpp", {}, log)
         fn = lib.bj_paged_attention
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I]
@@ -47,6 +44,9 @@ class NativeKernels:
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I]
         self._store_kv = fn
+        self._add_rms_norm = _fn(fused.bj_add_rms_norm, [_P, _I64, _P, _P, _P, _I, _I, _F, _I, _I])
+        self._rotary = _fn(fused.bj_rotary, [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I])
+        self._silu_mul = _fn(fused.bj_silu_mul, [_P, _P, _I, _I, _I, _I])
         self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
         self.dtype_code = _DTYPE_CODES[dtype]
 
@@ -66,6 +66,48 @@ class NativeKernels:
                             torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native KV store refused its arguments (code {rc})")
+
+    # elementwise ops (kernels/csrc/fused.cpp); the references are TorchKernels' methods of the same name
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _check(self._add_rms_norm(None, 0, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                  x.shape[-1], eps, self.dtype_code, torch.get_num_threads()), "RMSNorm")
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place), then RMSNorm of it; x [T, n] (rows may be strided), residual [T, n] dense."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty_like(residual)
+        _check(self._add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                  residual.shape[0], residual.shape[-1], eps, self.dtype_code, torch.get_num_threads()),
+               "add + RMSNorm")
+        return out
+
+    @staticmethod
+    def prepare_rotary(rope, positions: torch.Tensor):
+        return rope.cos, rope.sin, positions.contiguous()
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, prepared) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] rotated in place (they may be views of the fused QKV output)."""
+        cos, sin, positions = prepared
+        threads = torch.get_num_threads()
+        for x in (q, k):
+            if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+                raise RuntimeError("native rotary needs [T, H, D] with dense heads")
+            _check(self._rotary(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], cos.data_ptr(),
+                                sin.data_ptr(), positions.data_ptr(), self.dtype_code, threads), "rotary")
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        n = gate_up.shape[-1] // 2
+        out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype)
+        _check(self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, self.dtype_code,
+                              torch.get_num_threads()), "SiLU * up")
+        return out
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, window: int | None = None) -> torch.Tensor:
@@ -89,3 +131,22 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """[T, H, D] whose rows may be strided (a split of a fused projection) but each row is dense."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2] else x.contiguous()
 
+
+
+def _load(source: str, defines: dict[str, int], log) -> ctypes.CDLL:
+    path = build(source, defines, log=log)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BuildError(f"cannot load {path}: {e}") from None
+
+
+def _fn(fn, argtypes):
+    fn.restype = _I
+    fn.argtypes = argtypes
+    return fn
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native {what} refused its arguments (code {rc})")

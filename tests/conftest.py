@@ -74,6 +74,8 @@ def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif arch == "mistral":
         cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    elif arch == "mistral_window":  # a sliding window shorter than the test prompts
+        cfg, cls = tf.MistralConfig(**common, sliding_window=24), tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM  # q/k/v biases
     elif arch == "qwen3":
@@ -96,7 +98,8 @@ def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     """Factory: `tiny_model_dir(arch, tie_word_embeddings=False, max_positions=256)` -> a saved HF folder (fp32, seeded).
 
-    arch in llama/mistral/qwen2/qwen3: hidden 64, 2 layers, 4 heads / 2 KV heads (qwen3: head_dim 32),
+    arch in llama/mistral/qwen2/qwen3: hidden 64, 2 layers, 4 heads / 2 KV heads (qwen3: head_dim 32);
+    mistral_window: Mistral with a 24-token sliding window;
     vocab = the tiny tokenizer's 400; eos = [<|im_end|>, <|endoftext|>] in generation_config.json.
     """
     from tokenizers import Tokenizer

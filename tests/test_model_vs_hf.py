@@ -1,4 +1,5 @@
-"""Our model against HF transformers: logits within 1e-4 (fp32) and identical greedy continuations."""
+"""Our model against HF transformers: logits within 1e-4 (fp32) and identical greedy continuations, with the
+torch reference kernels and with the native ones (where the CPU has AVX-512)."""
 from __future__ import annotations
 
 import random
@@ -9,19 +10,26 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.scheduler import SchedulerConfig, Step
 from batchjob.engine.sequence import SamplingParams, Sequence
+from batchjob.kernels.build import cpu_identity
 from batchjob.models.llama import LlamaModel
 from batchjob.models.loader import load_model
 from tests.conftest import TINY_ARCHS
 
+ARCHS = (*TINY_ARCHS, "mistral_window")
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_identity()[1]
+# (kernels, KV block size): the native kernels need blocks of a multiple of 16 tokens
+KERNELS = [pytest.param(("torch", 8), id="torch"),
+           pytest.param(("native", 16), id="native", marks=pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512"))]
 
-def our_model(path) -> LlamaModel:
+
+def our_model(path, kernels="auto") -> LlamaModel:
     loaded = load_model(str(path), dtype=torch.float32)
-    return LlamaModel(loaded.config, loaded.weights, torch.float32)
+    return LlamaModel(loaded.config, loaded.weights, torch.float32, kernels=kernels)
 
 
-def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor]:
+def all_logits(model: LlamaModel, prompts: list[list[int]], block_size: int = 8) -> list[torch.Tensor]:
     """Logits of every prompt position, all prompts in ONE flattened forward."""
-    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=8))
+    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size))
     seqs = [Sequence(i, p, SamplingParams()) for i, p in enumerate(prompts)]
     step = Step()
     for s in seqs:
@@ -52,26 +60,32 @@ def prompts(vocab: int, lengths, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_logits_match_transformers_single_and_mixed_batch(arch, tiny_model_dir):
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers_single_and_mixed_batch(arch, kernels, tiny_model_dir):
+    name, block_size = kernels
     path = tiny_model_dir(arch)
-    ours, ref = our_model(path), hf_model(path)
+    ours, ref = our_model(path, name), hf_model(path)
     ps = prompts(ours.config.vocab_size, [1, 7, 33, 64, 120])
     with torch.no_grad():
         expected = [ref(torch.tensor([p])).logits[0].float() for p in ps]
     for p, e in zip(ps, expected):  # one prompt at a time
-        (got,) = all_logits(ours, [p])
+        (got,) = all_logits(ours, [p], block_size)
         torch.testing.assert_close(got, e, atol=1e-4, rtol=0)
-    for got, e in zip(all_logits(ours, ps), expected):  # all prompts in one mixed batch
+    for got, e in zip(all_logits(ours, ps, block_size), expected):  # all prompts in one mixed batch
         torch.testing.assert_close(got, e, atol=1e-4, rtol=0)
+    assert ours.kernels.name == name
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_greedy_continuations_match_transformers(arch, tiny_model_dir):
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuations_match_transformers(arch, kernels, tiny_model_dir):
+    name, block_size = kernels
     path = tiny_model_dir(arch, tie_word_embeddings=arch == "qwen2")
-    ours, ref = our_model(path), hf_model(path)
+    ours, ref = our_model(path, name), hf_model(path)
     ps = prompts(ours.config.vocab_size, [3, 10, 25, 50, 90, 5], seed=1)
-    engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=block_size,
+                                           scheduler=SchedulerConfig(max_num_batched_tokens=64)))
     got = engine.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))
     for p, s in zip(ps, got):
         with torch.no_grad():
@@ -94,12 +108,14 @@ SMOL_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_greedy_matches_transformers(smollm2_loaded, smollm2_hf_model):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smollm2_hf_model):
     loaded = smollm2_loaded
-    ours = LlamaModel(loaded.config, loaded.weights, torch.float32)
+    ours = LlamaModel(loaded.config, loaded.weights, torch.float32, kernels=kernels[0])
     tok = loaded.tokenizer
     ps = [tok.encode(p) for p in SMOL_PROMPTS]
     engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=16))
+    assert ours.kernels.name == kernels[0]
     got = engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
     for p, s in zip(ps, got):
         with torch.no_grad():

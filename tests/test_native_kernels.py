@@ -256,3 +256,52 @@ def test_the_cache_key_covers_the_cpu_and_the_compiler(monkeypatch, tmp_path):
     model, flags = cpu_identity()
     monkeypatch.setattr("batchjob.kernels.build.cpu_identity", lambda: (model, flags | {"avx512_fp16"}))
     assert build("paged_attention.cpp", {"HEAD_DIM": 16, "GQA": 1}) != first
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows,n", [(1, 576), (7, 100), (64, 64), (33, 1000)])
+def test_fused_norms_match_the_reference(dtype, rows, n):
+    kernels, ref = native(64, 1, dtype, 16), TorchKernels
+    g = torch.Generator().manual_seed(n)
+    x, h = (torch.randn(rows, n, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # bf16: one ulp
+    torch.testing.assert_close(kernels.rms_norm(h, w, 1e-5), ref.rms_norm(h, w, 1e-5), **tol)
+    h1, h2 = h.clone(), h.clone()
+    out1, out2 = kernels.add_rms_norm(x, h1, w, 1e-6), ref.add_rms_norm(x, h2, w, 1e-6)
+    assert torch.equal(h1, h2)  # the residual add is the same rounding
+    torch.testing.assert_close(out1, out2, **tol)
+    strided = torch.cat([x, x], dim=1)[:, :n]  # rows of a wider tensor
+    h3 = h.clone()
+    assert torch.equal(kernels.add_rms_norm(strided, h3, w, 1e-6), out1) and torch.equal(h3, h1)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+def test_fused_rotary_is_bitwise_the_reference(dtype, head_dim):
+    from batchjob.kernels import RotaryEmbedding
+
+    kernels = native(head_dim, 1, dtype, 16)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype)
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(9, 5 * head_dim, generator=g).to(dtype)  # 3 query heads, 1 KV head, then V
+    positions = torch.tensor([0, 1, 5, 17, 100, 255, 256, 400, 511])
+    q, k = qkv[:, :3 * head_dim].view(9, 3, head_dim), qkv[:, 3 * head_dim:4 * head_dim].view(9, 1, head_dim)
+    want = TorchKernels.rotary(q.clone(), k.clone(), TorchKernels.prepare_rotary(rope, positions))
+    got = kernels.rotary(q, k, kernels.prepare_rotary(rope, positions))  # in place, on views of the QKV output
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(qkv[:, :3 * head_dim].view(9, 3, head_dim), want[0])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows,n", [(1, 1536), (5, 100), (64, 128)])
+def test_fused_silu_mul_matches_the_reference(dtype, rows, n):
+    kernels = native(64, 1, dtype, 16)
+    gate_up = (4 * torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n))).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends
+    want = TorchKernels.silu_mul(gate_up)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), want, **tol)

@@ -10,6 +10,7 @@ import torch
 from batchjob.engine import sampler
 from batchjob.engine.scheduler import Step
 from batchjob.kernels import AttentionMetadata
+from batchjob.kernels.profiling import scope
 from batchjob.models.llama import LlamaModel
 
 
@@ -92,7 +93,8 @@ class ModelRunner:
     def run(self, step: Step) -> list[int | None]:
         """One forward over the step; returns the sampled token per row (None for mid-prompt chunks)."""
         device = self.model.device
-        input_ids, positions, meta, last = self.prepare(step)
+        with scope("prepare"):
+            input_ids, positions, meta, last = self.prepare(step)
         if device.type != "cpu":
             input_ids, positions = input_ids.to(device), positions.to(device)
             for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
@@ -104,7 +106,8 @@ class ModelRunner:
             return out
         logits = self.model.logits(hidden[torch.tensor([last[i] for i in rows], device=device)]).cpu()
         seqs = [step.seqs[i] for i in rows]
-        tokens = sampler.sample(logits, seqs)
+        with scope("sampler"):
+            tokens = sampler.sample(logits, seqs)
         for i, t in zip(rows, tokens):
             out[i] = t
         return out

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.kernels import AttentionMetadata, Linear, RotaryEmbedding, apply_rotary, rms_norm, select_kernels
+from batchjob.kernels.profiling import scope
 from batchjob.models.config import ModelConfig
 
 
@@ -71,27 +72,43 @@ class LlamaModel:
         """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
         c = self.config
         ops = self.kernels
+        eps = c.rms_norm_eps
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.table(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            qkv = layer["qkv"](x)
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place by add_rms_norm
+        rope = ops.prepare_rotary(self.rotary, positions)
+        with scope("norm"):
+            x = ops.rms_norm(h, self.layers[0]["in_norm"], eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            with scope("linear"):
+                qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
             k = k.view(t, c.num_kv_heads, c.head_dim)
-            v = v.reshape(t, c.num_kv_heads, c.head_dim)
-            if layer["q_norm"] is not None:
-                q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
-                k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-            q, k = apply_rotary(q, k, cos, sin)
-            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window)
-            h = h + layer["o"](o.view(t, self.q_size))
-            x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = h + layer["down"](F.silu(gate) * up)
-        return rms_norm(h, self.final_norm, c.rms_norm_eps)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            with scope("rotary"):
+                if layer["q_norm"] is not None:
+                    q = rms_norm(q, layer["q_norm"], eps)
+                    k = rms_norm(k, layer["k_norm"], eps)
+                q, k = ops.rotary(q, k, rope)
+            with scope("kv_store"):
+                ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            with scope("attention"):
+                o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window)
+            with scope("linear"):
+                o = layer["o"](o.view(t, self.q_size))
+            with scope("norm"):
+                x = ops.add_rms_norm(o, h, layer["post_norm"], eps)
+            with scope("linear"):
+                gate_up = layer["gate_up"](x)
+            with scope("silu_mul"):
+                x = ops.silu_mul(gate_up)
+            with scope("linear"):
+                x = layer["down"](x)
+            with scope("norm"):
+                last = i + 1 == len(self.layers)
+                x = ops.add_rms_norm(x, h, self.final_norm if last else self.layers[i + 1]["in_norm"], eps)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        with scope("logits"):
+            return self.lm_head(hidden).float()

@@ -128,7 +128,7 @@ inline void softmax_rows(__m512* s, Row* const* rows, int t0, float scale_log2, 
 // ---- fp32 caches ----------------------------------------------------------------------------------
 struct F32 {
   using T = float;
-  static constexpr int64_t k_block = (int64_t)D;  // K elements per (block, head) and key: D x block_size
+  static constexpr int k_rows = D;  // 64-byte lines of a K tile
   // k: this tile's keys, dim d at k + d * bs; v: key j at v + j * D; n keys loaded (the rest is masked)
   template <int N>
   static void attend(const float* k, int bs, const float* v, int n, int t0, Row* const* rows, float scale_log2) {
@@ -177,6 +177,7 @@ struct F32 {
 // adds two keys' products to 16 dims; every sum is fp32.
 struct BF16 {
   using T = uint16_t;
+  static constexpr int k_rows = D / 2;  // 64-byte lines of a K tile
   // k (dwords): pair i of this tile's keys at k + i * bs; v (dwords): key pair jj at v + jj * D
   template <int N>
   static void attend(const uint32_t* k, int bs, const uint32_t* v, int n, int t0, Row* const* rows, float scale_log2) {
@@ -235,8 +236,8 @@ inline void attend_rows(const void* k, int bs, const void* v, int n, int t0, Row
   }
 }
 
-inline void prefetch(const void* p, int bytes) {
-  for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
+inline void prefetch_l2(const void* p, int bytes) {
+  for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
 }
 
 // One work item: query tokens [tb, te) of row `row` (positions p0 + (t - qs)), KV head h.
@@ -272,12 +273,16 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
   auto k_block = [&](int t0) { return kc + ((int64_t)table[t0 / bs] * A.num_kv_heads + h) * head_elems; };
   auto v_block = [&](int t0) { return vc + ((int64_t)table[t0 / bs] * A.num_kv_heads + h) * head_elems; };
   constexpr int k_unit = std::is_same<T, float>::value ? 1 : 2;  // bf16 K is addressed in dwords of 2
-  const int head_bytes = (int)(head_elems * sizeof(T));
   Row* active[MAX_ROWS];
   for (int t0 = klo / TILE * TILE; t0 < khi; t0 += TILE) {
-    if (t0 + TILE < khi && (t0 + TILE) % bs == 0) {  // the next block may be anywhere in the pool
-      prefetch(k_block(t0 + TILE), head_bytes);
-      prefetch(v_block(t0 + TILE), head_bytes);
+    // The next tile into L2 while this one is computed: its block may be anywhere in the pool. Measured on
+    // 30 DRAM-resident layers, 64 rows, contexts 100-380 (2 cores): 0.59 ms per layer vs 0.85 without
+    // prefetch, 0.76 prefetching the next whole block into L1, 1.05 the next tile into L1.
+    if (t0 + TILE < khi) {
+      const int tn = t0 + TILE, o = tn % bs;
+      const T* k_next = k_block(tn) + o * k_unit;
+      for (int i = 0; i < K::k_rows; ++i) _mm_prefetch((const char*)(k_next + (int64_t)i * bs * k_unit), _MM_HINT_T1);
+      prefetch_l2(v_block(tn) + (int64_t)o * D, TILE * D * (int)sizeof(T));
     }
     int count = 0;
     for (int r = 0; r < nrows; ++r)

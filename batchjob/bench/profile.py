@@ -1,0 +1,85 @@
+"""Where a decode step's time goes: N rows of a workload decoding together, profiled with torch.profiler
+over the model's named op groups (kernels/profiling.py: attention, linear, norm, rotary, ...).
+
+    python -m batchjob.bench.profile --model PATH [--kernels native] [--rows 64] [--steps 20]
+
+Prints one `BENCH_PROFILE {json}` line: the mean step time, the mean context, and each group's share of
+the step (what no group covers, Python and the engine's bookkeeping, is "other")."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+MARK = "BENCH_PROFILE "
+GROUPS = ("attention", "linear", "norm", "rotary", "kv_store", "silu_mul", "residual", "logits", "sampler", "prepare")
+
+
+def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps: int = 20, warm_steps: int = 64,
+                   workload: str = "W1", dtype: str | None = None) -> dict:
+    import torch
+
+    from batchjob.bench.workloads import make
+    from batchjob.device import choose_dtype
+    from batchjob.engine.engine import Engine, EngineConfig
+    from batchjob.engine.sampler import row_key
+    from batchjob.engine.scheduler import SchedulerConfig
+    from batchjob.engine.sequence import SamplingParams, Sequence
+    from batchjob.models.llama import LlamaModel
+    from batchjob.models.loader import load_model
+
+    torch_dtype = choose_dtype(dtype, "cpu")
+    loaded = load_model(model_path, dtype=torch_dtype)
+    model = LlamaModel(loaded.config, loaded.weights, torch_dtype, kernels=kernels)
+    engine = Engine(model, [], EngineConfig(scheduler=SchedulerConfig(max_num_seqs=rows)))
+    wl = make(workload).head(rows)
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)  # nobody finishes while we look
+    for i, r in enumerate(wl.rows):
+        engine.add(Sequence(i, list(r.prompt), params, rng_key=row_key(0, i)))
+    for _ in range(10_000):  # prefill everything, then decode a while so that contexts are mid-run
+        engine.step()
+        if engine.last_stats.num_prefill_tokens == 0 and engine.last_stats.num_seqs == len(wl.rows):
+            break
+    for _ in range(warm_steps):
+        engine.step()
+    wall = 0.0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            wall += time.perf_counter() - t
+    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in GROUPS}
+    # profiling itself slows the step down; the shares are of the profiled step
+    shares = {g: totals.get(g, 0.0) / wall for g in GROUPS}
+    shares["other"] = max(0.0, 1 - sum(shares.values()))
+    # the same steps without the profiler: the step time to quote
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - t) / steps * 1e3
+    contexts = [s.num_tokens for s in engine.scheduler.running]
+    return {"kernels": model.kernels.name, "dtype": str(torch_dtype).removeprefix("torch."), "rows": len(contexts),
+            "threads": torch.get_num_threads(), "mean_context": sum(contexts) / max(1, len(contexts)),
+            "step_ms": step_ms, "profiled_step_ms": wall / steps * 1e3, "shares": shares}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m batchjob.bench.profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    out = profile_decode(args.model, args.kernels, args.rows, args.steps, dtype=args.dtype)
+    print(MARK + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+// Fused elementwise ops of a Llama layer on the CPU (AVX-512): residual add + RMSNorm, rotary embedding
+// in place on q and k, SiLU(gate) * up. Each replaces a chain of small torch ops (one pass over the data
+// instead of 5-8, no temporaries).
+//
+// Must equal: kernels/norm.py (rms_norm; HF's order: fp32 statistics, cast, then the weight), kernels/
+// rotary.py (apply_rotary: bitwise, the same products and sums rounded to the dtype after each op, as
+// torch does), F.silu(gate) * up (to a few ulps: another exp). Tested by tests/test_native_kernels.py.
+// Every row is computed alone, in a fixed order: results do not depend on the batch or thread count.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+namespace {
+
+// Rounds fp32 lanes to bf16 (nearest even) and widens back: the value torch stores for a bf16 result.
+inline __m512 round_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
+#endif
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+template <typename T>
+struct IO;
+
+template <>
+struct IO<float> {
+  static __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+  static __m512 round(__m512 x) { return x; }
+};
+
+template <>
+struct IO<uint16_t> {  // bf16
+  static __m512 load(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+  static void store(uint16_t* p, __m512 x, __mmask16 m) {
+    // x holds bf16 values already (rounded): keep the high halves
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+  }
+  static __m512 round(__m512 x) { return round_bf16(x); }
+};
+
+inline __mmask16 tail(int n, int i) { return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u); }
+
+inline float hsum(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// residual (if given) += x, then out = weight * (residual / rms(residual)), per row of n values.
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int rows, int n, int64_t x_stride, float eps,
+                  int threads) {
+  using io = IO<T>;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
+  for (int r = 0; r < rows; ++r) {
+    T* h = residual + (int64_t)r * n;
+    const T* xr = x ? x + r * x_stride : nullptr;
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n, i);
+      __m512 v = io::load(h + i, m);
+      if (xr) {
+        v = io::round(_mm512_add_ps(v, io::load(xr + i, m)));
+        io::store(h + i, v, m);
+      }
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / sqrtf(hsum(ss) / (float)n + eps);
+    const __m512 s = _mm512_set1_ps(inv);
+    T* o = out + (int64_t)r * n;
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n, i);
+      const __m512 normed = io::round(_mm512_mul_ps(io::load(h + i, m), s));
+      io::store(o + i, io::round(_mm512_mul_ps(io::load(weight + i, m), normed)), m);
+    }
+  }
+}
+
+// x [tokens, heads, D] (token stride given, heads dense) rotated in place by the cos/sin rows of each
+// token's position ("rotate half" layout): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product
+// and sum rounded to T as torch's q * cos + rotate_half(q) * sin is.
+template <typename T>
+void rotary(T* x, int64_t stride, int tokens, int heads, int d, const T* cos, const T* sin, const int64_t* positions,
+            int threads) {
+  using io = IO<T>;
+  const int half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 16)
+  for (int t = 0; t < tokens; ++t) {
+    const T* c = cos + positions[t] * d;
+    const T* s = sin + positions[t] * d;
+    for (int h = 0; h < heads; ++h) {
+      T* v = x + t * stride + (int64_t)h * d;
+      for (int i = 0; i < half; i += 16) {
+        const __mmask16 m = tail(half, i);
+        const __m512 x1 = io::load(v + i, m), x2 = io::load(v + half + i, m);
+        const __m512 c1 = io::load(c + i, m), s1 = io::load(s + i, m);
+        const __m512 c2 = io::load(c + half + i, m), s2 = io::load(s + half + i, m);
+        const __m512 n2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);  // rotate_half's -x2
+        const __m512 y1 = io::round(_mm512_add_ps(io::round(_mm512_mul_ps(x1, c1)), io::round(_mm512_mul_ps(n2, s1))));
+        const __m512 y2 = io::round(_mm512_add_ps(io::round(_mm512_mul_ps(x2, c2)), io::round(_mm512_mul_ps(x1, s2))));
+        io::store(v + i, y1, m);
+        io::store(v + half + i, y2, m);
+      }
+    }
+  }
+}
+
+// e^x for any x, ~1 ulp: 2^(x log2 e) split into integer and fraction, Taylor to degree 7 on [-0.5, 0.5].
+inline __m512 exp_ps(__m512 x) {
+  __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(127.0f));
+  const __m512 yi = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, yi);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, yi);
+}
+
+// gate_up [tokens, 2n] (gate | up) -> out [tokens, n] = silu(gate) * up, silu rounded to T first as
+// F.silu(gate) * up does.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
+  using io = IO<T>;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 8)
+  for (int t = 0; t < tokens; ++t) {
+    const T* g = gate_up + (int64_t)t * 2 * n;
+    const T* u = g + n;
+    T* o = out + (int64_t)t * n;
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n, i);
+      const __m512 x = io::load(g + i, m);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 silu = io::round(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+      io::store(o + i, io::round(_mm512_mul_ps(silu, io::load(u + i, m))), m);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = fp32, 1 = bf16. Returns 0, or -1 for an unsupported dtype.
+int bj_add_rms_norm(const void* x, int64_t x_stride, void* residual, const void* weight, void* out, int rows, int n,
+                    float eps, int dtype, int threads) {
+  if (dtype == 0)
+    add_rms_norm<float>((const float*)x, (float*)residual, (const float*)weight, (float*)out, rows, n, x_stride, eps, threads);
+  else if (dtype == 1)
+    add_rms_norm<uint16_t>((const uint16_t*)x, (uint16_t*)residual, (const uint16_t*)weight, (uint16_t*)out, rows, n,
+                           x_stride, eps, threads);
+  else
+    return -1;
+  return 0;
+}
+
+int bj_rotary(void* x, int64_t stride, int tokens, int heads, int d, const void* cos, const void* sin,
+              const int64_t* positions, int dtype, int threads) {
+  if (d % 2) return -2;
+  if (dtype == 0)
+    rotary<float>((float*)x, stride, tokens, heads, d, (const float*)cos, (const float*)sin, positions, threads);
+  else if (dtype == 1)
+    rotary<uint16_t>((uint16_t*)x, stride, tokens, heads, d, (const uint16_t*)cos, (const uint16_t*)sin, positions, threads);
+  else
+    return -1;
+  return 0;
+}
+
+int bj_silu_mul(const void* gate_up, void* out, int tokens, int n, int dtype, int threads) {
+  if (dtype == 0)
+    silu_mul<float>((const float*)gate_up, (float*)out, tokens, n, threads);
+  else if (dtype == 1)
+    silu_mul<uint16_t>((const uint16_t*)gate_up, (uint16_t*)out, tokens, n, threads);
+  else
+    return -1;
+  return 0;
+}
+
+}  // extern "C"
