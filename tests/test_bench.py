@@ -119,3 +119,15 @@ def test_chart_is_written(tmp_path):
     rows = [report.summarize(_raw()), report.summarize(_raw("hf-static16"))]
     assert report.chart(tmp_path / "c.png", rows) is None
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_decode_profile_splits_a_step_into_op_groups(tiny_model_dir, kernels):
+    from batchjob.bench.decode_profile import GROUPS, profile_decode, summary_line
+
+    p = profile_decode(str(tiny_model_dir("llama", max_positions=1024)), kernels, rows=4, steps=2, warm_steps=1,
+                       dtype="float32")
+    assert p["rows"] == 4 and p["step_ms"] > 0 and p["mean_context"] > 16
+    assert set(p["shares"]) == {*GROUPS, "other"} and abs(sum(p["shares"].values()) - 1) < 1e-6
+    assert p["shares"]["attention"] > 0 and p["shares"]["linear"] > 0
+    assert p["kernels"] in summary_line(p)

@@ -76,3 +76,23 @@ def run_vllm(spec: ModelSpec, workloads: list[str], rows: int, timeout: float) -
     for r in results:
         r["model"] = spec.name
     return results, err
+
+
+def run_profile(spec: ModelSpec, kernels: str, warm_steps: int, threads: int = 0,
+                timeout: float = 3600) -> tuple[dict | None, str | None]:
+    """One decode-step profile (bench/decode_profile.py) in its own process."""
+    from batchjob.bench.decode_profile import MARK as PROFILE_MARK
+
+    cmd = [sys.executable, "-m", "batchjob.bench.decode_profile", "--model", str(Path(spec.path).resolve()), "--kernels", kernels,
+           "--warm-steps", str(warm_steps)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    for line in proc.stdout.splitlines():
+        if line.startswith(PROFILE_MARK):
+            return json.loads(line[len(PROFILE_MARK):]), None
+    tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
+    return None, f"exit {proc.returncode}: " + " | ".join(tail)[-600:]

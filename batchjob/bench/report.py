@@ -29,7 +29,7 @@ def summarize(raw: dict, spec=None, roofline_tables: dict | None = None) -> dict
     process_s = raw["startup_s"] + gen_s
     row = {
         "system": raw["system"], "model": raw["model"], "workload": raw["workload"], "status": "ok",
-        "dtype": raw.get("dtype"), "threads": raw.get("threads"), "rows": raw["rows"],
+        "dtype": raw.get("dtype"), "kernels": raw.get("kernels"), "threads": raw.get("threads"), "rows": raw["rows"],
         "useful_tokens": raw["useful_tokens"], "output_tokens": out_tokens, "tokens_ok": out_tokens == raw["useful_tokens"],
         "computed_tokens": raw.get("computed_tokens"),
         "gen_s": gen_s, "tok_s": out_tokens / gen_s if gen_s else None,
@@ -70,7 +70,7 @@ def _find(rows: list[dict], system: str, model: str, workload: str) -> dict | No
     return None
 
 
-def targets(rows: list[dict], pipeline: dict | None) -> list[dict]:
+def targets(rows: list[dict], pipeline: dict | None, profiles: list[dict] | None = None) -> list[dict]:
     """The issue's targets as measured ratios; `met` is None when the run lacks what a target needs."""
     out = []
 
@@ -112,6 +112,16 @@ def targets(rows: list[dict], pipeline: dict | None) -> list[dict]:
             add(f"outside-the-forward share at 64 running rows ({m})", share["outside_model_forward"], 0.10,
                 f"{m}, W1, {share['steps']} steps with 64 rows; the engine's own StepStats.forward_s view "
                 f"(runner incl. input prep + sampling): {share['outside_runner']:.1%}", higher=False)
+    for m in dict.fromkeys(r["model"] for r in rows):  # issue 10: native vs torch kernels, same workload
+        nat, ref = _find(rows, "batchjob", m, "W1"), _find(rows, "batchjob-torch", m, "W1")
+        if nat and ref:
+            add(f"native / torch kernels, W1 generation ({m})", nat["tok_s"] / ref["tok_s"], 1.0,
+                f"{m}, W1, {nat.get('kernels') or 'auto'} vs torch kernels, continuous batching")
+    for p in profiles or []:
+        if p["kernels"] == "native":
+            add(f"attention share of a 64-row decode step ({p['model']}, mean context {p['mean_context']:.0f})",
+                p["shares"]["attention"], 0.15, f"torch.profiler over op groups, {p['dtype']}, step {p['step_ms']:.1f} ms "
+                f"({p['warm_steps']} tokens after the W1 prompts)", higher=False)
     if pipeline and pipeline.get("runs"):
         runs = pipeline["runs"]
         big = runs[str(max(int(k) for k in runs))]

@@ -17,7 +17,7 @@ from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
 # Peers that need minutes per workload on SmolLM2 run its headline workload (W1) only, unless --full.
-SLOW_ON_SMOLLM2 = {"hf-static16", "hf-static64", "hf-continuous", "vllm", "batchjob-static64"}
+SLOW_ON_SMOLLM2 = {"hf-static16", "hf-static64", "hf-continuous", "vllm", "batchjob-static64", "batchjob-torch"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-pipeline", action="store_true")
     ap.add_argument("--pipeline-only", action="store_true")
     ap.add_argument("--no-roofline", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
     ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
     ap.add_argument("--cache-dir", default="bench/cache", help="built models and pipeline files (default: bench/cache)")
@@ -157,6 +158,21 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {model} {w} {system}: {status}")
     if work and not args.no_roofline:
         ceilings("end")
+
+    profiles = []
+    if not args.no_profile:
+        from batchjob.bench import decode_profile as profile
+
+        for name, spec in specs.items():
+            for kernels in ("native", "torch"):
+                for warm in (0, 64):  # decode just after the prompts, and 64 tokens on
+                    log(f"profile {name}: 64-row decode steps, {kernels} kernels, {warm} tokens after the prompts ...")
+                    prof, err = launch.run_profile(spec, kernels, warm, threads=args.threads, timeout=args.timeout)
+                    if prof:
+                        profiles.append({"model": name, "warm_steps": warm, **prof})
+                        log("  " + profile.summary_line(prof))
+                    else:
+                        log(f"  failed: {err}")
     rows = [report.summarize(raw, spec, tables) for raw, spec in raws] + failed
 
     pipe = None
@@ -169,13 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         pipe = pipeline.measure(Path(args.cache_dir) / "pipeline", str(Path(tiny.path).resolve()), sizes,
                                 fmt=args.pipeline_format, log=log)
 
-    tgts = report.targets(rows, pipe)
+    tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
     result = {
         "date": stamp, "args": vars(args), "machine": info, "elapsed_s": time.time() - t_start,
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
-        "roofline": tables, "results": rows, "pipeline": pipe, "targets": tgts,
+        "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -194,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     log("")
     if rows:
         log(report.table(rows))
+        log("")
+    if profiles:
+        log("decode-step profiles (64 rows, W1 prompts; share of the step by op group):")
+        for p in profiles:
+            log(f"  {p['model']}, {p['warm_steps']} tokens after the prompts: " + profile.summary_line(p))
         log("")
     log("pipeline (input -> engine -> Arrow sink):")
     log(report.pipeline_text(pipe))

@@ -12,7 +12,8 @@ import torch
 
 from batchjob.bench.workloads import Workload
 
-SYSTEMS = ["batchjob", "batchjob-static16", "batchjob-static64", "hf-static16", "hf-static64", "hf-continuous", "vllm"]
+SYSTEMS = ["batchjob", "batchjob-torch", "batchjob-static16", "batchjob-static64", "hf-static16", "hf-static64",
+           "hf-continuous", "vllm"]  # batchjob-torch: continuous, on the torch reference kernels
 OPTIONAL_SYSTEMS = ["hf-static16-bf16", "hf-static64-bf16", "hf-continuous-bf16"]  # run when named in --systems
 
 
@@ -36,14 +37,15 @@ def _counted(workload: Workload, produced: list[int]) -> list[int]:
 class BatchjobRunner:
     """Our Engine, driven directly (no files): continuous batching, or static batches of `static` rows."""
 
-    def __init__(self, model_path: str, static: int = 0, dtype: str | None = None):
+    def __init__(self, model_path: str, static: int = 0, dtype: str | None = None, kernels: str = "auto"):
         from batchjob.device import choose_dtype
         from batchjob.models.llama import LlamaModel
         from batchjob.models.loader import load_model
 
         self.dtype = choose_dtype(dtype, "cpu")
         loaded = load_model(model_path, dtype=self.dtype)
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, kernels=kernels)
+        self.kernels = self.model.kernels.name
         self.eos = loaded.tokenizer.eos_token_ids
         self.static = static
         self._model_s = 0.0
@@ -258,6 +260,8 @@ def make_runner(system: str, model_path: str):
     hf_dtype = torch.bfloat16 if bf16 else torch.float32
     if base == "batchjob":
         return BatchjobRunner(model_path)
+    if base == "batchjob-torch":
+        return BatchjobRunner(model_path, kernels="torch")
     if base.startswith("batchjob-static"):
         return BatchjobRunner(model_path, static=int(base.removeprefix("batchjob-static")))
     if base.startswith("hf-static"):

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         res = runner.run(wl)
         out = {
             "system": args.system, "workload": name, "rows": wl.num_rows, "threads": torch.get_num_threads(),
-            "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
+            "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."), "kernels": getattr(runner, "kernels", None),
             "load_s": load_s, "startup_s": startup_s, "peak_rss_mb": peak_rss_mb(),
             "useful_tokens": res.useful_tokens, "counted": res.counted, "token_times": res.token_times,
             "gen_s": res.gen_s, "computed_tokens": res.computed_tokens, "extra": res.extra,

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: N rows of a workload decoding together, profiled with torch.profiler
 over the model's named op groups (kernels/profiling.py: attention, linear, norm, rotary, ...).
 
-    python -m batchjob.bench.profile --model PATH [--kernels native] [--rows 64] [--steps 20]
+    python -m batchjob.bench.decode_profile --model PATH [--kernels native] [--rows 64] [--steps 20]
 
 Prints one `BENCH_PROFILE {json}` line: the mean step time, the mean context, and each group's share of
 the step (what no group covers, Python and the engine's bookkeeping, is "other")."""
@@ -35,8 +35,9 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
     engine = Engine(model, [], EngineConfig(scheduler=SchedulerConfig(max_num_seqs=rows)))
     wl = make(workload).head(rows)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)  # nobody finishes while we look
+    vocab = loaded.config.vocab_size  # a small test model: the workload's ids folded into its vocabulary
     for i, r in enumerate(wl.rows):
-        engine.add(Sequence(i, list(r.prompt), params, rng_key=row_key(0, i)))
+        engine.add(Sequence(i, [t % vocab for t in r.prompt], params, rng_key=row_key(0, i)))
     for _ in range(10_000):  # prefill everything, then decode a while so that contexts are mid-run
         engine.step()
         if engine.last_stats.num_prefill_tokens == 0 and engine.last_stats.num_seqs == len(wl.rows):
@@ -64,20 +65,27 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
             "step_ms": step_ms, "profiled_step_ms": wall / steps * 1e3, "shares": shares}
 
 
+def summary_line(p: dict) -> str:
+    shares = sorted(p["shares"].items(), key=lambda kv: -kv[1])
+    return (f"{p['kernels']} {p['dtype']}, {p['rows']} rows, mean context {p['mean_context']:.0f}: step {p['step_ms']:.1f} ms; "
+            + ", ".join(f"{k} {v:.0%}" for k, v in shares if v >= 0.005))
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m batchjob.bench.profile", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m batchjob.bench.decode_profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--warm-steps", type=int, default=64, help="decode steps after the prompts before profiling")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    out = profile_decode(args.model, args.kernels, args.rows, args.steps, dtype=args.dtype)
+    out = profile_decode(args.model, args.kernels, args.rows, args.steps, warm_steps=args.warm_steps, dtype=args.dtype)
     print(MARK + json.dumps(out), flush=True)
 
 
