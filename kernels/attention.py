@@ -27,6 +27,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [tokens]: cache slot (block * block_size + offset) of each new token
     num_decodes: int  # rows 0..num_decodes-1 have one query token each
     plans: dict = field(default_factory=dict)  # per-backend work derived once per step, shared by every layer
+    # host copies of query_start_loc and seq_lens (lists) when the tensors live on a GPU: plans read these,
+    # never the device tensors (no sync inside the forward)
+    host: dict | None = None
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -38,9 +41,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                           scale: float, window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] (new tokens, rotated; their K/V already stored). Returns [T, H, D]."""
-    plan = meta.plans.get("torch")
+    key = ("torch", window)  # the masks depend on the window
+    plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans["torch"] = _TorchPlan(meta, k_cache.shape[1], window, q.device)
+        plan = meta.plans[key] = _TorchPlan(meta, k_cache.shape[1], window, q.device)
     out = torch.empty_like(q)
     for rows, slots, mask in plan.decode_groups:
         k = _gather(k_cache, slots)

@@ -10,6 +10,7 @@ and concurrent builders of the same key wait on one lock file, so parallel shard
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import functools
 import hashlib
@@ -80,9 +81,21 @@ def check_cpu() -> None:
         raise BuildError(f"this CPU lacks {', '.join(missing)} (the native kernels need AVX-512)")
 
 
-def build(source: str, defines: dict[str, int], log=None) -> Path:
+def build_all(specs: list[tuple[str, dict[str, int]]], log=None) -> list[Path]:
+    """`build` for several sources; what had to be compiled is reported in one line."""
+    built: list[str] = []
+    t0 = time.perf_counter()
+    paths = [build(source, defines, log=log, built=built) for source, defines in specs]
+    if built and log:
+        log(f"compiled kernels for this CPU ({'; '.join(built)}) in {time.perf_counter() - t0:.1f} s, "
+            f"cached in {paths[0].parent}")
+    return paths
+
+
+def build(source: str, defines: dict[str, int], log=None, built: list[str] | None = None) -> Path:
     """Path of the compiled shared library for `source` (a file in kernels/csrc/) with `defines`,
-    compiling it first if this machine has no build of it yet. Raises BuildError."""
+    compiling it first if this machine has no build of it yet. Raises BuildError. A compile is reported
+    through `log` in one line, or appended to `built` for the caller to report."""
     check_cpu()
     cxx = compiler()
     src = CSRC / source
@@ -106,6 +119,7 @@ def build(source: str, defines: dict[str, int], log=None) -> Path:
             log(f"kernel cache {folder} is not writable ({e.strerror}); compiling into a temporary folder "
                 f"(set BATCHJOB_CACHE_DIR to cache builds)")
         folder = Path(tempfile.mkdtemp(prefix="batchjob-kernels-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # a loaded library outlives its file
         lib = folder / lib.name
         lock = None
     try:
@@ -125,9 +139,11 @@ def build(source: str, defines: dict[str, int], log=None) -> Path:
             first = next((ln for ln in out.stderr.splitlines() if "error" in ln), out.stderr.strip()[:300])
             raise BuildError(f"compiling {src.name} failed: {first}")
         os.replace(tmp, lib)  # atomic: a reader sees the whole library or none
-        if log:
-            shown = ", ".join(f"{k.lower()} {v}" for k, v in sorted(defines.items()))
-            log(f"compiled kernels for this CPU ({src.stem}, {shown}) in {time.perf_counter() - t0:.1f} s, cached in {folder}")
+        what = " ".join([src.stem, *(f"{k.lower()} {v}" for k, v in sorted(defines.items()))])
+        if built is not None:
+            built.append(what)
+        elif log:
+            log(f"compiled kernels for this CPU ({what}) in {time.perf_counter() - t0:.1f} s, cached in {folder}")
         return lib
     finally:
         if lock is not None:

@@ -2,8 +2,9 @@
 
 - torch: the references (kernels/attention.py and friends), on any device.
 - native: the compiled CPU kernels (kernels/csrc/, built at first use by kernels/build.py).
-- triton: the GPU kernels (not built yet: the GPU path is the next step; asking for them says so).
-- auto: native on CPUs where it builds, else torch with one log line saying why; torch on CUDA.
+- triton: the Triton kernels (kernels/triton_ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
+- auto: native on CPUs where it builds, else torch with one log line saying why; torch on CUDA until
+  the Triton kernels have passed `make gpu-check` on a GPU (so far they are tested under the interpreter).
 """
 from __future__ import annotations
 
@@ -69,10 +70,22 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
     device = torch.device(device)
     if choice not in CHOICES:
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "torch":
+        return TorchKernels()
     if choice == "triton":
-        raise KernelError("kernels: 'triton' is not implemented yet (the Triton GPU kernels are the next step); "
-                          "use --kernels auto or torch")
-    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        from . import triton_ops
+
+        why = triton_ops.available(device)
+        if why is None:
+            try:
+                return triton_ops.TritonKernels(head_dim, gqa, dtype, block_size)
+            except ValueError as e:
+                why = str(e)
+        if choice == "triton":
+            raise KernelError(f"kernels: 'triton' cannot run here: {why}; use --kernels auto or torch")
+        log(f"Triton kernels unavailable ({why}); using the torch reference kernels")
+        return TorchKernels()
+    if choice == "auto" and device.type != "cpu":
         return TorchKernels()
     if device.type != "cpu":
         raise KernelError(f"kernels: 'native' runs on the CPU, not on {device.type}; use --kernels auto or torch")

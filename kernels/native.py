@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from .attention import AttentionMetadata
-from .build import BuildError, build, cpu_identity
+from .build import BuildError, build_all, cpu_identity
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -34,8 +34,8 @@ class NativeKernels:
             raise BuildError(f"no native kernel for head_dim {head_dim} (multiples of 16 up to 256)")
         if block_size % 16:
             raise BuildError(f"no native kernel for block_size {block_size} (multiples of 16)")
-        lib = _load("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}, log)
-        fused = _load("fused.cpp", {}, log)
+        lib, fused = (_load(path) for path in build_all([("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}),
+                                                          ("fused.cpp", {})], log=log))
         fn = lib.bj_paged_attention
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I]
@@ -133,8 +133,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 
-def _load(source: str, defines: dict[str, int], log) -> ctypes.CDLL:
-    path = build(source, defines, log=log)
+def _load(path) -> ctypes.CDLL:
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:

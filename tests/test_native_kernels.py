@@ -166,8 +166,9 @@ def test_a_tokens_attention_is_the_same_decoded_or_in_any_prefill_chunk(dtype):
             assert torch.equal(out, whole[start:start + n]), (chunk, start)
 
 
-def test_triton_is_refused_until_it_exists_and_native_refuses_cuda():
-    with pytest.raises(KernelError, match="triton.*not implemented"):
+def test_triton_needs_cuda_or_the_interpreter_and_native_refuses_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KernelError, match="triton.*cannot run here.*CUDA.*TRITON_INTERPRET=1"):
         select_kernels("triton", "cpu", torch.float32, 64, 1)
     with pytest.raises(KernelError, match="native.*CPU"):
         select_kernels("native", "cuda", torch.float32, 64, 1)
@@ -233,6 +234,16 @@ def test_two_processes_compiling_at_once_both_succeed(tmp_path):
     assert len(paths) == 1 and Path(paths.pop()).is_file()
     built = [f.name for f in (tmp_path / "kernels").iterdir()]
     assert sum(name.endswith(".so") for name in built) == 1 and not any(name.endswith(".tmp") for name in built)
+
+
+@needs_native
+def test_a_model_s_first_use_compiles_everything_it_needs_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHJOB_CACHE_DIR", str(tmp_path))
+    lines = []
+    assert select_kernels("native", "cpu", torch.float32, 64, 3, log=lines.append).name == "native"
+    assert len(lines) == 1 and "paged_attention gqa 3 head_dim 64; fused" in lines[0], lines
+    select_kernels("native", "cpu", torch.float32, 64, 3, log=lines.append)
+    assert len(lines) == 1  # cached: silent
 
 
 @needs_native

@@ -1,0 +1,167 @@
+"""The Triton kernel checks, run by tests/test_triton_kernels.py in a process of their own: the
+interpreter flag (TRITON_INTERPRET=1) must be set before anything imports triton, and the rest of the
+suite imports it through the package. On a GPU (`make gpu-check`) the same cases run on CUDA.
+
+    TRITON_INTERPRET=1 python -m tests.triton_cases [--device cpu|cuda] [-k NAME]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+from batchjob.kernels import AttentionMetadata, RotaryEmbedding
+from batchjob.kernels.dispatch import TorchKernels
+from batchjob.kernels.triton_ops import TritonKernels
+
+
+def random_step(spec, kv_heads, gqa, head_dim, block_size, dtype, device, seed=0):
+    """(q, per-row context K/V, metadata) for rows of (cached, new) tokens over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    need = [-(-(c + n) // block_size) for c, n in spec]
+    perm = torch.randperm(sum(need) + 2, generator=g).tolist()
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(spec))]
+    slot = lambda t, p: t[p // block_size] * block_size + p % block_size  # noqa: E731
+    ctx_slots = [slot(t, p) for (c, n), t in zip(spec, tables) for p in range(c + n)]
+    k, v = rnd(len(ctx_slots), kv_heads, head_dim), rnd(len(ctx_slots), kv_heads, head_dim)
+    q = rnd(sum(n for _, n in spec), kv_heads * gqa, head_dim)
+    bt = torch.zeros(len(spec), max(need), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = [0]
+    for _, n in spec:
+        qsl.append(qsl[-1] + n)
+    lens = [c + n for c, n in spec]
+    meta = AttentionMetadata(bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                             torch.tensor(qsl, dtype=torch.int32, device=device),
+                             torch.tensor([slot(t, p) for (c, n), t in zip(spec, tables) for p in range(c, c + n)], device=device),
+                             sum(n == 1 for _, n in spec), host={"query_start_loc": qsl, "seq_lens": lens})
+    return q.to(device), k.to(device), v.to(device), torch.tensor(ctx_slots, device=device), len(perm), meta
+
+
+def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None):
+    kern = TritonKernels(head_dim, gqa, dtype, block_size)
+    q, k, v, slots, nb, meta = random_step(spec, 2, gqa, head_dim, block_size, dtype, device, seed=head_dim + gqa)
+    shape, _ = kern.kv_cache_shapes(nb, block_size, 2, head_dim)
+    kc, vc = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    kern.store_kv(k, v, kc, vc, slots)
+    ref_k, ref_v = torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32)
+    TorchKernels.store_kv(k.float().cpu(), v.float().cpu(), ref_k, ref_v, slots.cpu())
+    assert torch.equal(kc.float().cpu(), ref_k) and torch.equal(vc.float().cpu(), ref_v), "KV store"
+    out = kern.attention(q, kc, vc, meta, head_dim ** -0.5, window)
+    ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
+                                 meta.slot_mapping.cpu(), meta.num_decodes)
+    ref = TorchKernels.attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window)
+    tol = {torch.float32: 2e-5 if device == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    err = (out.float().cpu() - ref).abs().max().item()
+    assert err < tol, f"max error {err:.2e} >= {tol:.0e}"
+    if window:  # the window is applied: rows with longer contexts come out otherwise without it
+        full = TorchKernels.attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, None)
+        assert (full - ref).abs().max().item() > 100 * tol, "the window changed nothing"
+    return err
+
+
+# decodes (one split, and several 512-token splits), fresh prompts, continued chunks, prefix hits
+SPEC = [(0, 1), (37, 1), (700, 1), (1100, 1), (0, 9), (0, 40), (33, 20), (90, 17)]
+ATTENTION = [(hd, g, bs, dt) for hd, g, bs in [(64, 1, 16), (64, 3, 32), (80, 4, 16), (128, 3, 16), (128, 1, 32), (80, 1, 32)]
+             for dt in (torch.float32, torch.float16)]
+
+
+def run(device: str, only: str | None = None) -> int:
+    cases = []
+    for hd, g, bs, dt in ATTENTION:
+        for window in (None, 48):
+            name = f"attention d{hd} g{g} b{bs} {str(dt)[6:]}" + (f" window {window}" if window else "")
+            cases.append((name, lambda hd=hd, g=g, bs=bs, dt=dt, w=window: attention_case(hd, g, bs, dt, device, SPEC, w)))
+    for dt in (torch.float32, torch.float16):
+        cases.append((f"norms {str(dt)[6:]}", lambda dt=dt: norm_case(dt, device)))
+        cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))
+        cases.append((f"silu_mul {str(dt)[6:]}", lambda dt=dt: silu_case(dt, device)))
+    cases.append(("decode batch invariance", lambda: invariance_case(device)))
+    failed = 0
+    for name, fn in cases:
+        if only and only not in name:
+            continue
+        t = time.perf_counter()
+        try:
+            detail = fn()
+            print(f"ok   {name} ({time.perf_counter() - t:.1f} s){'' if detail is None else f' err {detail:.1e}'}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every case, fail at the end
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+    return failed
+
+
+def norm_case(dtype, device):
+    kern = TritonKernels(64, 1, dtype, 16)
+    g = torch.Generator().manual_seed(0)
+    x, h = (torch.randn(5, 100, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(100, generator=g)).to(dtype)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    got = kern.rms_norm(h.to(device), w.to(device), 1e-5).cpu()
+    torch.testing.assert_close(got, TorchKernels.rms_norm(h, w, 1e-5), **tol)
+    h1, h2 = h.clone().to(device), h.clone()
+    got = kern.add_rms_norm(x.to(device), h1, w.to(device), 1e-6).cpu()
+    want = TorchKernels.add_rms_norm(x, h2, w, 1e-6)
+    assert torch.equal(h1.cpu(), h2), "residual"
+    torch.testing.assert_close(got, want, **tol)
+
+
+def rotary_case(dtype, device):
+    kern = TritonKernels(64, 3, dtype, 16)
+    rope = RotaryEmbedding(64, 512, 10000.0, {"factor": 8.0, "original_max_position_embeddings": 128}, dtype)
+    qkv = torch.randn(6, 5 * 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    pos = torch.tensor([0, 3, 100, 255, 300, 511])
+    q, k = qkv[:, :192].view(6, 3, 64), qkv[:, 192:256].view(6, 1, 64)
+    want = TorchKernels.rotary(q.clone(), k.clone(), TorchKernels.prepare_rotary(rope, pos))
+    qkv_d = qkv.to(device)
+    rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
+    qd, kd = qkv_d[:, :192].view(6, 3, 64), qkv_d[:, 192:256].view(6, 1, 64)
+    got = kern.rotary(qd, kd, kern.prepare_rotary(rope, pos.to(device)))
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), "rotary"
+
+
+def silu_case(dtype, device):
+    kern = TritonKernels(64, 1, dtype, 16)
+    gu = (3 * torch.randn(4, 2 * 100, generator=torch.Generator().manual_seed(2))).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(kern.silu_mul(gu.to(device)).cpu(), TorchKernels.silu_mul(gu), **tol)
+
+
+def invariance_case(device):
+    """A decode row's output is bitwise the same alone and in a shuffled batch (fixed 512-token splits)."""
+    kern = TritonKernels(64, 3, torch.float32, 16)
+    rng = random.Random(0)
+    spec = [(rng.randint(0, 1200), 1) for _ in range(6)]
+    q, k, v, slots, nb, meta = random_step(spec, 2, 3, 64, 16, torch.float32, device)
+    shape, _ = kern.kv_cache_shapes(nb, 16, 2, 64)
+    kc, vc = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    kern.store_kv(k, v, kc, vc, slots)
+    batched = kern.attention(q, kc, vc, meta, 0.125)
+    for r in (0, 3, 5):
+        one = AttentionMetadata(meta.block_tables[r:r + 1], meta.seq_lens[r:r + 1],
+                                torch.tensor([0, 1], dtype=torch.int32, device=device), meta.slot_mapping[r:r + 1], 1,
+                                host={"query_start_loc": [0, 1], "seq_lens": [spec[r][0] + 1]})
+        assert torch.equal(kern.attention(q[r:r + 1], kc, vc, one, 0.125), batched[r:r + 1]), r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("-k", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 to run the Triton kernels on the CPU", file=sys.stderr)
+        return 2
+    failed = run(args.device, args.k)
+    print(f"{failed} failed" if failed else "all passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
