@@ -40,8 +40,8 @@ RUN_OPTIONS = [
     ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "compute dtype (default: bfloat16 on CUDA and on CPUs with bf16 matmul, else float32)"),
     ("--device", "device", click.Choice(["cpu", "cuda"]), "device (default: cuda when available)"),
     ("--kernels", "kernels", click.Choice(["auto", "torch", "native", "triton"]),
-     "model kernels: torch references, native (C++ for this CPU, compiled at first use), triton (GPU; not built yet), "
-     "or auto: native where it builds, else torch (default: auto)"),
+     "model kernels: torch references, native (C++ for this CPU, compiled at first use), triton (CUDA, or the CPU "
+     "under TRITON_INTERPRET=1), or auto: native where it builds, else torch (default: auto)"),
     ("--scheduling", "scheduling", click.Choice(["continuous", "static"]), "continuous batching (default) or classic static batching, for comparison"),
     ("--batch-size", "batch_size", int, "static batching's batch size (default: 16)"),
     ("--max-num-seqs", "max_num_seqs", int, "most rows in one step (default: 128)"),
