@@ -10,8 +10,9 @@ from batchjob.config import ConfigError, load_job
 # (flag, field, type, help). Every job-file field has a flag; a flag overrides the job file.
 RUN_OPTIONS = [
     ("--model", "model", str, "'smollm2' (embedded SmolLM2-135M-Instruct GGUF, the default) or a path to a HF folder or .gguf file"),
-    ("--input", "input", str, "input: .jsonl, .parquet, a folder of Parquet files, or a `datasets` save_to_disk folder"),
-    ("--input-format", "input_format", click.Choice(["jsonl", "parquet", "datasets", "openai-batch"]),
+    ("--input", "input", str, "input: .jsonl (also .jsonl.gz/.jsonl.zst), .csv/.tsv, .parquet, a folder of JSONL or Parquet "
+     "files, a hive-partitioned Parquet folder, a `datasets` save_to_disk folder, or an OpenAI Batch file"),
+    ("--input-format", "input_format", click.Choice(["jsonl", "jsonl.gz", "jsonl.zst", "csv", "tsv", "parquet", "datasets", "openai-batch"]),
      "input format (default: detected from the path; a JSONL file of OpenAI Batch requests is detected by its first line)"),
     ("--output", "output", str, "output folder of Arrow parts + manifest.json (default: out/<job file name>)"),
     ("--prompt-column", "prompt_column", str, "column with the prompt text (default: prompt)"),
@@ -59,7 +60,10 @@ RUN_OPTIONS = [
     ("--threads", "threads", int, "torch CPU threads (default: 0 = all cores)"),
     ("--part-rows", "part_rows", int, "commit a part every N rows (default: 1000)"),
     ("--part-seconds", "part_seconds", float, "... or every T seconds (default: 30)"),
-    ("--progress/--no-progress", "progress", None, "progress bar on a terminal (default: on)"),
+    ("--progress/--no-progress", "progress", None, "progress: a bar on a terminal, else a plain line every --log-every "
+     "seconds (default: on)"),
+    ("--log-every", "log_every", float, "seconds between progress lines when stderr is not a terminal (default: 30)"),
+    ("--limit", "limit", int, "run only the first N input rows (a trial run); rerun without it to do the rest"),
     ("--drain-timeout", "drain_timeout", float, "after SIGINT/SIGTERM/SIGUSR1: seconds the running rows get to finish "
      "before the job commits and exits with 75 (resumable) (default: 60)"),
     ("--max-errors", "max_errors", str, "fail the job (exit 1, everything done so far committed) when more rows fail "
@@ -104,21 +108,58 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
 
     try:
         cfg = load_job(job, overrides)
+    except ConfigError as e:
+        _fail(e, EXIT_USAGE)
+    try:
         from batchjob.job import run_job
 
         summary = run_job(cfg, restart=restart)
-    except (ConfigError, SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError) as e:
-        click.echo(f"batchjob: error: {e}", err=True)
-        sys.exit(1)
+    except ConfigError as e:
+        _fail(e, EXIT_USAGE)
+    except (SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError) as e:
+        _fail(e, 1)
     except KeyboardInterrupt:
         click.echo("batchjob: interrupted: stopped at once; committed rows are kept, the rows in flight run again "
                    "when you rerun the same command", err=True)
         sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - a bug: one line for the operator, the traceback kept in a file
+        _internal_error(e, cfg.output)
     click.echo(summary.line())
     if summary.stopped:
         click.echo(f"batchjob: stopped by {summary.stopped}; everything finished is committed — rerun the same "
                    f"command to continue (`batchjob status {summary.output}` shows progress)", err=True)
         sys.exit(EXIT_RESUMABLE)
+
+
+EXIT_USAGE = 2  # as click's own usage errors: a bad flag, job file or value
+
+
+def _fail(e: Exception, code: int) -> None:
+    click.echo(f"batchjob: error: {e}", err=True)
+    sys.exit(code)
+
+
+def _internal_error(e: Exception, output: str | None) -> None:
+    """An exception nobody expected: one line on stderr, the traceback in a file it names (exit 1)."""
+    import os
+    import tempfile
+    import traceback
+    from pathlib import Path
+
+    if os.environ.get("BATCHJOB_DEBUG"):
+        raise e
+    text = "".join(traceback.format_exception(e))
+    folder = Path(output) if output and Path(output).is_dir() else Path(tempfile.gettempdir())
+    try:
+        log = folder / "batchjob-error.log"
+        with open(log, "a") as f:
+            f.write(text + "\n")
+        where = f"the traceback is in {log}"
+    except OSError:
+        where = "set BATCHJOB_DEBUG=1 to see the traceback"
+    first = str(e).splitlines()[0] if str(e) else ""
+    click.echo(f"batchjob: error: internal error: {type(e).__name__}: {first} ({where}; please report it)", err=True)
+    sys.exit(1)
 
 
 # `status` and `export` of sharded output folders (OUT/job.json + OUT/shard-K-of-N/); the single-folder
@@ -159,7 +200,14 @@ def status_cmd(out: str, as_json: bool) -> None:
 @click.option("--partial", is_flag=True, help="export the committed rows even when some input rows are missing")
 def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> None:
     """Merge every committed row of OUT, in input order, into one file (written to a temporary name,
-    then renamed); refuses when rows are missing and says which, unless --partial."""
+    then renamed); refuses when rows are missing and says which, unless --partial. The file's folder is
+    created when missing."""
+    from pathlib import Path
+
+    try:
+        Path(to).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"--to {to}: cannot create its folder ({e.strerror or e})", 1)
     if fmt == "openai-batch":  # one output folder or a sharded one
         from batchjob.io.manifest import ManifestError
         from batchjob.io.openai_batch import ExportError, export_openai_batch

@@ -56,6 +56,7 @@ class JobConfig:
     kv_cache_gb: float = 1.0
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     threads: int = 0  # 0 = torch's default (all cores)
+    limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
     # scheduler (see README "Scheduling knobs")
     admission: str = "optimistic"  # optimistic | reserve
     preemption: str = "auto"  # auto | recompute | swap
@@ -68,6 +69,7 @@ class JobConfig:
     part_rows: int = 1000
     part_seconds: float = 30.0
     progress: bool = True
+    log_every: float = 30.0  # seconds between plain progress lines when stderr is not a terminal
     # stopping; not part of the job's identity, so changing them never blocks a resume
     drain_timeout: float = 60.0  # seconds the running rows get to finish after SIGINT/SIGTERM/SIGUSR1
     max_errors: int | float | None = None  # failed rows allowed: a count (10) or a fraction of the rows (0.1); None: any
@@ -75,10 +77,13 @@ class JobConfig:
     # sharding: "K/N" runs the K-th (0-based) of N contiguous slices into OUTPUT/shard-K-of-N/;
     # unset inside a Slurm array task: K/N from SLURM_ARRAY_TASK_*; "none": never shard
     shard: str | None = None
+    # where the values came from (not a job-file field): the job file, for messages
+    job_file: str | None = None
 
     def validate(self) -> "JobConfig":
         if not self.input and not self.per_lane_inputs:
-            raise ConfigError("input: no input given; set `input = \"PATH\"` in the job file or pass --input PATH")
+            where = f"set `input = \"PATH\"` in {self.job_file} or pass --input PATH" if self.job_file else "pass --input PATH"
+            raise ConfigError(f"input: no input given; {where}")
         _choice("scheduling", self.scheduling, ("continuous", "static"))
         if self.dtype is not None:
             _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -94,6 +99,12 @@ class JobConfig:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.prefill_chunk < 0 or self.read_ahead < 0:
             raise ConfigError("top_k, prefill_chunk and read_ahead must be >= 0")
+        if self.threads < 0:
+            raise ConfigError(f"threads: must be >= 1 (or 0 = every core), got {self.threads}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit: must be >= 1 rows, got {self.limit}")
+        if self.log_every <= 0:
+            raise ConfigError(f"log_every: must be > 0 seconds, got {self.log_every}")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
         _choice("admission", self.admission, ("optimistic", "reserve"))
@@ -186,7 +197,7 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+FIELDS = {f.name: f for f in dataclasses.fields(JobConfig) if f.name != "job_file"}
 SECTIONS = ("sampling", "engine", "output", "job")  # optional TOML tables; their keys are fields too
 
 
@@ -211,7 +222,7 @@ def load_job(path: str | Path | None, overrides: dict) -> JobConfig:
     values.update({k: v for k, v in overrides.items() if v is not None})
     if not values.get("output"):
         values["output"] = str(Path("out") / (Path(values.get("input") or "job").stem or "job"))
-    cfg = JobConfig()
+    cfg = JobConfig(job_file=str(path) if path is not None else None)
     for k, v in values.items():
         setattr(cfg, k, _coerce(k, v))
     return cfg.validate()
@@ -225,6 +236,8 @@ def _field(path: Path, shown: str, key: str) -> str:
 
 def _coerce(name: str, value):
     default = FIELDS[name].default
+    if name == "limit" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"limit: expected a number of rows, got {value!r}")
     if isinstance(default, bool) and not isinstance(value, bool):
         raise ConfigError(f"{name}: expected true or false, got {value!r}")
     if isinstance(default, int) and not isinstance(default, bool):

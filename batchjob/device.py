@@ -10,7 +10,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def choose_device(requested: str | None) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda requested but no CUDA device is available; use --device cpu")
+        from batchjob.config import ConfigError
+
+        raise ConfigError("device: cuda was asked for but this machine has no CUDA device torch can use; "
+                          "pass --device cpu (or leave it out)")
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
 
 

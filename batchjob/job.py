@@ -29,14 +29,15 @@ from batchjob.engine.sequence import SamplingParams, Sequence
 from batchjob.io.lock import OutputLock
 from batchjob.io.sink import RESUME_POSITION, ArrowSink, clear_results
 from batchjob.io.openai_batch import RESULTS_FILE, OpenAIBatchSource, write_openai_batch
-from batchjob.io.sources import InputRow, JsonlSource, Source, open_source, validate_columns
+from batchjob.io.sources import InputRow, JsonlSource, Source, SourceError, open_source, validate_columns
 from batchjob.models.llama import LlamaModel
 from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.requests import PromptBuilder, RowError, row_sampling
 from batchjob.results import OutputColumns, PendingRow, TokenText, output_columns
 from batchjob.shard import ShardSource, ShardSpec, check_unsharded, claim_shard
 from batchjob.stats import StatsRecorder
-from batchjob.stop import ErrorBudget, StopSignals
+from batchjob.progress import Progress, Snapshot
+from batchjob.stop import AllRowsFailed, ErrorBudget, StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,27 @@ class JobSummary:
     stats: dict = field(default_factory=dict)
     stopped: str | None = None  # the signal that stopped the run before the end (exit 75: resumable)
     kernels: str = ""  # which kernel set ran (torch | native | triton)
+    rows_before: int = 0  # committed by earlier runs
+    errors_before: int = 0
+    total_rows: int | None = None  # the job's rows, when known (after --limit)
+    already_finished: bool = False  # every row was committed before this run: nothing ran
+    empty_input: bool = False  # the input has no rows at all
+    generated_tokens_live: int = 0  # tokens sampled in this run, rows finished or not (the rate shown while running)
 
     def line(self) -> str:
+        """The final line: the whole job, then this run."""
+        if self.already_finished:
+            return f"batchjob: already finished: {self.rows_before:,} rows ({self.errors_before:,} errors) in {self.output}"
+        if self.empty_input:
+            return f"batchjob: the input was empty: 0 rows, nothing to do -> {self.output}"
         tps = self.generated_tokens / self.wall_s if self.wall_s else 0.0
-        return (f"batchjob: {self.rows} rows ({self.errors} errors), {self.prompt_tokens} prompt tokens, "
+        rows, errors = self.rows_before + self.rows, self.errors_before + self.errors
+        whole = (f"{rows:,} of {self.total_rows:,} rows" if self.total_rows is not None and rows != self.total_rows
+                 else f"{rows:,} rows")
+        state = "stopped" if self.stopped else "finished"
+        this_run = (f"this run {self.rows} rows ({self.errors} errors), " if self.rows_before else
+                    f"{self.rows} rows ({self.errors} errors), ")
+        return (f"batchjob: {state}: {whole} ({errors:,} errors) in all; {this_run}{self.prompt_tokens} prompt tokens, "
                 f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s, {self.kernels} kernels) "
                 f"-> {self.output}")
 
@@ -98,13 +116,43 @@ def build_engine(cfg: JobConfig, loaded, device: str, dtype: torch.dtype) -> Eng
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)
 
 
+CONTENT_HASH_WHOLE_BYTES = 64 << 20  # an input file up to this size is hashed whole; a larger one by samples:
+CONTENT_SAMPLES = 64  # this many windows spread evenly over the file, the first and the last bytes included,
+CONTENT_SAMPLE_BYTES = 64 << 10  # of this size (4 MiB read per huge file)
+_content_hashes: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> hash: a sharded run asks twice
+
+
 def input_identity(path: Path, source: Source) -> dict:
-    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
-    return {
-        "path": str(path.resolve()),
-        "files": [[str(f.relative_to(path)) if path.is_dir() else f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files],
-        "columns": list(source.columns),
-    }
+    """The input as the job fingerprint knows it: the format, the columns, and each data file's name
+    (under the input folder), size and content hash. By content, not by mtime or location: a copied,
+    moved or touched input still resumes; a changed byte forces --restart (in a huge file, a changed
+    size or a byte inside a sampled window)."""
+    reader = getattr(source, "inner", source)  # a shard reads its whole input's files
+    files = [[f.relative_to(path).as_posix() if path.is_dir() else f.name, f.stat().st_size, content_hash(f)]
+             for f in reader.files]
+    return {"format": source.format_name, "files": files, "columns": list(source.columns)}
+
+
+def content_hash(file: Path) -> str:
+    """SHA-256 of the file, or of CONTENT_SAMPLES windows of it when it is over CONTENT_HASH_WHOLE_BYTES."""
+    import hashlib  # here, with the rest of the input fingerprint
+
+    st = file.stat()
+    key = (str(file.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key in _content_hashes:
+        return _content_hashes[key]
+    with open(file, "rb") as f:
+        if st.st_size <= CONTENT_HASH_WHOLE_BYTES:
+            digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+        else:
+            h = hashlib.sha256()
+            last = max(st.st_size - CONTENT_SAMPLE_BYTES, 0)
+            for i in range(CONTENT_SAMPLES):
+                f.seek(last * i // max(CONTENT_SAMPLES - 1, 1))
+                h.update(f.read(CONTENT_SAMPLE_BYTES))
+            digest = f"sha256-sampled-{CONTENT_SAMPLES}x{CONTENT_SAMPLE_BYTES}:" + h.hexdigest()
+    _content_hashes[key] = digest
+    return digest
 
 
 PARAM_FIELDS = ("prompt_column", "messages_column", "chat", "chat_template", "system_prompt", "keep_columns",
@@ -131,6 +179,8 @@ class Job:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         out = Path(cfg.output)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output: {out} is a file, not a folder; name a folder for the results")
         self.shard = ShardSpec.resolve(cfg.shard)
         if self.shard is None:
             check_unsharded(out)
@@ -142,27 +192,48 @@ class Job:
             inputs = [(lane["input"], out / lane["name"], lane["name"]) for lane in cfg.lanes]
         else:
             inputs = [(cfg.input, out, None)]
+        for path, _, lane in inputs:
+            if not Path(path).exists():
+                where = f"lanes.{lane}.input" if lane else "input"
+                raise SourceError(f"input not found: {path} ({where} in {cfg.job_file})" if cfg.job_file
+                                  else f"input not found: {path} (--input)")
         sources = [(open_source(path, input_format=cfg.input_format), path, folder, lane) for path, folder, lane in inputs]
         self.use_messages = {}
-        for source, *_ in sources:
+        self.empty_inputs = [path for source, path, *_ in sources if _is_empty(source, path)]
+        for source, path, *_ in sources:
             uses = cfg.messages_column in source.columns
-            if not uses:
+            if not uses and path not in self.empty_inputs:
                 validate_columns(source, [cfg.prompt_column])
-            validate_columns(source, cfg.keep_columns)
+            if path not in self.empty_inputs:
+                validate_columns(source, cfg.keep_columns)
             self.use_messages[id(source)] = uses
+        template = _read_template(cfg.chat_template) if cfg.chat_template else None
         resolve_model_path(cfg.model)  # a mistyped model fails here, before an output folder is created
+        device = choose_device(cfg.device)
+        dtype = choose_dtype(cfg.dtype, device)
         # one writer per output folder (a shard's own folder) from before anything in it is touched
+        created = [p for p in (out, *(folder for *_, folder, _ in sources)) if not p.exists()]
         self.lock = OutputLock(out)
         if resources is not None:
             resources.enter_context(self.lock)
+        try:
+            self._open(cfg, out, sources, restart, device, dtype, template)
+        except BaseException:
+            # nothing was committed: take back the folders this run created (they hold only the lock)
+            self.lock.release()
+            _remove_if_bare(created)
+            raise
+
+    def _open(self, cfg: JobConfig, out: Path, sources: list, restart: bool, device: str, dtype: torch.dtype,
+              template: str | None) -> None:
         if restart:
             self._restart(out, [folder for _, _, folder, _ in sources])
-        device = choose_device(cfg.device)
-        dtype = choose_dtype(cfg.dtype, device)
         self.loaded = load_model(cfg.model, dtype=dtype)
+        self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
         if self.shard is not None:
             sources = [self._claim_shard(*sources[0], dtype)]
-        template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+        if any(self.use_messages.values()) or cfg.chat:  # a broken template fails the job once, not every row
+            check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         self.builders = {key: PromptBuilder(cfg, self.loaded.tokenizer, uses, template) for key, uses in self.use_messages.items()}
         self.lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         keep = list(cfg.keep_columns) + (["lane"] if self.lane_column_out else [])
@@ -176,7 +247,6 @@ class Job:
                    lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns[id(source)])
             for source, path, folder, lane in sources
         ]
-        self.engine = build_engine(cfg, self.loaded, device, dtype)
         self.lanes = {lane.name: lane for lane in lanes_of(cfg)}
         self.params = {lane["name"]: sampling_params(cfg, lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = sampling_params(cfg)
@@ -184,6 +254,9 @@ class Job:
         self.pending: dict[int, tuple[PendingRow, int]] = {}  # seq_id -> (its row's completions, completion index)
         self.token_text = TokenText(self.loaded.tokenizer)
         self._next_seq = 0
+        self.rows_in_flight = 0  # rows in the engine (a row with n > 1 completions counts once)
+        self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
+        self.first_error: str | None = None
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name)
 
@@ -251,6 +324,7 @@ class Job:
                 self._emit(stream, item.row_index, kept, error=str(e))
                 continue
             row = PendingRow(params.n, stream.columns)
+            self.rows_in_flight += 1
             for c in range(params.n):  # n completions: n Sequences, each with its own random stream
                 seq_id = self._next_seq
                 self._next_seq += 1
@@ -260,6 +334,7 @@ class Job:
                 seq = Sequence(seq_id, ids, params, rng_key=key, lane=lane, detokenizer=detok)
                 err = self.engine.add(seq)
                 if err:  # the prompt never fits: the same for every completion
+                    self.rows_in_flight -= 1
                     self._emit(stream, item.row_index, kept, error=err, prompt_tokens=len(ids))
                     break
                 self.in_flight[seq_id] = (stream, item.row_index, kept)
@@ -279,11 +354,12 @@ class Job:
         s.errors += reason == "error"
         s.prompt_tokens += prompt_tokens
         s.generated_tokens += completion_tokens
-        if self.progress is not None:
-            self.progress.update(1)
-            self.progress.set_postfix_str(f"{s.generated_tokens / (time.perf_counter() - self.t0):.0f} tok/s", refresh=False)
         if reason == "error":
+            self.first_error = self.first_error or f"row {row_index}: {error}"
             self._check_errors()
+        else:
+            ok, first = self.one_token_stops
+            self.one_token_stops = (ok + 1, first + (reason == "stop" and completion_tokens <= 1))
 
     def _check_errors(self, final: bool = False) -> None:
         """max_errors, over this run's rows and those committed before it."""
@@ -294,6 +370,7 @@ class Job:
         stream, row_index, kept = self.in_flight.pop(seq.seq_id)
         row, index = self.pending.pop(seq.seq_id)
         if row.add(index, seq, self.loaded.tokenizer, self.token_text):  # the row's last completion
+            self.rows_in_flight -= 1
             self._emit(stream, row_index, kept, **row.fields())
 
     # the loop
@@ -301,23 +378,26 @@ class Job:
     def run(self) -> JobSummary:
         cfg = self.cfg
         self.t0 = time.perf_counter()
-        self.progress = None
-        total = None
-        if all(s.source.num_rows is not None for s in self.streams):
-            total = sum(s.source.num_rows - s.sink.done.count() for s in self.streams)
-        if cfg.progress and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.progress = tqdm(total=total, unit="row", desc="batchjob", dynamic_ncols=True)
-        for stream in self.streams:
-            stream.rows = self._rows(stream)
         committed = [s.sink.manifest.totals() for s in self.streams]
         self.before = (sum(c["rows"] for c in committed), sum(c["errors"] for c in committed))
+        self.summary.rows_before, self.summary.errors_before = self.before
         inputs = [s.source.num_rows for s in self.streams]
-        self.budget = ErrorBudget(cfg.max_errors, None if None in inputs else sum(inputs))
+        total = None if None in inputs else sum(inputs)
+        if total is not None and cfg.limit is not None:
+            total = sum(min(n, cfg.limit) for n in inputs)
+        self.summary.total_rows = total
+        if self._already_finished():
+            self.summary.already_finished = True
+            return self.summary
+        print(self._start_line(total), file=sys.stderr, flush=True)
+        self.progress = self._progress(total)
+        for stream in self.streams:
+            stream.rows = self._rows(stream)
+        self.budget = ErrorBudget(cfg.max_errors, total)
         read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
         engine = self.engine
         self.dropped = 0  # rows read but put back by a stop
-        stop = self.stop = StopSignals(cfg.drain_timeout)
+        stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation)
         stop.install()  # here, not at import: only a running job turns signals into a drain
         try:
             self._mark_run("running")
@@ -334,13 +414,18 @@ class Job:
                     if not engine.has_work or (draining and stop.drain_over()):
                         break
                     finished = engine.step()
+                    self.summary.generated_tokens_live += engine.last_stats.num_sampled
                     for seq in finished:
                         self._finished(seq)
                     self.stats.step(engine.last_stats, finished)
                     for stream in self.streams:
                         stream.sink.commit_if_due()
+                    self.progress.update(self._snapshot())
                 if not stop.stopping:
                     self._check_errors(final=True)
+            except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say so in the manifests
+                self._mark_run("stopped", signal="SIGINT (twice: at once)")
+                raise
             except Exception as e:
                 self._mark_run("failed", error=str(e))
                 self._close_sinks()  # what finished is committed, if the disk lets us
@@ -350,25 +435,105 @@ class Job:
             self._mark_run("stopped" if self.summary.stopped else "finished")
             for stream in self.streams:
                 stream.sink.close()
-                if cfg.output_format == "openai-batch" and stream.exhausted and not self.summary.stopped:  # every row is in: the response file
-                    write_openai_batch(stream.sink.out_dir)
+                limited = cfg.limit is not None and stream.source.num_rows != stream.sink.done.count()
+                if cfg.output_format == "openai-batch" and stream.exhausted and not self.summary.stopped and not limited:
+                    write_openai_batch(stream.sink.out_dir)  # every row is in: the response file
         finally:
             stop.restore()
-            if self.progress is not None:
-                self.progress.close()
+            self.progress.close()
         self.summary.wall_s = time.perf_counter() - self.t0
         self.summary.stats = self.stats.summary()
         self.stats.write(self.summary.stats)
+        self.summary.empty_input = bool(self.empty_inputs) and self.summary.rows == 0 and not self.before[0]
+        self._warn_if_chat_model_needs_chat()
+        rows, errors = self.before[0] + self.summary.rows, self.before[1] + self.summary.errors
+        if not self.summary.stopped and rows and errors == rows:
+            raise AllRowsFailed(f"every row failed ({errors:,} of {rows:,}; committed in {self.summary.output}); "
+                                f"the first error: {self.first_error or 'see the error column'}")
         return self.summary
+
+    def _already_finished(self) -> bool:
+        """Every input row committed (a rerun from cron or Slurm after the end): nothing to do."""
+        for stream in self.streams:
+            total = stream.sink.manifest.total_rows
+            if total is None:
+                return False
+            if self.cfg.limit is not None:
+                total = min(total, self.cfg.limit)
+            if stream.sink.done.count() < total:
+                return False
+        return bool(self.streams) and not self.empty_inputs
+
+    def _start_line(self, total: int | None) -> str:
+        cfg, m = self.cfg, self.engine.model
+        inputs = ", ".join(str(s.source.path) for s in self.streams)
+        rows = f"{total:,} rows" if total is not None else "rows: not known until read"
+        if cfg.limit is not None:
+            rows += f" (--limit {cfg.limit:,})"
+        line = (f"batchjob: {self.loaded.name} ({str(m.dtype).removeprefix('torch.')}, {m.kernels.name} kernels, "
+                f"{m.device.type}, {torch.get_num_threads()} threads) <- {inputs}, {rows} -> {self.summary.output}")
+        if self.before[0]:
+            line += f"; resuming: {self.before[0]:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
+        return line
+
+    def _progress(self, total: int | None) -> Progress:
+        total_bytes = bytes_before = None
+        if total is None and len(self.streams) == 1:
+            reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
+            if isinstance(reader, JsonlSource) and not isinstance(self.streams[0].source, ShardSource):
+                total_bytes = reader.num_bytes  # of every file, for a folder of JSONL files
+                resume = self.streams[0].sink.extra.get(RESUME_POSITION)
+                bytes_before = int(resume[1]) if resume else 0
+        return Progress(total_rows=total, rows_before=self.before[0], log_every=self.cfg.log_every,
+                        enabled=self.cfg.progress, total_bytes=total_bytes, bytes_before=bytes_before or 0)
+
+    def _snapshot(self) -> Snapshot:
+        position = None
+        if self.progress.total_bytes is not None:
+            reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
+            position = reader.position()[1]
+        s = self.summary
+        return Snapshot(rows_done=self.before[0] + s.rows, rows_committed=self._committed_rows(),
+                        rows_in_flight=self.rows_in_flight, tokens=s.generated_tokens_live, bytes_read=position)
+
+    def _committed_rows(self) -> int:
+        return sum(stream.sink.done.count() for stream in self.streams)
+
+    def _stop_situation(self) -> str | None:
+        """What a first Ctrl-C will do, when that is not a drain to exit 75: every row is already admitted."""
+        if all(stream.exhausted for stream in self.streams) and not self.engine.scheduler.num_waiting:
+            return (f"every row is admitted: finishing the {self.rows_in_flight:,} rows in flight, then the job "
+                    f"ends as usual; SIGINT again stops at once (the rows in flight then run again on a rerun)")
+        return None
+
+    def _warn_if_chat_model_needs_chat(self) -> None:
+        """Plain prompts into an instruct model often end at once: say that --chat is probably wanted."""
+        ok, first = self.one_token_stops
+        if self.cfg.chat or any(self.use_messages.values()) or self.loaded.tokenizer.chat_template is None:
+            return
+        if ok >= 4 and first / ok >= 0.5:
+            print(f"batchjob: warning: {first:,} of {ok:,} rows ended at their first token; {self.loaded.name} has a "
+                  f"chat template, so it probably expects chat input: rerun with --chat (each prompt becomes a user "
+                  f"message) or give a `{self.cfg.messages_column}` column", file=sys.stderr, flush=True)
 
     def _rows(self, stream: Stream) -> Iterator[InputRow]:
         """The rows not committed yet. JSONL resumes at the byte offset of the first row not committed
         (the committed prefix is never read) and notes each row's offset for the next resume; Parquet
         and datasets inputs skip whole row groups / files instead."""
+        limit = self.cfg.limit
+        for item in self._rows_from(stream):
+            if limit is not None and item.row_index >= limit:  # rows come in input order: the rest waits for a rerun
+                return
+            yield item
+
+    def _rows_from(self, stream: Stream) -> Iterator[InputRow]:
         source, sink = stream.source, stream.sink
         reader = getattr(source, "inner", source)  # a shard reads through its inner source
         if not isinstance(reader, JsonlSource):
+            unknown = source.num_rows is None  # a streamed input (CSV, compressed JSONL) counts its rows as it reads
             yield from source.rows(skip=sink.done)
+            if unknown and reader.num_rows is not None:
+                sink.set_total_rows(reader.num_rows)  # now known: `status` and `export` can tell what is missing
             return
         start = tuple(source.position())  # (0, 0), or where a shard begins
         resume = sink.extra.get(RESUME_POSITION)
@@ -385,12 +550,16 @@ class Job:
 
     def _drop_waiting(self) -> None:
         """Stopping: rows that have not started go back to the input (rerun on resume)."""
+        rows = set()
         for seq in self.engine.scheduler.drop_waiting():
             self.in_flight.pop(seq.seq_id, None)
-            self.pending.pop(seq.seq_id, None)
+            pending = self.pending.pop(seq.seq_id, None)
+            if pending is not None:
+                rows.add(id(pending[0]))
             self.dropped += 1
+        self.rows_in_flight -= len(rows)
 
-    def _mark_run(self, state: str, error: str | None = None) -> None:
+    def _mark_run(self, state: str, error: str | None = None, signal: str | None = None) -> None:
         """This run in each manifest (extra["run"]), for `batchjob status`: who, since when, how it ended."""
         for stream in self.streams:
             sink = stream.sink
@@ -404,10 +573,14 @@ class Job:
             if error:
                 run["error"] = error[:1000]
             if state == "stopped":
-                run["signal"] = self.summary.stopped
+                run["signal"] = signal or self.summary.stopped
             sink.set_extra("run", run)
-            if state == "running":
-                sink.commit()  # at once: status shows this run before its first part
+            if state == "running" or signal:
+                try:
+                    sink.commit()  # at once: status shows this run before its first part / a hard stop as one
+                except Exception:  # noqa: BLE001 - a hard stop must not fail on the way out
+                    if state == "running":
+                        raise
 
     def _close_sinks(self) -> None:
         for stream in self.streams:
@@ -415,6 +588,44 @@ class Job:
                 stream.sink.close()
             except Exception as e:  # e.g. the disk is still full: the rows run again on resume
                 log.warning("could not commit the last rows of %s: %s", stream.sink.out_dir, e)
+
+
+def _is_empty(source: Source, path: str) -> bool:
+    """No rows at all: an input of 0 rows, or JSONL of blank lines (no columns either, so look at a row)."""
+    if source.num_rows is not None:
+        return source.num_rows == 0
+    if source.columns:
+        return False
+    return next(iter(source.rows()), None) is None
+
+
+def _read_template(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"chat_template: cannot read {path}: {e.strerror or e}") from None
+
+
+def check_chat_template(template: str | None, name: str) -> None:
+    from batchjob.models.chat import ChatTemplateError, compile_template
+
+    if template is None:
+        return  # rows say that the model has no template, one by one
+    try:
+        compile_template(template)
+    except ChatTemplateError as e:
+        raise ConfigError(f"chat_template: {name}: {e}") from None
+
+
+def _remove_if_bare(folders: list[Path]) -> None:
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):  # innermost first
+        try:
+            lock = folder / ".lock"
+            if lock.is_file() and {p.name for p in folder.iterdir()} == {".lock"}:
+                lock.unlink()
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass
 
 
 def run_job(cfg: JobConfig, *, restart: bool = False) -> JobSummary:

@@ -1,7 +1,8 @@
 """Turns an input record into a request: prompt token ids (a plain prompt, a list of token ids, a prompt
 wrapped as a chat message, or a `messages` list rendered with the chat template) and the row's sampling
 parameters (the job's, overridden by a `sampling` column and by columns named like the parameters).
-Problems are per-row errors (RowError)."""
+Messages are read as the OpenAI API writes them too (text content parts, the `developer` role), and
+values that come as text (CSV) as JSON. Problems are per-row errors (RowError)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from batchjob.engine.sequence import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 SAMPLING_COLUMN = "sampling"
+TEXT_FIELDS = ("stop",)  # parameters whose value may be plain text
 
 
 class RowError(ValueError):
@@ -33,11 +35,14 @@ class PromptBuilder:
             if not cfg.chat:
                 return None
             msgs = [{"role": "user", "content": self._prompt_text(record)}]
+        elif isinstance(msgs, str):  # a JSON list in a text column (CSV)
+            try:
+                msgs = json.loads(msgs)
+            except ValueError as e:
+                raise RowError(f"column {cfg.messages_column!r}: invalid JSON: {e}") from None
         if not isinstance(msgs, list) or not msgs:
             raise RowError(f"column {cfg.messages_column!r}: expected a non-empty list of {{role, content}} messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RowError(f"column {cfg.messages_column!r}: message {i} needs string 'role' and 'content'")
+        msgs = [chat_message(m, i, cfg.messages_column) for i, m in enumerate(msgs)]
         if cfg.system_prompt and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
         return msgs
@@ -79,6 +84,27 @@ class PromptBuilder:
         return list(value)
 
 
+def chat_message(message, index: int, column: str) -> dict:
+    """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
+    accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
+    does) and the `developer` role (its newer name for `system`). The other keys are kept."""
+    where = f"column {column!r}: message {index}"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RowError(f"{where} needs string 'role' and 'content'")
+    content = message.get("content")
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                got = f"type {kind!r}" if isinstance(kind, str) else "no text"
+                raise RowError(f"{where}: content part {k} has {got}; only text parts are supported")
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise RowError(f"{where} needs string 'role' and 'content'")
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {**message, "role": role, "content": content}
+
+
 def row_sampling(record: dict, base: SamplingParams) -> SamplingParams:
     """`base` (the job's or the lane's parameters) overridden by the row: first its `sampling` column (a
     struct, a JSON object or a JSON string of one), then columns named like a parameter. Nulls keep base."""
@@ -95,13 +121,24 @@ def row_sampling(record: dict, base: SamplingParams) -> SamplingParams:
         values.update(given)
     for name in SAMPLING_FIELDS:
         if record.get(name) is not None:
-            values[name] = record[name]
+            values[name] = _from_text(name, record[name])
     if not values:
         return base
     try:
         return SamplingParams.parse(values, base)
     except ValueError as e:
         raise RowError(f"sampling parameter {e}") from None
+
+
+def _from_text(name: str, value):
+    """A parameter given as text (every CSV value is) is read as JSON: "0.7" -> 0.7, "[2, 5]" -> [2, 5].
+    `stop` takes text as it is (a stop string); text that is not JSON is left for the check to name."""
+    if not isinstance(value, str) or name in TEXT_FIELDS:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def has_row_sampling(columns) -> bool:

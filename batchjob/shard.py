@@ -121,7 +121,8 @@ def plan_shards(source: Source, count: int) -> list[ShardRange]:
                     break
         return [ShardRange(a, b, offsets.get(a, 0)) for a, b in zip(cuts, cuts[1:])]
     if source.num_rows is None:
-        raise ShardError(f"{source.path}: the row count is unknown, so it cannot be sharded")
+        raise ShardError(f"{source.path} ({source.format_name}): its row count is not known before a full read, so it "
+                         f"cannot be cut into shards; decompress it to .jsonl or convert it to Parquet, or run it unsharded")
     cuts = cut_points(source.num_rows, count, source.unit_starts())
     return [ShardRange(a, b) for a, b in zip(cuts, cuts[1:])]
 
@@ -235,7 +236,9 @@ def claim_shard(out: str | Path, spec: ShardSpec, source: Source, fingerprint: d
         raise ShardError(f"{out} is a job of {job.shards} shards ({out / JOB_FILE}); this run is shard {spec} — "
                          f"use --shard K/{job.shards} (or `batchjob slurm submit --shards {job.shards}`), "
                          "or a new output folder for a different split")
-    if job.fingerprint != fingerprint:
+    from batchjob.io.sink import same_job
+
+    if not same_job(job.fingerprint, fingerprint):
         keys = sorted(k for k in {*job.fingerprint, *fingerprint} if job.fingerprint.get(k) != fingerprint.get(k))
         raise ShardError(f"{out} holds the shards of a different job (differs in: {', '.join(keys)}); "
                          "use a new output folder, or delete this one to start over")

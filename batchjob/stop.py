@@ -22,9 +22,15 @@ class TooManyErrors(Exception):
     """More rows failed than `max_errors` allows."""
 
 
+class AllRowsFailed(TooManyErrors):
+    """Every row of the job failed: the job did nothing useful, whatever `max_errors` allows."""
+
+
 class StopSignals:
-    def __init__(self, drain_timeout: float) -> None:
+    def __init__(self, drain_timeout: float, situation=None) -> None:
+        """`situation()`: what the first signal will do instead of a drain to exit 75, or None (a drain)."""
         self.drain_timeout = drain_timeout
+        self.situation = situation
         self.received: str | None = None  # name of the first signal
         self.deadline: float | None = None
         self.hurry = False
@@ -61,9 +67,13 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.received is None:
             self.request(name)
-            _say(f"batchjob: {name}: admitting no new rows; finishing the running ones (up to "
-                 f"{self.drain_timeout:g}s), then committing and exiting with {EXIT_RESUMABLE}. "
-                 f"Rerun the same command to continue; SIGINT again stops at once.\n")
+            instead = self.situation() if self.situation else None
+            if instead:
+                _say(f"batchjob: {name}: {instead}\n")
+            else:
+                _say(f"batchjob: {name}: admitting no new rows; finishing the running ones (up to "
+                     f"{self.drain_timeout:g}s), then committing and exiting with {EXIT_RESUMABLE}. "
+                     f"Rerun the same command to continue; SIGINT again stops at once.\n")
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
         else:

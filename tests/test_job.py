@@ -74,7 +74,7 @@ def test_rerun_skips_committed_rows_and_gives_the_same_text(tmp_path, model_dir)
     run_cli("--model", model_dir, "--input", src, "--output", out, "--max-tokens", 6, "--temperature", 0.8, "--seed", 3)
     first = read_results(out)
     printed = run_cli("--model", model_dir, "--input", src, "--output", out, "--max-tokens", 6, "--temperature", 0.8, "--seed", 3)
-    assert "0 rows" in printed  # everything was committed: nothing recomputed
+    assert "already finished: 12 rows" in printed  # everything was committed: nothing recomputed
     # a fresh run elsewhere gives the same sampled text row for row
     out2 = tmp_path / "out2"
     run_cli("--model", model_dir, "--input", src, "--output", out2, "--max-tokens", 6, "--temperature", 0.8, "--seed", 3)
@@ -153,7 +153,7 @@ weight = 2
     assert t.column("finish_reason")[12].as_py() == "error" and "priority 5" in t.column("error")[12].as_py()
 
 
-def test_job_level_errors_exit_1_with_a_clear_message(tmp_path, model_dir):
+def test_job_level_errors_exit_1_and_usage_errors_2_with_a_clear_message(tmp_path, model_dir):
     runner = CliRunner()
     r = runner.invoke(main, ["run", "--model", str(model_dir), "--input", str(tmp_path / "missing.jsonl")])
     assert r.exit_code == 1 and "missing.jsonl" in r.output
@@ -167,7 +167,7 @@ def test_job_level_errors_exit_1_with_a_clear_message(tmp_path, model_dir):
     bad = tmp_path / "bad.toml"
     bad.write_text('input = "x.jsonl"\nmax_tokenz = 3\n')
     r = runner.invoke(main, ["run", str(bad)])
-    assert r.exit_code == 1 and "max_tokenz" in r.output
+    assert r.exit_code == 2 and "max_tokenz" in r.output  # a usage error, as click reports its own
 
 
 def test_console_script_help_documents_the_fields():

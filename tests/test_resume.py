@@ -311,7 +311,7 @@ def test_a_changed_input_model_or_parameter_is_refused_until_restart(tmp_path, m
     assert "7 rows" in printed
     assert Manifest.load(out).fingerprint["params"]["temperature"] == 0.5
     assert len(texts(out)) == 7
-    assert "0 rows" in cli(*base, "--model", model_dir, "--temperature", 0.5)  # the new job resumes as usual
+    assert "already finished: 7 rows" in cli(*base, "--model", model_dir, "--temperature", 0.5)  # the new job resumes as usual
 
 
 # per-row errors
@@ -377,7 +377,7 @@ def test_max_errors_as_a_fraction_of_a_known_row_count(tmp_path, model_dir):
     printed = cli(*args, "--output", tmp_path / "a", "--max-errors", "10%", code=1)  # 6 errors > 3
     assert "0.1 of the rows, 3" in printed
     cli(*args, "--output", tmp_path / "b", "--max-errors", 0.2)  # 6 errors <= 6
-    printed = cli(*args, "--output", tmp_path / "c", "--max-errors", 1.5, code=1)
+    printed = cli(*args, "--output", tmp_path / "c", "--max-errors", 1.5, code=2)  # a bad value: a usage error
     assert "max_errors" in printed and "fraction" in printed
 
 

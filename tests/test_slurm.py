@@ -396,7 +396,7 @@ def test_preempted_and_requeued_tasks_resume_and_the_result_is_unchanged(slurm_c
     for k, sig in ((0, "SIGUSR1"), (1, "SIGTERM")):
         log = task_log(k)
         runs = re.split(r"start #\d+", log)[1:]
-        rows = [int(n) for n in re.findall(r"batchjob: (\d+) rows", log)]
+        rows = [int(n) for n in re.findall(r"in all; (?:this run )?(\d+) rows", log)]  # each run's own rows
         assert len(runs) >= 2 and f"stopped by {sig}" in runs[0], log  # drained and came back
         assert len(rows) == len(runs) and rows[0] < 50, log
         assert sum(rows) == 50, log  # no row done twice: each run did only what was not committed

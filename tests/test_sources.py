@@ -244,11 +244,11 @@ def test_missing_column_message_lists_available_columns(tmp_path):
 def test_missing_path_and_unknown_format(tmp_path):
     with pytest.raises(SourceError, match="input not found: .*nope.jsonl"):
         open_source(tmp_path / "nope.jsonl")
-    (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(SourceError, match=r"JSON Lines.*Parquet.*datasets"):
-        open_source(tmp_path / "data.csv")
-    with pytest.raises(SourceError, match="unknown input_format 'csv'"):
-        open_source(tmp_path / "data.csv", input_format="csv")
+    (tmp_path / "data.xlsx").write_text("a,b\n")
+    with pytest.raises(SourceError, match=r"JSON Lines.*CSV.*TSV.*Parquet.*datasets"):
+        open_source(tmp_path / "data.xlsx")
+    with pytest.raises(SourceError, match="unknown input_format 'xlsx'"):
+        open_source(tmp_path / "data.xlsx", input_format="xlsx")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceError, match="no \\*.parquet"):
         open_source(tmp_path / "empty")

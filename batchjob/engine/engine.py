@@ -40,6 +40,7 @@ class StepStats:
     prefix_query_tokens: int
     step_s: float
     forward_s: float
+    num_sampled: int = 0  # rows that got a token (decodes and last prompt chunks): tokens generated
 
 
 class CostModel:
@@ -105,6 +106,7 @@ class Engine:
         self.last_step = step
         finished: list[Sequence] = []
         forward_s = 0.0
+        sampled = 0
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
             moved = self.runner.swap(step.swap_out, step.swap_in)
@@ -118,6 +120,7 @@ class Engine:
             for seq, tok in zip(step.seqs, tokens):
                 if tok is None:
                     continue
+                sampled += 1
                 seq.token_ids.append(tok)
                 reason = self._finish_reason(seq, tok)
                 if reason:
@@ -132,7 +135,7 @@ class Engine:
             num_preempted=len(step.preempted), num_running=len(sched.running), num_waiting=sched.num_waiting,
             blocks_used=self.pool.num_used, blocks_free=self.pool.num_free,
             prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
-            step_s=time.perf_counter() - t0, forward_s=forward_s,
+            step_s=time.perf_counter() - t0, forward_s=forward_s, num_sampled=sampled,
         )
         return finished
 

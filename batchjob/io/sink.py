@@ -299,8 +299,23 @@ START_OVER = ("rerun the original job unchanged to continue it, or add --restart
               "results and start over, or write to another --output folder")
 
 
+def same_job(old: dict, new: dict) -> bool:
+    """Fingerprints of the same job. An input identity written before inputs were fingerprinted by content
+    (the path, then [name, size, mtime] per file) still matches when the names, sizes and columns do:
+    a folder from an earlier version resumes without --restart."""
+    if old == new:
+        return True
+    o, n = old.get("input"), new.get("input")
+    if not (isinstance(o, dict) and isinstance(n, dict) and "path" in o and "format" not in o):
+        return False
+    legacy = [f[:2] for f in o.get("files", [])] == [f[:2] for f in n.get("files", [])] and o.get("columns") == n.get("columns")
+    return legacy and {**old, "input": None} == {**new, "input": None}
+
+
 def _check_same_job(out_dir: Path, manifest: Manifest, fingerprint: dict, total_rows: int | None) -> None:
-    if manifest.fingerprint != fingerprint:
+    if same_job(manifest.fingerprint, fingerprint):
+        manifest.fingerprint = fingerprint  # an older identity is written anew at the next commit
+    else:
         changes = fingerprint_changes(manifest.fingerprint, fingerprint)
         raise FingerprintMismatch(f"{out_dir} holds results of a different job (differs in: {'; '.join(changes)}); "
                                   + START_OVER)

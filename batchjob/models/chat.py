@@ -35,9 +35,14 @@ def render_chat(
     except SecurityError as e:
         raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
     except TemplateError as e:  # includes raise_exception() from the template itself
-        raise ChatTemplateError(f"chat template failed: {e}") from e
+        raise ChatTemplateError(str(e)) from e
     except Exception as e:  # a template can hit any Python error, e.g. a KeyError on a message field
-        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+        raise ChatTemplateError(f"{type(e).__name__}: {e}") from e
+
+
+def compile_template(template: str) -> None:
+    """Raises ChatTemplateError when `template` is not valid Jinja (checked once per job, not per row)."""
+    _compile(template)
 
 
 @lru_cache(maxsize=16)

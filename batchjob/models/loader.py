@@ -108,9 +108,13 @@ def _load_hf_dir(folder: Path, dtype: torch.dtype) -> LoadedModel:
     shards = _safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name).to(dtype)
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    weights[name] = f.get_tensor(name).to(dtype)
+        except Exception as e:  # the Rust reader raises its own error type for every kind of damage
+            raise ModelLoadError(f"{shard}: not a readable safetensors file, probably truncated or damaged "
+                                 f"({shard.stat().st_size:,} bytes; {e}); copy or download it again") from None
     weights = _checked(config, weights, source=str(folder))
     try:
         tokenizer = Tokenizer.from_hf_dir(folder)
@@ -206,8 +210,16 @@ def _checked(config: ModelConfig, weights: dict[str, torch.Tensor], source: str)
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     try:
         reader = _FastGGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read the GGUF file ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - the reader fails in many ways on a short file (IndexError, reshape)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)") from None
+        raise ModelLoadError(f"{path}: the GGUF file is truncated or damaged: its header or a tensor runs past the "
+                             f"end of the file ({path.stat().st_size:,} bytes; {type(e).__name__}: {e}); copy or "
+                             f"download it again") from None
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_gguf(meta, tensors.keys(), source=str(path))

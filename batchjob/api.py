@@ -1,0 +1,331 @@
+"""The Python API: `generate()` runs prompts in memory and `run()` runs a job, with the engine, sampling and
+chat handling of `batchjob run`. An `LLM` holds one loaded model and its engine; `generate()` keeps the
+last few in a cache keyed by model and engine knobs, so a notebook does not reload a model per call."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchjob.config import FIELDS, SECTIONS, ConfigError, JobConfig, load_job
+from batchjob.device import choose_device, choose_dtype
+from batchjob.engine.detokenizer import IncrementalDetokenizer
+from batchjob.engine.engine import Engine
+from batchjob.engine.sampler import sequence_key
+from batchjob.engine.sequence import Sequence
+from batchjob.job import JobSummary, build_engine, run_job
+from batchjob.models.loader import load_model, resolve_model_path
+from batchjob.requests import SAMPLING_COLUMN, SAMPLING_FIELDS, PromptBuilder, RowError, row_sampling
+from batchjob.results import OutputColumns, PendingRow, TokenText
+
+# generate()'s keywords, named as in a job file (and vLLM); `seed` is the job seed: row i's random stream
+# comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's, as in a job)
+SAMPLING_OPTIONS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
+                    "ignore_eos", "logprobs", "n", "seed")
+CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
+ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
+                  "prefill_chunk", "block_size", "kv_cache_gb", "admission", "preemption", "swap_space_gb", "max_wait",
+                  "prefix_caching", "read_ahead", "threads")
+assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
+
+# the keys of a prompt given as a dict: what an input row of a job may carry (vLLM's prompt_token_ids too)
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", SAMPLING_COLUMN, *SAMPLING_FIELDS})
+IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
+CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
+ALL_COLUMNS = OutputColumns(logprobs=True, completions=True)  # a Result always has both fields (None when unused)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One of a prompt's n completions (n > 1), as in the output's `completions` column, plus its token ids."""
+    index: int
+    text: str
+    finish_reason: str
+    completion_tokens: int
+    logprobs: list[dict] | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One prompt's result: the fields of an output row (README, "Output"); `text` is `generated_text`."""
+    text: str
+    finish_reason: str  # stop | length | error
+    prompt_tokens: int
+    completion_tokens: int  # of all n completions
+    error: str | None = None  # why the prompt failed (finish_reason "error")
+    logprobs: list[dict] | None = None  # the first completion's, when logprobs was asked for
+    completions: tuple[Completion, ...] | None = None  # n > 1: all n, in order (the first is also `text`)
+    token_ids: tuple[int, ...] = ()  # the first completion's generated token ids
+
+
+def failed(error: str, prompt_tokens: int = 0) -> Result:
+    return Result(text="", finish_reason="error", prompt_tokens=prompt_tokens, completion_tokens=0, error=error)
+
+
+class LLM:
+    """A model loaded once, with its engine: `LLM(model="smollm2", dtype=..., max_num_seqs=...)`, then
+    `.generate(prompts, temperature=..., ...)` as often as needed. Calls are serialized (one engine)."""
+
+    def __init__(self, model: str = "smollm2", **engine: Any):
+        _check_names(engine, ENGINE_OPTIONS, "LLM()")
+        self.options = {k: v for k, v in engine.items() if v is not None}
+        self.config = job_config({"model": model, **self.options})
+        self.device = choose_device(self.config.device)
+        self.dtype = choose_dtype(self.config.dtype, self.device)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.loaded = load_model(model, dtype=self.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self._engine: Engine | None = build_engine(self.config, self.loaded, self.device, self.dtype)
+        self._token_text = TokenText(self.tokenizer)
+        self._next_seq = 0
+        self._lock = threading.Lock()
+
+    @property
+    def kernels(self) -> str:
+        return self.engine.model.kernels.name
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:  # the last call stopped midway (Ctrl-C): its rows are still in the old engine
+            self._engine = build_engine(self.config, self.loaded, self.device, self.dtype)
+        return self._engine
+
+    def generate(self, prompts: Any, **options: Any) -> list[Result]:
+        """One Result per prompt, in input order. `options`: sampling parameters and chat, chat_template,
+        system_prompt. A bad keyword or value raises ValueError; a bad prompt is a Result with an error."""
+        _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS, "generate()")
+        template = chat_template_text(options.pop("chat_template", None))
+        if isinstance(options.get("stop"), str):  # one stop string, never the job flag's JSON list text
+            options["stop"] = [options["stop"]]
+        system_prompt = options.get("system_prompt")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system_prompt: expected a string, got {system_prompt!r}")
+        cfg = job_config({"model": self.config.model, **self.options, **options})
+        records = prompt_records(prompts)
+        if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
+            check_template(template or self.tokenizer.chat_template)
+        builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template)
+        with self._lock:
+            try:
+                return self._generate(cfg, builder, records)
+            except BaseException:  # e.g. Ctrl-C in a notebook: rows are left in the engine; start clean next time
+                self._engine = None
+                raise
+
+    def _generate(self, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
+        """Job._feed's loop: rows enter the engine with the read-ahead a job uses, keys from (seed, row)."""
+        engine, tokenizer = self.engine, self.tokenizer
+        base = cfg.sampling_defaults()
+        results: list[Result | None] = [None] * len(records)
+        pending: dict[int, tuple[int, int, PendingRow, list]] = {}  # seq_id -> (row, completion, its row, its seqs)
+        read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
+        rows = iter(enumerate(records))
+        exhausted = False
+        while True:
+            while not exhausted and engine.scheduler.num_waiting < read_ahead:
+                item = next(rows, None)
+                if item is None:
+                    exhausted = True
+                    break
+                index, record = item
+                if isinstance(record, str):  # not a prompt at all
+                    results[index] = failed(record)
+                    continue
+                try:
+                    ids = builder.token_ids(record)
+                    params = row_sampling(record, base)
+                except RowError as e:
+                    results[index] = failed(str(e))
+                    continue
+                row, seqs = PendingRow(params.n, ALL_COLUMNS), [None] * params.n
+                for c in range(params.n):  # n completions: n Sequences, each with its own random stream
+                    detok = IncrementalDetokenizer(tokenizer, ids, params.stop, min_tokens=params.min_tokens,
+                                                   include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
+                    seq = Sequence(self._next_seq, ids, params, rng_key=sequence_key(params, cfg.seed, index, c), detokenizer=detok)
+                    self._next_seq += 1
+                    err = engine.add(seq)
+                    if err:  # the prompt never fits: the same for every completion
+                        results[index] = failed(err, prompt_tokens=len(ids))
+                        break
+                    pending[seq.seq_id] = (index, c, row, seqs)
+                    seqs[c] = seq
+            if not engine.has_work:
+                break
+            for seq in engine.step():
+                index, c, row, seqs = pending.pop(seq.seq_id)
+                if row.add(c, seq, tokenizer, self._token_text):  # the row's last completion
+                    results[index] = result_of(row, seqs)
+        return results  # every row has its Result once the engine is idle
+
+
+def result_of(row: PendingRow, seqs: list[Sequence]) -> Result:
+    fields = row.fields()
+    completions = None
+    if row.n > 1:
+        completions = tuple(Completion(c.index, c.text, c.finish_reason, c.completion_tokens, c.logprobs,
+                                       tuple(s.output_ids)) for c, s in zip(row.done, seqs))
+    return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
+                  completion_tokens=fields["completion_tokens"], logprobs=fields["extra"].get("logprobs"),
+                  completions=completions, token_ids=tuple(seqs[0].output_ids))
+
+
+# the cache behind generate()
+
+_cache: OrderedDict[tuple, LLM] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def cached_llm(model: str = "smollm2", **engine: Any) -> LLM:
+    """The cached LLM for this model and these engine knobs, loaded on first use; the least recently used
+    one goes when more than CACHE_SIZE are held. `threads` is process-wide, so it is set, not keyed."""
+    _check_names(engine, ENGINE_OPTIONS, "generate()")
+    threads = engine.pop("threads", None)
+    cfg = job_config({"model": model, "threads": threads, **engine})
+    device = choose_device(cfg.device)
+    key = (str(resolve_model_path(model)), device, str(choose_dtype(cfg.dtype, device)),
+           *((name, getattr(cfg, name)) for name in ENGINE_OPTIONS if name not in ("dtype", "device", "threads")))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    with _cache_lock:
+        llm = _cache.get(key)
+        if llm is None:
+            llm = _cache[key] = LLM(model, **engine)
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+        _cache.move_to_end(key)
+        return llm
+
+
+def clear_cache() -> None:
+    """Drop the cached engines (e.g. to free their memory, or after changing a model's files in place)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Result]:
+    """Run `prompts` in memory: a string, a list of token ids, a chat conversation (a list of {role,
+    content}) or a dict of those fields plus per-prompt sampling parameters (a job's input row), or a list
+    of any of these. Returns one Result per prompt, in order. `options`: the job file's sampling, chat
+    and engine fields (README); the engine for (model, engine fields) is loaded once and cached."""
+    _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
+    engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+    call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
+    return cached_llm(model, **engine).generate(prompts, **call)
+
+
+def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrides: Any) -> JobSummary:
+    """Run a job as `batchjob run` does: `job` is a TOML job file or a dict of the same fields (with
+    optional sampling/engine/output/job tables); `overrides` are job fields that win over it. Returns the
+    summary; failures raise the project's errors (ConfigError, SourceError, ModelLoadError, ...)."""
+    unknown = sorted(set(overrides) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"run(): unknown field {unknown[0]!r}; known fields: {', '.join(sorted(FIELDS))}")
+    if isinstance(job, Mapping):
+        cfg = load_job(None, {**job_fields(job), **overrides})
+    elif isinstance(job, (str, Path)):
+        cfg = load_job(job, overrides)
+    else:
+        raise ConfigError(f"run(): job: expected a job file path or a dict of job fields, got {type(job).__name__}")
+    return run_job(cfg, restart=restart)
+
+
+# arguments
+
+def job_config(values: dict) -> JobConfig:
+    """The job file's validation for in-memory values (ConfigError, a ValueError, names the field)."""
+    return load_job(None, {"input": IN_MEMORY, "output": IN_MEMORY, **values})
+
+
+def job_fields(job: Mapping[str, Any]) -> dict:
+    """A dict job, flattened as load_job flattens a job file's tables."""
+    values = {}
+    for key, value in job.items():
+        table = key in SECTIONS and isinstance(value, Mapping)
+        for name, v in (value.items() if table else [(key, value)]):
+            if name not in FIELDS:
+                shown = f"{key}.{name}" if table else name
+                raise ConfigError(f"run(): unknown field {shown!r}; known fields: {', '.join(sorted(FIELDS))}")
+            values[name] = v
+    return values
+
+
+def _check_names(given: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown keyword argument to {where}; known: {', '.join(allowed)}")
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """A template file, as a job's chat_template, or (as vLLM also takes) the Jinja text itself."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"chat_template: expected a file path or the template text, got {value!r}")
+    if isinstance(value, str) and "{" in value:  # Jinja needs {{ or {%; a path rarely has a brace
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as e:
+        raise ValueError(f"chat_template: cannot read {value}: {e.strerror or e}") from None
+
+
+def check_template(template: str | None) -> None:
+    from batchjob.models.chat import ChatTemplateError, compile_template
+
+    if template is None:
+        return  # rows say that the model has no template, one by one (as in a job)
+    try:
+        compile_template(template)
+    except ChatTemplateError as e:
+        raise ValueError(f"chat_template: {e}") from None
+
+
+# prompts
+
+def prompt_records(prompts: Any) -> list[dict | str]:
+    """One input record per prompt (the shape of a job's input row), or for an item that is not a
+    prompt, the message of its Result. A single prompt counts as a list of one, as in vLLM."""
+    if _is_single(prompts):
+        return [_record(0, prompts)]
+    if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray)):
+        return [_record(i, p) for i, p in enumerate(prompts)]
+    raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
+
+
+def _is_single(prompts: Any) -> bool:
+    if isinstance(prompts, (str, Mapping)):
+        return True
+    if isinstance(prompts, (list, tuple)) and prompts:
+        ids = all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        # token ids, or one conversation (a prompt dict never has role or content)
+        return ids or all(isinstance(m, Mapping) for m in prompts) and any("role" in m or "content" in m for m in prompts)
+    return False
+
+
+def _record(index: int, prompt: Any) -> dict | str:
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, (list, tuple)):
+        if prompt and all(isinstance(m, Mapping) for m in prompt):
+            return {"messages": [dict(m) for m in prompt]}
+        return {"prompt": list(prompt)}  # token ids, checked by the PromptBuilder
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"prompts[{index}]: unknown key {unknown[0]!r}; a prompt dict has {', '.join(sorted(PROMPT_KEYS))}")
+        record = dict(prompt)
+        if "prompt_token_ids" in record:
+            if record.get("prompt") is not None:
+                raise ValueError(f"prompts[{index}]: give prompt or prompt_token_ids, not both")
+            record["prompt"] = record.pop("prompt_token_ids")
+        return record
+    return (f"prompt {index}: expected a string, a list of token ids, a list of {{role, content}} messages "
+            f"or a dict, got {type(prompt).__name__}")
