@@ -244,6 +244,28 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
     click.echo(f"batchjob: {n} rows -> {to}{gap}")
 
 
+@main.command("verify")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--repair", is_flag=True, help="set damaged parts aside (.corrupt) so the next run regenerates their rows")
+def verify_cmd(out: str, repair: bool) -> None:
+    """Read every committed part of OUT (and of its lane and shard folders) and check it against its
+    SHA-256 — the full check a resume skips (it sizes every part and hashes the newest). Exit 1 when a
+    part is damaged."""
+    from batchjob.io.lock import LockHeld
+    from batchjob.io.manifest import ManifestError
+    from batchjob.io.verify import format_checks, verify
+
+    try:
+        checks = verify(out, repair=repair)
+    except (ManifestError, LockHeld) as e:
+        _fail(e, 1)
+    if not checks:
+        _fail(f"{out} holds no committed results (no manifest.json)", 1)
+    click.echo(format_checks(checks))
+    if any(c.damaged for c in checks):
+        sys.exit(1)
+
+
 @main.group("slurm")
 def slurm_group() -> None:
     """Run a job as a Slurm array of shards that survive preemption (see README, "Slurm")."""

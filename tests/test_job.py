@@ -11,6 +11,8 @@ import pyarrow.ipc as ipc
 import pytest
 from click.testing import CliRunner
 
+from batchjob.io.manifest import Manifest
+
 from batchjob.cli import main
 from batchjob.io.sink import read_results
 
@@ -64,8 +66,7 @@ def test_run_writes_one_row_per_input_row_readable_by_pyarrow_and_pandas(tmp_pat
     pd = pytest.importorskip("pandas")
     df = pd.concat([pd.read_feather(p) for p in parts]).sort_values("row_index")
     assert len(df) == 31 and df["id"].iloc[0] == "r0"
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert sum(p["num_rows"] for p in manifest["parts"]) == 31
+    assert Manifest.load(out).num_rows() == 31
 
 
 def test_rerun_skips_committed_rows_and_gives_the_same_text(tmp_path, model_dir):

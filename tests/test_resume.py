@@ -246,20 +246,22 @@ def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):
 # crashes and damage
 
 
-def test_a_crash_between_part_rename_and_manifest_update_loses_nothing(tmp_path, model_dir, monkeypatch):
+def test_a_crash_between_part_rename_and_its_commit_record_loses_nothing(tmp_path, model_dir, monkeypatch):
+    from batchjob.io.commit_log import CommitLog
+
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i} says"} for i in range(30)])
     args = ["--model", model_dir, "--input", src, "--max-tokens", 6, "--part-rows", 4, "--dtype", "float32", *FAST]
     out = tmp_path / "out"
-    commit = Manifest.commit
+    append = CommitLog.append
     calls = [0]
 
-    def crash_on_fifth(self, out_dir):
+    def crash_on_fourth(self, record):
         calls[0] += 1
-        if calls[0] == 5:  # (new folder, run start, part 0, part 1,) part 2 is renamed into place: no manifest
+        if calls[0] == 4:  # (run start, part 0, part 1,) part 2 is renamed into place: no record
             raise SimulatedKill
-        commit(self, out_dir)
+        append(self, record)
 
-    monkeypatch.setattr(Manifest, "commit", crash_on_fifth)
+    monkeypatch.setattr(CommitLog, "append", crash_on_fourth)
     with pytest.raises(SimulatedKill):
         CliRunner().invoke(main, ["run", *map(str, args), "--output", str(out)], catch_exceptions=False)
     monkeypatch.undo()
@@ -434,7 +436,7 @@ def test_a_full_disk_stops_the_job_and_leaves_a_resumable_folder(tmp_path, model
     assert len(texts(out)) == 200
 
 
-def test_a_file_size_limit_hit_while_writing_the_manifest_leaves_a_resumable_folder(tmp_path, model_dir):
+def test_a_file_size_limit_hit_while_writing_the_commit_log_leaves_a_resumable_folder(tmp_path, model_dir):
     import resource
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}"} for i in range(200)])
@@ -443,12 +445,12 @@ def test_a_file_size_limit_hit_while_writing_the_manifest_leaves_a_resumable_fol
 
     def limit_file_size():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))  # the manifest outgrows it after ~20 parts
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))  # the commit log outgrows it after ~10 parts
 
     proc = subprocess.run([sys.executable, "-m", "batchjob.cli", "run", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, preexec_fn=limit_file_size)
     assert proc.returncode == 1, proc.stderr
-    assert "manifest.json" in proc.stderr and "File too large" in proc.stderr
+    assert "commits.log" in proc.stderr and "File too large" in proc.stderr
     done = _check_resumable(out)
     assert 0 < done < 200
     cli("run", *args)

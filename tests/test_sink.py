@@ -32,7 +32,8 @@ def test_parts_and_manifest_round_trip(tmp_path):
     with ArrowSink(out, fingerprint=FP, keep_columns=["id"], part_rows=10, total_rows=25) as sink:
         for i in order:
             sink.write(result(i, id=f"r{i}"))
-    assert files(out) == ["manifest.json", "manifest.json.prev", "part-00000.arrow", "part-00001.arrow", "part-00002.arrow"]
+    assert files(out) == ["commits.log", "manifest.json", "manifest.json.prev", "part-00000.arrow", "part-00001.arrow",
+                          "part-00002.arrow"]
 
     manifest = Manifest.load(out)
     assert manifest.fingerprint == FP and manifest.total_rows == 25
@@ -102,7 +103,8 @@ def test_resume_removes_uncommitted_parts_and_temp_files(tmp_path):
     (tmp_path / "notes.txt").write_text("not ours")
 
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=4)
-    assert files(tmp_path) == ["manifest.json", "manifest.json.prev", "notes.txt", "part-00000.arrow", "part-00001.arrow"]
+    assert files(tmp_path) == ["commits.log", "manifest.json", "manifest.json.prev", "notes.txt", "part-00000.arrow",
+                               "part-00001.arrow"]
     assert sink.done.ranges() == [(0, 8)]
     for i in range(8, 12):
         sink.write(result(i))
@@ -111,15 +113,17 @@ def test_resume_removes_uncommitted_parts_and_temp_files(tmp_path):
     assert read_results(tmp_path).column("row_index").to_pylist() == list(range(12))
 
 
-def test_crash_between_part_rename_and_manifest_commit(tmp_path, monkeypatch):
+def test_crash_between_part_rename_and_its_commit_record(tmp_path, monkeypatch):
+    from batchjob.io.commit_log import CommitLog
+
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
     sink.write(result(0))
     sink.write(result(1))  # committed
 
-    def crash(self, out_dir):
+    def crash(self, record):
         raise OSError("disk full")
 
-    monkeypatch.setattr(Manifest, "commit", crash)
+    monkeypatch.setattr(CommitLog, "append", crash)
     sink.write(result(2))
     with pytest.raises(OSError):
         sink.write(result(3))
@@ -130,6 +134,98 @@ def test_crash_between_part_rename_and_manifest_commit(tmp_path, monkeypatch):
     resumed = ArrowSink(tmp_path, fingerprint=FP)
     assert resumed.done.ranges() == [(0, 2)]
     assert "part-00001.arrow" not in files(tmp_path)
+
+
+def test_a_torn_last_commit_record_is_ignored_and_cut_off(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(6):
+            sink.write(result(i))
+    log = tmp_path / "commits.log"
+    data = log.read_bytes()
+    log.write_bytes(data[:-15])  # the last append cut short by a crash: its part is an orphan
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 4)]
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    assert sink.done.ranges() == [(0, 4)] and "part-00002.arrow" not in files(tmp_path)
+    sink.write(result(4))
+    sink.write(result(5))
+    sink.close()
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 6)]  # appended after the cut: readable
+
+
+def test_a_damaged_record_before_good_ones_is_damage_not_a_crash(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(6):
+            sink.write(result(i))
+    log = tmp_path / "commits.log"
+    lines = log.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"num_rows":2', b'"num_rows":3')
+    log.write_bytes(b"\n".join(lines))
+    with pytest.raises(ManifestError, match="record 2 is damaged and valid records follow"):
+        Manifest.load(tmp_path)
+
+
+def test_commit_bytes_grow_linearly_with_the_number_of_parts(tmp_path, monkeypatch):
+    """10,000 commits of one-row parts: the log and its snapshots together write O(parts) bytes (the
+    rewritten manifest of batchjob 0.1 wrote O(parts^2): ~12 GB for a 10M-row job in 1,000-row parts)."""
+    from batchjob.io import commit_log, manifest as manifest_module
+
+    written = [0]
+    real_append, real_write = commit_log.CommitLog.append, manifest_module.atomic_write
+
+    def append(self, record):
+        before = self.bytes
+        real_append(self, record)
+        written[0] += self.bytes - before
+
+    def atomic_write(path, data):
+        written[0] += len(data)
+        real_write(path, data)
+
+    monkeypatch.setattr(commit_log.CommitLog, "append", append)
+    monkeypatch.setattr(manifest_module, "atomic_write", atomic_write)
+    monkeypatch.setattr("batchjob.io.sink.ArrowSink._write_part", _tiny_part)
+    per_part = []
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=1)
+    for i in range(10_000):
+        sink.write(result(i))
+        if i + 1 in (1_000, 10_000):
+            per_part.append(written[0] / (i + 1))
+    sink.close()
+    assert per_part[1] < 2.5 * per_part[0]  # bytes per commit stay flat (quadratic: 10x)
+    assert per_part[1] < 2_000  # a record and its share of the snapshots, not the whole manifest
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 10_000)]
+    assert len(Manifest.load(tmp_path).parts) == 10_000
+
+
+def _tiny_part(self):
+    from batchjob.io.manifest import PartEntry, utc_now
+
+    name = f"part-{self._next_part:05d}.arrow"
+    (self.out_dir / name).write_bytes(b"x")  # the part's content does not matter here, its entry does
+    self._next_part += 1
+    return PartEntry(name=name, num_rows=len(self._buffer), rows=self._pending.to_json(), bytes=1,
+                     sha256=hashlib.sha256(b"x").hexdigest(), created=utc_now())
+
+
+def test_a_manifest_of_the_previous_format_is_read_and_converted(tmp_path):
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(4):
+            sink.write(result(i))
+    state = Manifest.load(tmp_path)
+    old = state.to_json()
+    body = {k: v for k, v in old.items() if k not in ("checksum", "seq")}
+    body["version"] = 1  # batchjob 0.1: the whole state in manifest.json, no log
+    from batchjob.io.manifest import _checksum
+
+    (tmp_path / "manifest.json").write_text(json.dumps({**body, "checksum": _checksum(body)}))
+    for name in ("commits.log", "manifest.json.prev"):
+        (tmp_path / name).unlink()
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    assert sink.done.ranges() == [(0, 4)]
+    assert json.loads((tmp_path / "manifest.json").read_text())["version"] == 2  # written anew at once
+    sink.write(result(4))
+    sink.close()
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 5)]
 
 
 def test_listed_part_that_is_missing_or_truncated_is_dropped(tmp_path):
@@ -155,6 +251,7 @@ def test_listed_part_that_is_missing_or_truncated_is_dropped(tmp_path):
 def test_corrupt_manifest_is_detected(tmp_path):
     with ArrowSink(tmp_path, fingerprint=FP) as sink:
         sink.write(result(0))
+    Manifest.load(tmp_path).commit(tmp_path)  # a snapshot that lists the part
     path = tmp_path / "manifest.json"
     data = json.loads(path.read_text())
     data["parts"][0]["num_rows"] = 2
@@ -172,9 +269,13 @@ def test_a_damaged_manifest_is_rebuilt_from_the_previous_generation_and_verified
         for i in range(9):
             sink.write(result(i))
     path = tmp_path / "manifest.json"
+    # the previous snapshot and the log hold everything; the log loses its last record (its part was
+    # renamed into place, the crash came before the record was whole)
+    log = tmp_path / "commits.log"
+    log.write_bytes(b"\n".join(log.read_bytes().split(b"\n")[:2]) + b"\n")
     assert [p.name for p in Manifest.load(tmp_path, "manifest.json.prev").parts] == ["part-00000.arrow", "part-00001.arrow"]
     if damage == "edited":
-        path.write_text(path.read_text().replace('"num_rows": 3', '"num_rows": 4', 1))
+        path.write_text(path.read_text().replace('"total_rows":9', '"total_rows":8', 1))
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:100])
     else:
@@ -202,7 +303,7 @@ def test_a_manifest_damaged_beyond_repair_is_refused_with_a_way_out(tmp_path):
     (tmp_path / "manifest.json.prev").unlink()
     with pytest.raises(SinkError, match="part files but no manifest.json"):
         ArrowSink(tmp_path, fingerprint=FP)
-    assert clear_results(tmp_path) == 2
+    assert clear_results(tmp_path) == 3  # two parts and the log
     assert ArrowSink(tmp_path, fingerprint=FP).done.count() == 0
 
 
@@ -265,7 +366,7 @@ def test_a_failed_write_is_an_output_error_and_leaves_no_temp_file(tmp_path, mon
     with pytest.raises(OutputError, match="No space left on device.*rerun"):
         sink.write(result(1))
     monkeypatch.setattr("batchjob.io.sink.os.fsync", real_fsync)
-    assert files(tmp_path) == ["manifest.json"]
+    assert files(tmp_path) == ["manifest.json", "manifest.json.prev"]  # no part, no temp file
     sink.commit()  # space is back: the same rows commit
     assert ArrowSink(tmp_path, fingerprint=FP).done.ranges() == [(0, 2)]
 
@@ -362,9 +463,42 @@ def test_done_rows_come_back_as_row_ranges(tmp_path):
 def test_a_manifest_of_a_newer_format_is_refused_and_left_alone(tmp_path):
     ArrowSink(tmp_path, fingerprint=FP).close()
     manifest = Manifest.load(tmp_path)
-    manifest.version = 2
-    manifest.commit(tmp_path)
+    body = {**{k: v for k, v in manifest.to_json().items() if k != "checksum"}, "version": 3}
+    from batchjob.io.manifest import _checksum
+
+    (tmp_path / "manifest.json").write_text(json.dumps({**body, "checksum": _checksum(body)}))
     before = (tmp_path / "manifest.json").read_bytes()
-    with pytest.raises(SinkError, match="version 2"):
+    with pytest.raises(SinkError, match="version 3"):
         ArrowSink(tmp_path, fingerprint=FP)
     assert (tmp_path / "manifest.json").read_bytes() == before and "manifest.json.corrupt" not in files(tmp_path)
+
+
+def test_reopening_sizes_every_part_but_hashes_only_the_newest_and_verify_hashes_all(tmp_path):
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(10):
+            sink.write(result(i))
+    part = tmp_path / "part-00001.arrow"
+    data = bytearray(part.read_bytes())
+    data[-20] ^= 0xFF  # the same size, other bytes: only a hash sees it
+    part.write_bytes(bytes(data))
+    assert ArrowSink(tmp_path, fingerprint=FP).repaired == []  # an old part: sized, not hashed
+    r = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert r.exit_code == 1 and "part-00001.arrow: damaged (SHA-256 mismatch)" in r.output and "--repair" in r.output
+    r = CliRunner().invoke(main, ["verify", str(tmp_path), "--repair"])
+    assert r.exit_code == 1 and "set aside" in r.output
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
+    assert sink.repaired == ["part-00001.arrow"] and sink.done.ranges() == [(0, 2), (4, 10)]
+    sink.write(result(2))
+    sink.write(result(3))
+    sink.close()
+    r = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert r.exit_code == 0 and "every part whole" in r.output
+    newest = tmp_path / Manifest.load(tmp_path).parts[-1].name
+    data = bytearray(newest.read_bytes())
+    data[-20] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert ArrowSink(tmp_path, fingerprint=FP).repaired == [newest.name]  # the newest are hashed on reopening

@@ -6,9 +6,10 @@ Each job runs in a child process (`python -m batchjob.bench.pipeline child -- <b
 stamps the first row handed to the sink; the parent takes the child's peak RSS from wait4().
 
 The 99%-done job is a real crash state, not an edited one: while the 100,000-row job runs, the parent
-copies manifest.json the moment it lists >= 99% of the rows (the sink replaces it atomically at each
-part commit). After the job ends, that copy is put back; the parts it does not list are what a crash
-after that commit would have left, and the resumed job must sweep them and redo only those rows."""
+copies the commit files (manifest.json, its previous snapshot and the commit logs) the moment they list
+>= 99% of the rows. After the job ends, those copies are put back; the parts they do not list are what
+a crash after that commit would have left, and the resumed job must sweep them and redo only those
+rows."""
 from __future__ import annotations
 
 import json
@@ -41,11 +42,18 @@ def make_input(path: Path, rows: int, fmt: str, seed: int = 0) -> Path:
     return path
 
 
-def _manifest_rows(out: Path) -> tuple[int, bytes | None]:
+COMMIT_FILES = ("manifest.json", "manifest.json.prev", "commits.log", "commits.log.prev")
+
+
+def _manifest_rows(out: Path) -> tuple[int, dict | None]:
+    """Rows committed in `out`, and the commit files' bytes (the folder's whole commit state)."""
+    from batchjob.io.manifest import Manifest
+
     try:
-        data = (out / "manifest.json").read_bytes()
-        return sum(p["num_rows"] for p in json.loads(data)["parts"]), data
-    except (OSError, ValueError, KeyError):
+        data = {name: (out / name).read_bytes() for name in COMMIT_FILES if (out / name).exists()}
+        manifest = Manifest.load(out)
+        return (manifest.num_rows() if manifest else 0), data
+    except Exception:  # noqa: BLE001 - a reader may race the writer; the next look sees a whole state
         return 0, None
 
 
@@ -65,8 +73,8 @@ def run_job(model: str, input_path: Path, out: Path, *, engine_flags: list[str],
         seen = None
         while not done.is_set():
             try:
-                st = (out / "manifest.json").stat()
-                key = (st.st_mtime_ns, st.st_size, st.st_ino)
+                key = tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in
+                            ((out / name).stat() for name in COMMIT_FILES[::2] if (out / name).exists()))
             except OSError:
                 key = None
             if key is not None and key != seen:
@@ -160,7 +168,11 @@ def resume(model: str, inp: Path, out: Path, flags: list[str], full: dict, snaps
     total = full["rows_committed"]
     if snapshot["rows"] >= total:
         return {"status": "skipped: the job committed everything at once (no 99% state)"}
-    (out / "manifest.json").write_bytes(snapshot["data"])  # the state right after that commit
+    for name in COMMIT_FILES:  # the state right after that commit
+        if name in snapshot["data"]:
+            (out / name).write_bytes(snapshot["data"][name])
+        else:
+            (out / name).unlink(missing_ok=True)
     r = run_job(model, inp, out, engine_flags=flags)
     r.update(status="ok" if r["rc"] == 0 and r["rows_committed"] == total else "failed",
              done_before=snapshot["rows"], total_rows=total)

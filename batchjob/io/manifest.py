@@ -1,9 +1,11 @@
-"""Manifest: the one file that says which part files of an output folder are committed.
+"""Manifest: which part files of an output folder are committed, and what the job knows about them.
 
-A part counts only once it is listed here; `commit` replaces manifest.json atomically, so a crash
-leaves either the old or the new manifest, never a torn one. A checksum field catches the rest, and
-the generation before the last one stays beside it as manifest.json.prev, so damage to the current
-file (a bad disk, an editor, a copy cut short) can be repaired from the previous one plus the parts.
+The state is manifest.json, a snapshot up to commit `seq`, plus the commit log's records after it
+(io/commit_log.py): a part counts once its record is in the log (or the snapshot). `commit` writes a
+new snapshot atomically (a compaction: the log it absorbs becomes commits.log.prev) and keeps the
+snapshot before it as manifest.json.prev, so damage to manifest.json (a bad disk, an editor, a copy cut
+short) is repaired from the previous snapshot and the logs. Snapshots of version 1 (batchjob 0.1, no
+log) load as the state at seq 0.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from batchjob.io.commit_log import LOG, LOG_PREV, LogError, read
 from batchjob.io.ranges import RowRanges
 
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.json.prev"
-VERSION = 1
+VERSION = 2  # 2: a snapshot with `seq` and a commit log beside it; 1 (read too): the whole state, no log
+READS = (1, 2)
 
 
 class ManifestError(Exception):
@@ -54,6 +58,16 @@ class Manifest:
     total_rows: int | None = None
     extra: dict = field(default_factory=dict)  # free-form: resume offsets, stats
     version: int = VERSION
+    seq: int = 0  # the last commit this state includes
+
+    def apply(self, record: dict) -> None:
+        """One commit-log record: its part, the extra keys it set, the row count once known."""
+        if record.get("part") is not None:
+            self.parts.append(PartEntry(**record["part"]))
+        self.extra.update(record.get("extra") or {})
+        if "total_rows" in record:
+            self.total_rows = record["total_rows"]
+        self.seq = record["seq"]
 
     def done_rows(self) -> RowRanges:
         done = RowRanges()
@@ -73,7 +87,8 @@ class Manifest:
 
     def to_json(self) -> dict:
         body = {
-            "version": self.version,
+            "version": VERSION,
+            "seq": self.seq,
             "fingerprint": self.fingerprint,
             "total_rows": self.total_rows,
             "parts": [asdict(part) for part in self.parts],
@@ -89,8 +104,9 @@ class Manifest:
         if _checksum(body) != data["checksum"]:
             raise ManifestError(f"{where} is corrupt (checksum mismatch); it was edited or damaged — "
                                 "restore it or rerun into a new output folder")
-        if body.get("version") != VERSION:
-            raise ManifestVersionError(f"{where} has version {body.get('version')}; this batchjob reads version {VERSION}")
+        if body.get("version") not in READS:
+            raise ManifestVersionError(f"{where} has version {body.get('version')}; this batchjob reads versions "
+                                       f"{', '.join(map(str, READS))}")
         try:
             return cls(
                 fingerprint=body["fingerprint"],
@@ -98,14 +114,17 @@ class Manifest:
                 total_rows=body["total_rows"],
                 extra=body["extra"],
                 version=body["version"],
+                seq=body.get("seq", 0),
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{where} lacks a field or has an unknown one: {e}") from e
 
     @classmethod
     def load(cls, out_dir: str | Path, name: str = MANIFEST) -> Manifest | None:
-        """The committed manifest of `out_dir` (or its previous generation), or None when there is none."""
-        path = Path(out_dir) / name
+        """The committed state of `out_dir`: the snapshot `name` (manifest.json, or its previous generation)
+        plus the commit-log records after it; None when there is no snapshot."""
+        out_dir = Path(out_dir)
+        path = out_dir / name
         try:
             text = path.read_bytes()
         except FileNotFoundError:
@@ -114,17 +133,36 @@ class Manifest:
             data = json.loads(text)
         except ValueError as e:
             raise ManifestError(f"{path} is corrupt (not valid JSON: {e}); restore it or rerun into a new output folder") from e
-        return cls.from_json(data, where=str(path))
+        manifest = cls.from_json(data, where=str(path))
+        try:
+            for log in (LOG_PREV, LOG):  # the older log first: a record is applied once, in seq order
+                for record in read(out_dir / log)[0]:
+                    if record["seq"] <= manifest.seq:
+                        continue  # already in the snapshot
+                    if record["seq"] != manifest.seq + 1:
+                        raise ManifestError(f"{out_dir / log}: commits {manifest.seq + 1}-{record['seq'] - 1} are "
+                                            f"missing after {name}")
+                    manifest.apply(record)
+        except LogError as e:
+            raise ManifestError(str(e)) from e
+        return manifest
 
-    def commit(self, out_dir: str | Path) -> None:
-        """Replace out_dir/manifest.json atomically and durably, keeping the replaced generation as
-        manifest.json.prev (a hard link: no copy)."""
+    def commit(self, out_dir: str | Path) -> int:
+        """Write the whole state as a new snapshot (a compaction), atomically and durably: the replaced one
+        stays as manifest.json.prev (a hard link: no copy) and the log it absorbed becomes commits.log.prev.
+        Returns the snapshot's size in bytes."""
         out_dir = Path(out_dir)
-        data = json.dumps(self.to_json(), indent=1, ensure_ascii=False).encode()
+        data = json.dumps(self.to_json(), indent=None, separators=(",", ":"), ensure_ascii=False).encode()
         path = out_dir / MANIFEST
         if path.exists():
             keep_previous(path, out_dir / PREVIOUS)
         atomic_write(path, data)
+        if not (out_dir / PREVIOUS).exists():  # the first snapshot: with the logs, it rebuilds any later state
+            atomic_write(out_dir / PREVIOUS, data)  # a copy, not a link: damage to one must not reach the other
+        if (out_dir / LOG).exists():  # every record in it is in the snapshot now
+            os.replace(out_dir / LOG, out_dir / LOG_PREV)
+            fsync_dir(out_dir)
+        return len(data)
 
 
 def keep_previous(path: Path, prev: Path) -> None:

@@ -1,13 +1,15 @@
 """ArrowSink: writes result rows into an output folder as Arrow IPC part files plus manifest.json.
 
-Commit protocol: a part is written under a temp name, fsynced and renamed, then the manifest that
-lists it replaces the old one. Only listed parts count, so a crash anywhere loses at most the rows
-still buffered, and reopening the folder sweeps away what the crash left behind.
+Commit protocol: a part is written under a temp name, fsynced and renamed, then one record listing
+it is appended to the commit log (io/commit_log.py) and fsynced; when the log outgrows manifest.json,
+a new snapshot replaces it. Only listed parts count, so a crash anywhere loses at most the rows still
+buffered, and reopening the folder sweeps away what the crash left behind.
 
-Reopening also verifies every listed part against its size and SHA-256: a damaged part is set aside
-(`.corrupt`) and its rows are generated again. A damaged manifest is rebuilt from the previous
-generation (manifest.json.prev) plus the part files it does not list, each checked to be a whole
-Arrow file whose rows no other part holds; nothing verifiable is dropped.
+Reopening checks the size of every listed part and the SHA-256 of the last ones (what a crash can have
+touched): the time to resume does not grow with the output. `batchjob verify` hashes every part. A
+damaged part is set aside (`.corrupt`) and its rows are generated again. A damaged manifest is rebuilt
+from the previous snapshot (manifest.json.prev) and the logs, plus the part files they do not list,
+each checked to be a whole Arrow file whose rows no other part holds; nothing verifiable is dropped.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchjob.io.manifest import (MANIFEST, PREVIOUS, Manifest, ManifestError, ManifestVersionError, PartEntry, fsync_dir,
-                                  utc_now)
+from dataclasses import asdict
+
+from batchjob.io.commit_log import CommitLog
+from batchjob.io.manifest import (MANIFEST, PREVIOUS, VERSION, Manifest, ManifestError, ManifestVersionError, PartEntry,
+                                  fsync_dir, utc_now)
 from batchjob.io.ranges import RowRanges
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,8 @@ FINISH_REASONS = ("stop", "length", "error")
 PART_NAME = re.compile(r"part-(\d{5,})\.arrow")
 TEMP_NAME = re.compile(r"\.(part-\d{5,}\.arrow|manifest\.json(\.prev)?)\.tmp")
 RESUME_POSITION = "resume_position"  # manifest extra: where a reader resumes (first row not committed)
+COMPACT_MIN_BYTES = 256 << 10  # the log is folded into a new snapshot once it is larger than this and the snapshot
+VERIFY_LAST = 2  # listed parts hashed on reopening (the newest: what a crash can have left torn); all are sized
 
 
 class SinkError(Exception):
@@ -75,10 +82,11 @@ class ArrowSink:
 
         fingerprint = json.loads(json.dumps(fingerprint))  # compare as it will read back
         fresh = manifest is None
+        upgraded = False
         if manifest is None:
             manifest = Manifest(fingerprint=fingerprint, total_rows=total_rows)
         else:
-            _check_same_job(self.out_dir, manifest, fingerprint, total_rows)
+            upgraded = _check_same_job(self.out_dir, manifest, fingerprint, total_rows)
             manifest.total_rows = manifest.total_rows if total_rows is None else total_rows
         self.manifest = manifest
         # names of listed parts that were missing or damaged; with a damaged manifest, the parts adopted
@@ -88,12 +96,17 @@ class ArrowSink:
         self._pending = RowRanges()
         self._buffer: list[dict] = []
         self._first_buffered_at: float | None = None
-        self._extra_dirty = False
+        self._dirty: set[str] = set()  # extra keys set since the last commit
+        self._total_dirty = False
         self._closed = False
         self._positions: dict[int, object] = {}  # row read but not committed -> where reading it again starts
         self._types = self._kept_types()
-        if fresh or self.repaired or self.damaged_manifest:
-            self._commit_manifest()  # marks the folder as this job's before any part exists
+        self._log = CommitLog(self.out_dir)  # cuts off a torn last record
+        snapshot = self.out_dir / MANIFEST
+        self._snapshot_bytes = snapshot.stat().st_size if snapshot.exists() else 0
+        if fresh or self.repaired or self.damaged_manifest or upgraded or manifest.version != VERSION:
+            # marks the folder as this job's before any part exists; an older format is written anew
+            self._compact()
 
     # writing
 
@@ -125,7 +138,7 @@ class ArrowSink:
     def set_extra(self, key: str, value) -> None:
         """Stored in the manifest at the next commit (e.g. a JSONL resume offset, stats)."""
         self.manifest.extra[key] = value
-        self._extra_dirty = True
+        self._dirty.add(key)
 
     @property
     def extra(self) -> dict:
@@ -135,7 +148,7 @@ class ArrowSink:
         """The input's row count once known (a JSONL file read to its end); stored at the next commit."""
         if self.manifest.total_rows != total:
             self.manifest.total_rows = total
-            self._extra_dirty = True
+            self._total_dirty = True
 
     def note_position(self, row_index: int, position) -> None:
         """Where a reader starts to read `row_index` again (JSON-able, opaque here: a JSONL
@@ -145,22 +158,35 @@ class ArrowSink:
         self._positions[row_index] = position
 
     def commit(self) -> None:
-        if not self._buffer and not self._extra_dirty:
+        """Write the buffered rows as a part and append its record to the commit log (one fsync each)."""
+        if not self._buffer and not self._dirty and not self._total_dirty:
             return
-        listed, extra = self.manifest.parts, dict(self.manifest.extra)
+        listed, extra, seq = self.manifest.parts, dict(self.manifest.extra), self.manifest.seq
         done = self.done.union(self._pending)
+        dirty = {*self._dirty, "last_commit"}
         position = self._positions.get(done.first_missing())
         if position is not None:
             self.manifest.extra[RESUME_POSITION] = position
+            dirty.add(RESUME_POSITION)
         self.manifest.extra["last_commit"] = time.time()
         try:
-            if self._buffer:
-                self.manifest.parts = [*listed, self._write_part()]
-            self._commit_manifest()
+            record: dict = {"seq": seq + 1, "extra": {k: self.manifest.extra[k] for k in sorted(dirty)}}
+            if self._total_dirty:
+                record["total_rows"] = self.manifest.total_rows
+            entry = self._write_part() if self._buffer else None
+            if entry is not None:
+                record["part"] = asdict(entry)
+            try:
+                self._log.append(record)
+            except OSError as e:
+                raise _output_error(self._log.path, e) from e
         except BaseException:
             # a written part stays an orphan, removed on resume
             self.manifest.parts, self.manifest.extra = listed, extra
             raise
+        if entry is not None:
+            self.manifest.parts = [*listed, entry]
+        self.manifest.seq = seq + 1
         for start, end in self._pending.ranges():
             for row in range(start, end):
                 self._positions.pop(row, None)
@@ -168,13 +194,17 @@ class ArrowSink:
         self._pending = RowRanges()
         self._buffer = []
         self._first_buffered_at = None
-        self._extra_dirty = False
+        self._dirty = set()
+        self._total_dirty = False
+        if self._log.bytes > max(COMPACT_MIN_BYTES, self._snapshot_bytes):
+            self._compact()  # the commit above is durable already: a failure here loses nothing
 
-    def _commit_manifest(self) -> None:
+    def _compact(self) -> None:
         try:
-            self.manifest.commit(self.out_dir)
+            self._snapshot_bytes = self.manifest.commit(self.out_dir)
         except OSError as e:
             raise _output_error(self.out_dir / MANIFEST, e) from e
+        self._log = CommitLog(self.out_dir)  # the old one became commits.log.prev
 
     def close(self) -> None:
         if not self._closed:
@@ -266,9 +296,10 @@ class ArrowSink:
             elif PART_NAME.fullmatch(path.name) and path.name not in listed:
                 unlisted.append(path)
         repaired, kept = [], []
+        hashed = {p.name for p in self.manifest.parts[-VERIFY_LAST:]} if not adopt else listed
         for part in self.manifest.parts:
             path = self.out_dir / part.name
-            problem = _check_part(path, part)
+            problem = _check_part(path, part, full=part.name in hashed)
             if problem is None:
                 kept.append(part)
                 continue
@@ -312,9 +343,11 @@ def same_job(old: dict, new: dict) -> bool:
     return legacy and {**old, "input": None} == {**new, "input": None}
 
 
-def _check_same_job(out_dir: Path, manifest: Manifest, fingerprint: dict, total_rows: int | None) -> None:
+def _check_same_job(out_dir: Path, manifest: Manifest, fingerprint: dict, total_rows: int | None) -> bool:
+    """Raises when `manifest` is another job's; True when its fingerprint was of an older form (now updated)."""
+    upgraded = manifest.fingerprint != fingerprint
     if same_job(manifest.fingerprint, fingerprint):
-        manifest.fingerprint = fingerprint  # an older identity is written anew at the next commit
+        manifest.fingerprint = fingerprint
     else:
         changes = fingerprint_changes(manifest.fingerprint, fingerprint)
         raise FingerprintMismatch(f"{out_dir} holds results of a different job (differs in: {'; '.join(changes)}); "
@@ -322,6 +355,7 @@ def _check_same_job(out_dir: Path, manifest: Manifest, fingerprint: dict, total_
     if manifest.total_rows is not None and total_rows is not None and manifest.total_rows != total_rows:
         raise FingerprintMismatch(f"{out_dir} was written for an input of {manifest.total_rows} rows, "
                                   f"the input now has {total_rows}; " + START_OVER)
+    return upgraded
 
 
 _ABSENT = object()
@@ -392,13 +426,16 @@ def _load_manifest(out_dir: Path) -> tuple[Manifest | None, str | None]:
     return previous, problem
 
 
-def _check_part(path: Path, part: PartEntry) -> str | None:
+def _check_part(path: Path, part: PartEntry, full: bool = True) -> str | None:
+    """None when the part is whole: its size, and with `full` its SHA-256, as listed."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         return "missing"
     if size != part.bytes:
         return f"{size} bytes, not {part.bytes}"
+    if not full:
+        return None
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -446,7 +483,7 @@ def clear_results(out_dir: str | Path) -> int:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return 0
-    ours = re.compile(r"(part-\d{5,}\.arrow|manifest\.json(\.prev)?)(\.corrupt)?")
+    ours = re.compile(r"(part-\d{5,}\.(arrow|parquet)|manifest\.json(\.prev)?|commits\.log(\.prev)?)(\.corrupt)?")
     removed = 0
     for path in out_dir.iterdir():
         if path.is_file() and (ours.fullmatch(path.name) or TEMP_NAME.fullmatch(path.name)):
