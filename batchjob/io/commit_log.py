@@ -90,11 +90,12 @@ class CommitLog:
                 f.truncate(self.bytes)  # nothing half-written stays (best effort: a full disk can refuse)
                 raise
         if new:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         self.bytes += len(line)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a rename or a new file in `path` durable; not possible on every platform or filesystem."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from batchjob.io.commit_log import LOG, LOG_PREV, LogError, read
+from batchjob.io.commit_log import LOG, LOG_PREV, LogError, fsync_dir, read
 from batchjob.io.ranges import RowRanges
 
 MANIFEST = "manifest.json"
@@ -203,20 +203,6 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing half-written behind
         raise
     fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable; not possible on every platform/filesystem.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def utc_now() -> str:
