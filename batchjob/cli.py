@@ -60,6 +60,8 @@ RUN_OPTIONS = [
     ("--threads", "threads", int, "torch CPU threads (default: 0 = all cores)"),
     ("--part-rows", "part_rows", int, "commit a part every N rows (default: 1000)"),
     ("--part-seconds", "part_seconds", float, "... or every T seconds (default: 30)"),
+    ("--part-format", "part_format", click.Choice(["arrow", "parquet"]), "part files as Arrow IPC (default) or Parquet "
+     "(zstd; readable by DuckDB, Spark, BigQuery)"),
     ("--progress/--no-progress", "progress", None, "progress: a bar on a terminal, else a plain line every --log-every "
      "seconds (default: on)"),
     ("--log-every", "log_every", float, "seconds between progress lines when stderr is not a terminal (default: 30)"),
@@ -99,7 +101,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     [sampling] and [engine] tables). Flags override the file. Re-running the same command
     on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed,
     75 stopped by a signal (rerun to continue), 130 stopped at once by a second Ctrl-C."""
-    from batchjob.io.sink import SinkError
+    from batchjob.io.recovery import SinkError
     from batchjob.io.sources import SourceError
     from batchjob.kernels import KernelError
     from batchjob.models.config import UnsupportedModelError

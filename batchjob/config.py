@@ -68,6 +68,7 @@ class JobConfig:
     # output
     part_rows: int = 1000
     part_seconds: float = 30.0
+    part_format: str = "arrow"  # arrow (IPC files) | parquet
     progress: bool = True
     log_every: float = 30.0  # seconds between plain progress lines when stderr is not a terminal
     # stopping; not part of the job's identity, so changing them never blocks a resume
@@ -116,6 +117,7 @@ class JobConfig:
         self.max_errors = _error_limit(self.max_errors)
         self._validate_lanes()
         _choice("output_format", self.output_format, ("arrow", "openai-batch"))
+        _choice("part_format", self.part_format, ("arrow", "parquet"))
         try:
             self.sampling_defaults()
         except ValueError as e:

@@ -27,7 +27,8 @@ from batchjob.engine.sampler import sequence_key
 from batchjob.engine.scheduler import Lane, SchedulerConfig
 from batchjob.engine.sequence import SamplingParams, Sequence
 from batchjob.io.lock import OutputLock
-from batchjob.io.sink import RESUME_POSITION, ArrowSink, clear_results
+from batchjob.io.recovery import clear_results
+from batchjob.io.sink import RESUME_POSITION, ArrowSink
 from batchjob.io.openai_batch import RESULTS_FILE, OpenAIBatchSource, write_openai_batch
 from batchjob.io.sources import InputRow, JsonlSource, Source, SourceError, open_source, validate_columns
 from batchjob.models.llama import LlamaModel
@@ -40,6 +41,7 @@ from batchjob.progress import Progress, Snapshot
 from batchjob.stop import AllRowsFailed, ErrorBudget, StopSignals
 
 log = logging.getLogger(__name__)
+FEED_BATCH = 256  # rows read and tokenized together
 
 
 @dataclass(slots=True)
@@ -243,7 +245,7 @@ class Job:
         self.streams = [
             Stream(source, ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, self.loaded, dtype),
                                      keep_columns=columns[id(source)].names, part_rows=cfg.part_rows,
-                                     part_seconds=cfg.part_seconds, total_rows=source.num_rows),
+                                     part_seconds=cfg.part_seconds, total_rows=source.num_rows, part_format=cfg.part_format),
                    lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns[id(source)])
             for source, path, folder, lane in sources
         ]
@@ -299,46 +301,59 @@ class Job:
         return match[0]
 
     def _feed(self, stream: Stream, budget: int) -> None:
-        cfg = self.cfg
+        """Queue rows until `budget` rows wait in the engine: read a batch, tokenize it in one call, add
+        each row's n Sequences; bad rows become error rows at once."""
         waiting = self.engine.scheduler.waiting
         queue_len = (lambda: len(waiting[stream.lane])) if stream.lane else (lambda: self.engine.scheduler.num_waiting)
         builder = self.builders[id(stream.source)]
-        while not stream.exhausted and queue_len() < budget:
-            item = next(stream.rows, None)
-            if item is None:
-                stream.exhausted = True
-                return
-            record = item.record or {}
-            kept = {c: record.get(c) for c in stream.columns.keep}
-            if item.error:
-                self._emit(stream, item.row_index, kept, error=item.error)
-                continue
-            try:
-                lane = self._lane_for(stream, record)
+        while not stream.exhausted and (room := budget - queue_len()) > 0:
+            batch = []  # (row index, record, kept columns, lane)
+            for _ in range(min(room, FEED_BATCH)):
+                item = next(stream.rows, None)
+                if item is None:
+                    stream.exhausted = True
+                    break
+                record = item.record or {}
+                kept = {c: record.get(c) for c in stream.columns.keep}
+                if item.error:
+                    self._emit(stream, item.row_index, kept, error=item.error)
+                    continue
+                try:
+                    lane = self._lane_for(stream, record)
+                except RowError as e:
+                    self._emit(stream, item.row_index, kept, error=str(e))
+                    continue
                 if self.lane_column_out:
                     kept["lane"] = lane
-                ids = builder.token_ids(record)
-                params = row_sampling(record, self.params.get(lane, self.default_params))
-                stream.columns.check(params)
-            except RowError as e:
-                self._emit(stream, item.row_index, kept, error=str(e))
-                continue
-            row = PendingRow(params.n, stream.columns)
-            self.rows_in_flight += 1
-            for c in range(params.n):  # n completions: n Sequences, each with its own random stream
-                seq_id = self._next_seq
-                self._next_seq += 1
-                key = sequence_key(params, cfg.seed ^ stream.key_salt, item.row_index, c)
-                detok = IncrementalDetokenizer(self.loaded.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
-                                               include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
-                seq = Sequence(seq_id, ids, params, rng_key=key, lane=lane, detokenizer=detok)
-                err = self.engine.add(seq)
-                if err:  # the prompt never fits: the same for every completion
-                    self.rows_in_flight -= 1
-                    self._emit(stream, item.row_index, kept, error=err, prompt_tokens=len(ids))
-                    break
-                self.in_flight[seq_id] = (stream, item.row_index, kept)
-                self.pending[seq_id] = (row, c)
+                batch.append((item.row_index, record, kept, lane))
+            for (row_index, record, kept, lane), ids in zip(batch, builder.token_ids_many([b[1] for b in batch])):
+                try:
+                    if isinstance(ids, RowError):
+                        raise ids
+                    params = row_sampling(record, self.params.get(lane, self.default_params))
+                    stream.columns.check(params)
+                except RowError as e:
+                    self._emit(stream, row_index, kept, error=str(e))
+                    continue
+                self._add_row(stream, row_index, kept, lane, ids, params)
+
+    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, ids: list[int], params: SamplingParams) -> None:
+        row = PendingRow(params.n, stream.columns)
+        self.rows_in_flight += 1
+        for c in range(params.n):  # n completions: n Sequences, each with its own random stream
+            seq_id = self._next_seq
+            self._next_seq += 1
+            key = sequence_key(params, self.cfg.seed ^ stream.key_salt, row_index, c)
+            detok = IncrementalDetokenizer(self.loaded.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
+                                           include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
+            seq = Sequence(seq_id, ids, params, rng_key=key, lane=lane, detokenizer=detok)
+            err = self.engine.add(seq)
+            if err:  # the prompt never fits: the same for every completion
+                self.rows_in_flight -= 1
+                self._emit(stream, row_index, kept, error=err, prompt_tokens=len(ids))
+                return
+            self.in_flight[seq_id] = (stream, row_index, kept)
+            self.pending[seq_id] = (row, c)
 
     # rows out
 

@@ -59,19 +59,44 @@ class PromptBuilder:
         return value
 
     def token_ids(self, record: dict) -> list[int]:
+        result = self.token_ids_many([record])[0]
+        if isinstance(result, RowError):
+            raise result
+        return result
+
+    def token_ids_many(self, records: list[dict]) -> list[list[int] | RowError]:
+        """Each record's prompt ids, or the RowError that fails it; the texts are tokenized in one batch."""
+        out: list = [None] * len(records)
+        plain: list[tuple[int, str]] = []  # prompts: the tokenizer adds BOS where the model wants it
+        chat: list[tuple[int, str]] = []  # rendered templates: they write their special tokens themselves
+        for i, record in enumerate(records):
+            try:
+                kind, value = self._text(record)
+            except RowError as e:
+                out[i] = e
+                continue
+            if kind == "ids":
+                out[i] = value
+            else:
+                (plain if kind == "prompt" else chat).append((i, value))
+        for group, special in ((plain, True), (chat, False)):
+            for (i, _), ids in zip(group, self.tokenizer.encode_batch([t for _, t in group], add_special_tokens=special)):
+                out[i] = ids
+        return out
+
+    def _text(self, record: dict) -> tuple[str, object]:
+        """("ids", token ids given as they are) | ("prompt", text) | ("chat", the rendered template)."""
         msgs = self.messages(record)
-        tok = self.tokenizer
         if msgs is None:
             value = record.get(self.config.prompt_column)
             if isinstance(value, list):
-                return self._given_ids(value)
-            return tok.encode(self._prompt_text(record))
+                return "ids", self._given_ids(value)
+            return "prompt", self._prompt_text(record)
         try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
         except Exception as e:  # template errors are the row's problem, not the job's
             raise RowError(f"chat template failed: {e}") from None
-        # the template writes the special tokens itself (bos included)
-        return tok.encode(text, add_special_tokens=False)
+        return "chat", text
 
     def _given_ids(self, value: list) -> list[int]:
         """A prompt given as token ids (vLLM's prompt_token_ids, OpenAI's token prompts): used as is."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from batchjob.config import ConfigError
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError, atomic_write, utc_now
 from batchjob.io.ranges import RowRanges
-from batchjob.io.sink import SinkError
+from batchjob.io.recovery import SinkError
 from batchjob.io.sources import InputRow, JsonlSource, Source
 
 JOB_FILE = "job.json"
@@ -236,7 +236,7 @@ def claim_shard(out: str | Path, spec: ShardSpec, source: Source, fingerprint: d
         raise ShardError(f"{out} is a job of {job.shards} shards ({out / JOB_FILE}); this run is shard {spec} — "
                          f"use --shard K/{job.shards} (or `batchjob slurm submit --shards {job.shards}`), "
                          "or a new output folder for a different split")
-    from batchjob.io.sink import same_job
+    from batchjob.io.recovery import same_job
 
     if not same_job(job.fingerprint, fingerprint):
         keys = sorted(k for k in {*job.fingerprint, *fingerprint} if job.fingerprint.get(k) != fingerprint.get(k))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from batchjob.io.manifest import Manifest, ManifestError
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 
 PROMPT_COLUMNS = ("prompt", "messages", "question", "instruction", "input", "text")
 
@@ -38,9 +38,10 @@ def summary(out_dir: Path, manifest: Manifest, table) -> str:
     counts = ", ".join(f"{r['counts']} {r['values']}" for r in reasons)
     lines = [
         f"results: {out_dir.resolve()}",
-        f"  {len(manifest.parts)} part files (Arrow IPC; pyarrow.ipc.open_file or pandas.read_feather), "
+        f"  {len(manifest.parts)} part files (.arrow: Arrow IPC, pyarrow.ipc.open_file or pandas.read_feather; "
+        f".parquet: any Parquet reader), "
         f"{table.num_rows} rows{of_total}" + (f" ({counts})" if counts else ""),
-        "  read them all, sorted: batchjob.io.sink.read_results(out_dir)",
+        "  read them all, sorted: batchjob.io.parts.read_results(out_dir)",
         "schema:",
         *(f"  {field.name}: {field.type}" for field in table.schema),
     ]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from batchjob.io.parts import part_schema, read_part
+
 from batchjob.io.export import missing_rows
 from batchjob.io.lock import LOCK_NAME, lock_holder
 from batchjob.io.manifest import Manifest, ManifestError, result_folders
@@ -155,11 +157,9 @@ def _lane_counts(folder: Path, manifest: Manifest) -> dict[str, dict]:
     counts: dict[str, dict] = {}
     for part in manifest.parts:
         try:
-            with pa.memory_map(str(folder / part.name)) as source:
-                reader = pa.ipc.open_file(source)
-                if "lane" not in reader.schema.names:
-                    return {}
-                table = reader.read_all().select(["lane", "finish_reason"])
+            if "lane" not in part_schema(folder / part.name).names:
+                return {}
+            table = read_part(folder / part.name).select(["lane", "finish_reason"])
         except (OSError, pa.ArrowException):
             continue  # a damaged part: the next run sets it aside
         for lane, reason in zip(table.column("lane").to_pylist(), table.column("finish_reason").to_pylist()):

@@ -47,6 +47,7 @@ class NativeKernels:
         self._add_rms_norm = _fn(fused.bj_add_rms_norm, [_P, _I64, _P, _P, _P, _I, _I, _F, _I, _I])
         self._rotary = _fn(fused.bj_rotary, [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I])
         self._silu_mul = _fn(fused.bj_silu_mul, [_P, _P, _I, _I, _I, _I])
+        self._argmax = _fn(fused.bj_argmax_rows, [_P, _I, _I, _P, _I, _I])
         self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
         self.dtype_code = _DTYPE_CODES[dtype]
 
@@ -107,6 +108,17 @@ class NativeKernels:
         out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype)
         _check(self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, self.dtype_code,
                               torch.get_num_threads()), "SiLU * up")
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits.argmax(-1)` of [rows, vocab] logits (fp32 or bf16), the same indices (see fused.cpp)."""
+        code = _DTYPE_CODES.get(logits.dtype)
+        if code is None or logits.device.type != "cpu" or logits.dim() != 2:
+            return logits.argmax(dim=-1)
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        _check(self._argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(), code,
+                            torch.get_num_threads()), "argmax")
         return out
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

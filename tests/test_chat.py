@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.config import JobConfig
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 from batchjob.models.chat import render_chat
 from batchjob.models.loader import load_model
 from batchjob.requests import PromptBuilder, RowError
@@ -57,3 +57,23 @@ def test_chat_rows_with_template_file_and_system_prompt_via_cli(tmp_path, tiny_m
     assert t.column("finish_reason")[3].as_py() == "error"
     assert "chat template failed: tool messages are not supported" in t.column("error")[3].as_py()
     assert all(t.column("error")[i].as_py() is None for i in range(3))
+
+
+def test_a_batch_of_prompts_tokenizes_as_each_alone(tiny_model_dir):
+    from batchjob.config import JobConfig
+    from batchjob.models.loader import load_model
+    from batchjob.requests import PromptBuilder, RowError
+
+    tok = load_model(str(tiny_model_dir("llama"))).tokenizer
+    records = [{"prompt": "hello world"}, {"prompt": ""}, {"prompt": [5, 6, 7]}, {"prompt": "the quick brown fox " * 20},
+               {"messages": [{"role": "user", "content": "hi"}]}, {"messages": "not json"}]
+    builder = PromptBuilder(JobConfig(input="x"), tok, use_messages=True)
+    batch = builder.token_ids_many(records)
+    for record, got in zip(records, batch):
+        try:
+            want = builder.token_ids(record)
+        except RowError as e:
+            assert isinstance(got, RowError) and str(got) == str(e)
+        else:
+            assert got == want
+    assert isinstance(batch[1], RowError) and batch[2] == [5, 6, 7]

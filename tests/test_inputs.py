@@ -18,7 +18,7 @@ from batchjob.cli import main
 from batchjob.config import JobConfig
 from batchjob.io.manifest import Manifest
 from batchjob.io.ranges import RowRanges
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 from batchjob.io.sources import (
     CompressedJsonlSource,
     CsvSource,

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from batchjob.io.manifest import Manifest
 
 from batchjob.cli import main
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 
 REPO = Path(__file__).resolve().parents[1]
 

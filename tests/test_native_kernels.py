@@ -316,3 +316,21 @@ def test_fused_silu_mul_matches_the_reference(dtype, rows, n):
     want = TorchKernels.silu_mul(gate_up)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(kernels.silu_mul(gate_up), want, **tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("vocab", [5, 16, 400, 32000, 49152, 1001])
+def test_native_argmax_is_torch_argmax(dtype, vocab):
+    kernels = native(64, 1, dtype, 16)
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g).to(dtype)
+    x[1, :] = x[1, 0]  # all equal: the first
+    x[2, vocab // 2] = x[2, vocab - 1] = 100.0  # a tie: the first of them
+    x[3, :] = float("-inf")
+    x[4, min(7, vocab - 1)] = float("nan")  # NaN counts as the maximum, the first one
+    x[5, vocab - 1] = 1000.0  # in the tail
+    x[6, :] = float("-inf")
+    x[6, vocab - 1] = float("nan")
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(x[:1]), x[:1].argmax(dim=-1))

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, OpenAIBatchSource, openai_batch_lines, request_record
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 from batchjob.io.sources import JsonlSource, open_source
 
 

@@ -17,7 +17,8 @@ from batchjob.cli import main
 from batchjob.config import load_job
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.io.manifest import Manifest
-from batchjob.io.sink import read_results
+from batchjob.io.sink import ArrowSink
+from batchjob.io.parts import read_results
 from batchjob.io.sources import JsonlSource
 from batchjob.job import run_job
 from batchjob.stats import StatsRecorder
@@ -73,14 +74,24 @@ def test_resume_of_100000_committed_rows_reads_none_of_them(tmp_path, model_dir,
         sampled[0] += sum(t is not None for t in tokens)
         return tokens
 
+    sinks = set()
+    write = ArrowSink.write
+
+    def tracked_write(self, row):
+        sinks.add(self)
+        return write(self, row)
+
     def kill_after_row_99999(self, *args):
         if sampled[0] >= committed:  # rows finish in input order here: 0..99,999 are committed, later ones buffered
+            for sink in sinks:
+                sink.sync()  # the kill comes once the writer thread has committed the parts handed to it
             raise SimulatedKill
 
     t0 = time.perf_counter()
     with monkeypatch.context() as m:
         m.setattr(ModelRunner, "run", fixed_token)
         m.setattr(StatsRecorder, "step", kill_after_row_99999)
+        m.setattr(ArrowSink, "write", tracked_write)
         with pytest.raises(SimulatedKill):
             run_job(load_job(None, cfg))
     build_s = time.perf_counter() - t0

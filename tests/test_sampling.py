@@ -16,7 +16,7 @@ from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.sampler import NUCLEUS_WINDOW, sampleable, sequence_key
 from batchjob.engine.scheduler import SchedulerConfig
 from batchjob.engine.sequence import SamplingParams, Sequence
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 from batchjob.models.llama import LlamaModel
 from batchjob.models.loader import load_model
 from batchjob.requests import RowError, row_sampling

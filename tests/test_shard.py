@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.config import ConfigError
 from batchjob.io.ranges import RowRanges
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 from batchjob.io.sources import DatasetsSource, ParquetSource, open_source
 from batchjob.shard import JobFile, ShardError, ShardSource, ShardSpec, claim_shard, cut_points, plan_shards, shard_states
 

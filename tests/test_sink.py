@@ -11,8 +11,9 @@ import pytest
 
 from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.ranges import RowRanges
-from batchjob.io.sink import (RESULT_SCHEMA, ArrowSink, FingerprintMismatch, OutputError, SinkError, clear_results,
-                              fingerprint_changes, read_results)
+from batchjob.io.parts import RESULT_SCHEMA, read_results
+from batchjob.io.recovery import FingerprintMismatch, SinkError, clear_results, fingerprint_changes
+from batchjob.io.sink import ArrowSink, OutputError
 
 FP = {"model": "tiny", "temperature": 0.0, "input": "data.jsonl"}
 
@@ -85,10 +86,12 @@ def test_commits_after_part_seconds(tmp_path, monkeypatch):
     assert sink.done.count() == 0
     clock[0] += 1
     sink.commit_if_due()  # also callable while no rows arrive
+    sink.sync()  # the part is written on the writer thread
     assert sink.done.ranges() == [(0, 2)]
     sink.write(result(2))
     clock[0] += 31
     sink.write(result(3))  # the write itself notices
+    sink.sync()
     assert sink.done.ranges() == [(0, 4)]
 
 
@@ -118,15 +121,19 @@ def test_crash_between_part_rename_and_its_commit_record(tmp_path, monkeypatch):
 
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
     sink.write(result(0))
-    sink.write(result(1))  # committed
+    sink.write(result(1))
+    sink.sync()  # committed
 
     def crash(self, record):
         raise OSError("disk full")
 
     monkeypatch.setattr(CommitLog, "append", crash)
     sink.write(result(2))
+    sink.write(result(3))  # hands the part to the writer thread, which fails
     with pytest.raises(OSError):
-        sink.write(result(3))
+        sink.sync()  # the failure comes back at the next call
+    with pytest.raises(OSError):
+        sink.write(result(4))  # and stays: nothing more is committed
     monkeypatch.undo()
     assert "part-00001.arrow" in files(tmp_path)  # on disk, but not listed
     assert [p.name for p in sink.manifest.parts] == ["part-00000.arrow"] and sink.done.ranges() == [(0, 2)]
@@ -197,13 +204,13 @@ def test_commit_bytes_grow_linearly_with_the_number_of_parts(tmp_path, monkeypat
     assert len(Manifest.load(tmp_path).parts) == 10_000
 
 
-def _tiny_part(self):
+def _tiny_part(self, columns, rows):
     from batchjob.io.manifest import PartEntry, utc_now
 
     name = f"part-{self._next_part:05d}.arrow"
     (self.out_dir / name).write_bytes(b"x")  # the part's content does not matter here, its entry does
     self._next_part += 1
-    return PartEntry(name=name, num_rows=len(self._buffer), rows=self._pending.to_json(), bytes=1,
+    return PartEntry(name=name, num_rows=len(columns["row_index"]), rows=rows.to_json(), bytes=1,
                      sha256=hashlib.sha256(b"x").hexdigest(), created=utc_now())
 
 
@@ -343,12 +350,15 @@ def test_the_resume_position_is_that_of_the_first_row_not_committed(tmp_path):
         sink.note_position(i, [i, 10 * i])
     sink.write(result(1))
     sink.write(result(0))  # commits rows 0, 1
+    sink.sync()
     assert Manifest.load(tmp_path).extra["resume_position"] == [2, 20]
     sink.write(result(3))
     sink.write(result(4))  # row 2 is still running: the position stays at row 2
+    sink.sync()
     assert Manifest.load(tmp_path).extra["resume_position"] == [2, 20]
     sink.write(result(2))
     sink.write(result(5))
+    sink.sync()
     assert Manifest.load(tmp_path).extra["resume_position"] == [2, 20]  # row 6 was never noted: keep the last
     assert sink._positions == {}  # committed rows are forgotten: memory stays bounded
     sink.set_total_rows(6)
@@ -363,12 +373,14 @@ def test_a_failed_write_is_an_output_error_and_leaves_no_temp_file(tmp_path, mon
     sink.write(result(0))
     real_fsync = os.fsync
     monkeypatch.setattr("batchjob.io.sink.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    sink.write(result(1))  # a full part: the writer thread writes it, and fails
     with pytest.raises(OutputError, match="No space left on device.*rerun"):
-        sink.write(result(1))
+        sink.sync()
     monkeypatch.setattr("batchjob.io.sink.os.fsync", real_fsync)
     assert files(tmp_path) == ["manifest.json", "manifest.json.prev"]  # no part, no temp file
-    sink.commit()  # space is back: the same rows commit
-    assert ArrowSink(tmp_path, fingerprint=FP).done.ranges() == [(0, 2)]
+    with pytest.raises(OutputError):
+        sink.commit()  # this sink is done for: the job stops, and its rows run again on resume
+    assert ArrowSink(tmp_path, fingerprint=FP).done.ranges() == []
 
 
 def test_fingerprint_changes_name_the_path_and_both_values():
@@ -502,3 +514,36 @@ def test_reopening_sizes_every_part_but_hashes_only_the_newest_and_verify_hashes
     data[-20] ^= 0xFF
     newest.write_bytes(bytes(data))
     assert ArrowSink(tmp_path, fingerprint=FP).repaired == [newest.name]  # the newest are hashed on reopening
+
+
+def test_parquet_parts_are_committed_read_and_verified_like_arrow_ones(tmp_path):
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+
+    with ArrowSink(tmp_path, fingerprint=FP, keep_columns=["id"], part_rows=3, part_format="parquet") as sink:
+        for i in range(7):
+            sink.write(result(i, id=f"r{i}"))
+    names = [p.name for p in Manifest.load(tmp_path).parts]
+    assert names == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert pq.read_table(tmp_path / names[0]).column("id").to_pylist() == ["r0", "r1", "r2"]  # any Parquet reader
+    assert read_results(tmp_path).column("row_index").to_pylist() == list(range(7))
+    assert CliRunner().invoke(main, ["verify", str(tmp_path)]).exit_code == 0
+    r = CliRunner().invoke(main, ["export", str(tmp_path), "--to", str(tmp_path / "x" / "all.jsonl"), "--partial"])
+    assert r.exit_code == 0, r.output
+    assert len((tmp_path / "x" / "all.jsonl").read_text().splitlines()) == 7
+    with ArrowSink(tmp_path, fingerprint=FP, keep_columns=["id"], part_rows=3) as sink:  # a later run: Arrow parts
+        sink.write(result(7, id="r7"))
+    assert read_results(tmp_path).column("id").to_pylist()[-1] == "r7"
+
+
+def test_the_writer_thread_never_loses_or_doubles_a_row(tmp_path):
+    sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=3)
+    for i in range(100):
+        sink.write(result(i))
+        with pytest.raises(ValueError, match="already written"):
+            sink.write(result(i))  # buffered, handed to the writer, or committed: a second write is refused
+    sink.close()
+    manifest = Manifest.load(tmp_path)
+    assert manifest.done_rows().ranges() == [(0, 100)] and sum(p.num_rows for p in manifest.parts) == 100

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.io.manifest import Manifest, ManifestError
-from batchjob.io.sink import read_results
+from batchjob.io.parts import read_results
 
 REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / "tests" / "slurm" / "setup_slurm.sh"
@@ -214,7 +214,7 @@ def write_job(path: Path, data: Path, out: Path) -> Path:
 input = "{data}"
 output = "{out}"
 keep_columns = ["id"]
-max_tokens = 24
+max_tokens = 64
 ignore_eos = true
 temperature = 0.8
 seed = 11

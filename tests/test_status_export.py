@@ -17,7 +17,8 @@ from batchjob.engine.model_runner import ModelRunner
 from batchjob.io import export as export_module
 from batchjob.io.export import ExportError, export
 from batchjob.io.manifest import Manifest
-from batchjob.io.sink import ArrowSink, read_results
+from batchjob.io.parts import read_results
+from batchjob.io.sink import ArrowSink
 from batchjob.status import status
 
 FP = {"model": "tiny", "input": "data.jsonl"}

@@ -210,7 +210,7 @@ def child(args: list[str]) -> int:
         return run_job(*a, **k)
 
     sink.ArrowSink.write = stamped
-    LlamaModel.forward, LlamaModel.logits = timed(LlamaModel.forward), timed(LlamaModel.logits)
+    LlamaModel.forward, LlamaModel.raw_logits = timed(LlamaModel.forward), timed(LlamaModel.raw_logits)
     job.run_job = started
     from batchjob.cli import main
 

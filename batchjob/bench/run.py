@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--full", action="store_true",
                     help="every system on every model and workload (default: on smollm2 the HF peers, vLLM and "
                          "batchjob static 64 run W1 only)")
-    ap.add_argument("--pipeline-rows", default="10000,100000", help="comma-separated row counts for the pipeline jobs")
+    ap.add_argument("--pipeline-rows", default="10000,100000,1000000", help="comma-separated row counts for the pipeline jobs")
+    ap.add_argument("--resume-parts", default="100,100000", help="comma-separated committed part counts to resume after")
     ap.add_argument("--pipeline-format", default="jsonl", choices=["jsonl", "parquet"])
     ap.add_argument("--no-pipeline", action="store_true")
     ap.add_argument("--pipeline-only", action="store_true")
@@ -45,8 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.rows = "tiny", args.rows or 16
-        if args.pipeline_rows == "10000,100000":
+        if args.pipeline_rows == "10000,100000,1000000":
             args.pipeline_rows = "1000,10000"
+        if args.resume_parts == "100,100000":
+            args.resume_parts = "100,2000"
     return args
 
 
@@ -184,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"pipeline: batchjob run, max_tokens 1, tiny model, {args.pipeline_format}, {', '.join(f'{n:,}' for n in sizes)} rows")
         pipe = pipeline.measure(Path(args.cache_dir) / "pipeline", str(Path(tiny.path).resolve()), sizes,
                                 fmt=args.pipeline_format, log=log)
+        from batchjob.bench import resume
+
+        counts = [int(n) for n in args.resume_parts.split(",") if n]
+        if counts:
+            log(f"resume after {', '.join(f'{n:,}' for n in counts)} committed one-row parts ...")
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="batchjob-resume-parts-", dir=args.cache_dir) as tmp:
+                pipe["resume_parts"] = resume.measure_parts(counts, str(Path(tiny.path).resolve()), tmp,
+                                                            log=lambda m: log("  " + m))
 
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()

@@ -51,7 +51,7 @@ class BatchjobRunner:
         self._model_s = 0.0
         # The engine's StepStats.forward_s covers ModelRunner.run (input preparation + forward + sampling);
         # the "outside the forward" share needs the model's own forward, so time it here.
-        forward, logits = self.model.forward, self.model.logits
+        forward, logits = self.model.forward, self.model.raw_logits
 
         def timed(fn):
             def wrapper(*args, **kwargs):
@@ -62,7 +62,7 @@ class BatchjobRunner:
                     self._model_s += time.perf_counter() - t
             return wrapper
 
-        self.model.forward, self.model.logits = timed(forward), timed(logits)
+        self.model.forward, self.model.raw_logits = timed(forward), timed(logits)
 
     def _engine(self):
         from batchjob.engine.engine import Engine, EngineConfig

@@ -84,13 +84,19 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
+        self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
         err = self.scheduler.never_fits(seq)
         if err is None:
             p = seq.params
-            seq.stop_token_set = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
+            stops = self._stop_sets.get(id(p))
+            if stops is None or stops[0] is not p:  # rows mostly share one params object: one set for all
+                stops = self._stop_sets[id(p)] = (p, frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos))
+                if len(self._stop_sets) > 4096:
+                    self._stop_sets.clear()
+            seq.stop_token_set = stops[1]
             self.scheduler.add(seq)
         return err
 

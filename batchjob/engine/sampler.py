@@ -58,30 +58,33 @@ def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:
     return best * width + chunks[torch.arange(rows), best].argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> list[int]:
     """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
-    token id per row; rows with `params.logprobs` set get an entry appended to `seq.logprobs`."""
+    token id per row; rows with `params.logprobs` set get an entry appended to `seq.logprobs`. `argmax`:
+    a kernel equal to `argmax_rows` (the model's kernel set may have a faster one)."""
+    argmax = argmax or argmax_rows
     params = [s.params for s in seqs]
     vocab = logits.shape[-1]
     device = logits.device
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw_lp = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
-    logits = logits.float()
 
     banned = [(i, t) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens
               for t in s.stop_token_set if t < vocab]
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    if banned or penalized:
-        logits = logits.clone()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if banned or penalized or sampled or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        widened = logits.float()  # a copy unless already fp32: masks and penalties below write into it
+        logits = widened.clone() if widened is logits and (banned or penalized) else widened
+    # else: greedy rows only: the argmax of the model-dtype logits is that of their exact fp32 widening
     if banned:
         rows, toks = zip(*banned)
         logits[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = float("-inf")
     if penalized:
         apply_penalties(logits, penalized, seqs)
 
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
     if len(sampled) < len(params):
-        out = argmax_rows(logits)
+        out = argmax(logits)
     else:  # no greedy row: skip the argmax pass
         out = torch.empty(len(params), dtype=torch.long, device=device)
     if sampled:

@@ -19,8 +19,8 @@ import pyarrow as pa
 
 from batchjob.io.manifest import Manifest, ManifestError, PartEntry, fsync_dir, result_folders
 from batchjob.io.ranges import RowRanges
-from batchjob.io.sink import RESULT_SCHEMA, to_text, unify_types
-from batchjob.io.sink import _concat as concat_parts
+from batchjob.io.parts import RESULT_SCHEMA, part_schema, read_part, to_text, unify_types
+from batchjob.io.parts import concat_parts
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".arrow": "arrow",
            ".feather": "arrow"}
@@ -113,8 +113,7 @@ class _Part:
     """One part, sorted by row_index: the Arrow table (memory-mapped) and its sort order."""
 
     def __init__(self, path: Path) -> None:
-        self._source = pa.memory_map(str(path))
-        self.table = pa.ipc.open_file(self._source).read_all()
+        self.table = read_part(path)  # an Arrow part stays memory-mapped
         index = self.table.column("row_index").to_numpy()
         self.order = np.argsort(index, kind="stable")
         self.rows = index[self.order]
@@ -133,8 +132,7 @@ class _Part:
         return piece
 
     def close(self) -> None:
-        self.table = None
-        self._source.close()
+        self.table = None  # the mapping goes with the last reference to its buffers
 
 
 def _merged(folder: Path, parts: list[PartEntry], chunk_rows: int) -> Iterator[pa.Table]:
@@ -184,8 +182,7 @@ def _schema(folder: Path, parts: list[PartEntry]) -> pa.Schema:
     parts cannot be widened into one becomes text (as read_results does). Reads part footers only."""
     types: dict[str, pa.DataType | None] = {}
     for part in parts:
-        with pa.memory_map(str(folder / part.name)) as source:
-            schema = pa.ipc.open_file(source).schema
+        schema = part_schema(folder / part.name)
         for field in schema:
             if field.name in RESULT_SCHEMA.names:
                 continue

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchjob.io.sink import SinkError
+from batchjob.io.recovery import SinkError
 
 LOCK_NAME = ".lock"
 

@@ -290,7 +290,7 @@ def export_openai_batch(out: str | Path, to: str | Path, *, created: int | None 
 
 def _write(folders: list[Path], target: Path, created: int | None) -> int:
     """Atomically: a temp file, fsynced, then renamed. One folder's rows in memory at a time."""
-    from batchjob.io.sink import read_results
+    from batchjob.io.parts import read_results
 
     created = int(time.time()) if created is None else created
     model = model_name(folders[0]) if folders else "batchjob"

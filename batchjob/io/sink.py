@@ -1,61 +1,40 @@
-"""ArrowSink: writes result rows into an output folder as Arrow IPC part files plus manifest.json.
+"""ArrowSink: writes result rows into an output folder as part files (Arrow IPC, or Parquet) and commits
+each one with a record in the commit log (io/commit_log.py).
 
-Commit protocol: a part is written under a temp name, fsynced and renamed, then one record listing
-it is appended to the commit log (io/commit_log.py) and fsynced; when the log outgrows manifest.json,
-a new snapshot replaces it. Only listed parts count, so a crash anywhere loses at most the rows still
-buffered, and reopening the folder sweeps away what the crash left behind.
+Commit protocol: a part is written under a temp name, fsynced and renamed, then one record listing it
+is appended to the commit log and fsynced; when the log outgrows manifest.json, a new snapshot replaces
+it. Only listed parts count, so a crash anywhere loses at most the rows not committed yet, and
+reopening the folder sweeps away what the crash left behind (io/recovery.py).
 
-Reopening checks the size of every listed part and the SHA-256 of the last ones (what a crash can have
-touched): the time to resume does not grow with the output. `batchjob verify` hashes every part. A
-damaged part is set aside (`.corrupt`) and its rows are generated again. A damaged manifest is rebuilt
-from the previous snapshot (manifest.json.prev) and the logs, plus the part files they do not list,
-each checked to be a whole Arrow file whose rows no other part holds; nothing verifiable is dropped.
+Rows are buffered column by column; a part is built as Arrow arrays, written and fsynced on a writer
+thread, so the engine does not wait for the disk (unless WRITE_BEHIND parts are already waiting). A
+failed write (a full disk) is raised by the next call into the sink. `done` holds committed rows only.
 """
-
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import re
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
-from dataclasses import asdict
-
-from batchjob.io.commit_log import CommitLog
-from batchjob.io.manifest import (MANIFEST, PREVIOUS, VERSION, Manifest, ManifestError, ManifestVersionError, PartEntry,
-                                  fsync_dir, utc_now)
+from batchjob.io.commit_log import CommitLog, fsync_dir
+from batchjob.io.manifest import MANIFEST, VERSION, Manifest, PartEntry, utc_now
+from batchjob.io.parts import (FINISH_REASONS, PART_FORMATS, RESULT_SCHEMA, counts, encode_part, part_name, part_schema,
+                               to_text, unify_types)
 from batchjob.io.ranges import RowRanges
+from batchjob.io.recovery import SinkError, check_same_job, load_manifest, recover
 
-log = logging.getLogger(__name__)
-
-RESULT_SCHEMA = pa.schema([
-    pa.field("row_index", pa.int64(), nullable=False),
-    pa.field("generated_text", pa.string()),
-    pa.field("finish_reason", pa.string(), nullable=False),
-    pa.field("prompt_tokens", pa.int32()),
-    pa.field("completion_tokens", pa.int32()),
-    pa.field("error", pa.string()),
-])
-FINISH_REASONS = ("stop", "length", "error")
-PART_NAME = re.compile(r"part-(\d{5,})\.arrow")
-TEMP_NAME = re.compile(r"\.(part-\d{5,}\.arrow|manifest\.json(\.prev)?)\.tmp")
 RESUME_POSITION = "resume_position"  # manifest extra: where a reader resumes (first row not committed)
 COMPACT_MIN_BYTES = 256 << 10  # the log is folded into a new snapshot once it is larger than this and the snapshot
-VERIFY_LAST = 2  # listed parts hashed on reopening (the newest: what a crash can have left torn); all are sized
-
-
-class SinkError(Exception):
-    """The output folder cannot be used: not creatable, corrupt manifest, another job's results."""
-
-
-class FingerprintMismatch(SinkError):
-    """The output folder holds results of a different job."""
+WRITE_BEHIND = 2  # parts handed to the writer thread and not yet committed, at most
 
 
 class OutputError(SinkError, OSError):
@@ -63,20 +42,35 @@ class OutputError(SinkError, OSError):
     stays committed and nothing half-written is left behind: the folder can be resumed."""
 
 
+@dataclass(slots=True)
+class _Commit:
+    """What one commit hands to the writer thread."""
+    columns: dict[str, list] | None  # the part's rows, column by column; None: a record without a part
+    rows: RowRanges
+    extra: dict  # manifest extra keys set since the last commit
+    total_rows: object  # the input's row count once known, or _UNCHANGED
+    done: threading.Event
+
+
+_UNCHANGED = object()
+
+
 class ArrowSink:
     def __init__(self, out_dir: str | Path, *, fingerprint: dict, keep_columns: Iterable[str] = (),
-                 part_rows: int = 1000, part_seconds: float = 30.0, total_rows: int | None = None) -> None:
+                 part_rows: int = 1000, part_seconds: float = 30.0, total_rows: int | None = None,
+                 part_format: str = "arrow") -> None:
         self.out_dir = Path(out_dir)
         self.keep_columns = list(keep_columns)
         clash = [c for c in self.keep_columns if c in RESULT_SCHEMA.names]
         if clash:
             raise SinkError(f"keep_columns {clash} collide with result columns {RESULT_SCHEMA.names}; "
                             "rename those input columns or do not keep them")
-        self.part_rows = part_rows
-        self.part_seconds = part_seconds
+        if part_format not in PART_FORMATS:
+            raise SinkError(f"part_format {part_format!r} is not one of {', '.join(PART_FORMATS)}")
+        self.part_rows, self.part_seconds, self.part_format = part_rows, part_seconds, part_format
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            manifest, self.damaged_manifest = _load_manifest(self.out_dir)
+            manifest, self.damaged_manifest = load_manifest(self.out_dir)
         except OSError as e:
             raise SinkError(f"cannot use output folder {self.out_dir}: {e}") from e
 
@@ -86,24 +80,29 @@ class ArrowSink:
         if manifest is None:
             manifest = Manifest(fingerprint=fingerprint, total_rows=total_rows)
         else:
-            upgraded = _check_same_job(self.out_dir, manifest, fingerprint, total_rows)
+            upgraded = check_same_job(self.out_dir, manifest, fingerprint, total_rows)
             manifest.total_rows = manifest.total_rows if total_rows is None else total_rows
         self.manifest = manifest
         # names of listed parts that were missing or damaged; with a damaged manifest, the parts adopted
-        self.repaired, self.adopted = self._recover(adopt=self.damaged_manifest is not None)
+        self.repaired, self.adopted, self._next_part = recover(self.out_dir, manifest, adopt=self.damaged_manifest is not None)
 
         self.done: RowRanges = manifest.done_rows()  # committed rows only
-        self._pending = RowRanges()
-        self._buffer: list[dict] = []
+        self._names = [*RESULT_SCHEMA.names, *self.keep_columns]
+        self._columns: dict[str, list] = {name: [] for name in self._names}
+        self._pending = RowRanges()  # buffered here
+        self._handed: deque[_Commit] = deque()  # with the writer, not committed yet (the writer pops them)
         self._first_buffered_at: float | None = None
-        self._dirty: set[str] = set()  # extra keys set since the last commit
-        self._total_dirty = False
+        self._extra: dict = {}  # set since the last commit
+        self._total = _UNCHANGED
         self._closed = False
         self._positions: dict[int, object] = {}  # row read but not committed -> where reading it again starts
         self._types = self._kept_types()
         self._log = CommitLog(self.out_dir)  # cuts off a torn last record
         snapshot = self.out_dir / MANIFEST
         self._snapshot_bytes = snapshot.stat().st_size if snapshot.exists() else 0
+        self._queue: queue.Queue[_Commit | None] = queue.Queue(maxsize=WRITE_BEHIND)
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
         if fresh or self.repaired or self.damaged_manifest or upgraded or manifest.version != VERSION:
             # marks the folder as this job's before any part exists; an older format is written anew
             self._compact()
@@ -114,88 +113,151 @@ class ArrowSink:
         """Buffer one result row (result fields plus the kept input columns, by name)."""
         if self._closed:
             raise ValueError("write() after close()")
+        self._raise_failure()
         index = row.get("row_index")
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"result row needs a non-negative int row_index, got {index!r}")
-        if index in self.done or index in self._pending:
+        # the writer moves a commit into `done`, then pops it: looking at the handed ones first sees each row
+        handed = tuple(self._handed)
+        if index in self._pending or any(index in job.rows for job in handed) or index in self.done:
             raise ValueError(f"row {index} was already written to {self.out_dir}")
         if row.get("finish_reason") not in FINISH_REASONS:
             raise ValueError(f"row {index}: finish_reason {row.get('finish_reason')!r} is not one of {FINISH_REASONS}")
-        self._buffer.append({name: row.get(name) for name in (*RESULT_SCHEMA.names, *self.keep_columns)})
+        for name, column in self._columns.items():
+            column.append(row.get(name))
         self._pending.add_row(index)
         if self._first_buffered_at is None:
             self._first_buffered_at = time.monotonic()
-        if len(self._buffer) >= self.part_rows:
-            self.commit()
+        if len(self._columns["row_index"]) >= self.part_rows:
+            self._commit(wait=False)
         else:
             self.commit_if_due()
 
     def commit_if_due(self) -> None:
         """Commit when part_seconds have passed since the oldest buffered row; call while idle."""
         if self._first_buffered_at is not None and time.monotonic() - self._first_buffered_at >= self.part_seconds:
-            self.commit()
+            self._commit(wait=False)
 
     def set_extra(self, key: str, value) -> None:
         """Stored in the manifest at the next commit (e.g. a JSONL resume offset, stats)."""
-        self.manifest.extra[key] = value
-        self._dirty.add(key)
+        self._extra[key] = value
 
     @property
     def extra(self) -> dict:
-        return self.manifest.extra
+        """The manifest's extra as it will be after the next commit."""
+        handed = tuple(self._handed)
+        merged = dict(self.manifest.extra)
+        for job in handed:
+            merged.update(job.extra)
+        merged.update(self._extra)
+        return merged
 
     def set_total_rows(self, total: int) -> None:
         """The input's row count once known (a JSONL file read to its end); stored at the next commit."""
         if self.manifest.total_rows != total:
-            self.manifest.total_rows = total
-            self._total_dirty = True
+            self._total = total
 
     def note_position(self, row_index: int, position) -> None:
         """Where a reader starts to read `row_index` again (JSON-able, opaque here: a JSONL
         (row, byte offset)). Each commit stores the position of the first row not committed as
-        extra["resume_position"]. Held only until the row is committed, so memory stays bounded by the
-        rows in flight plus one part."""
+        extra["resume_position"]. Held only until the row is handed to the writer, so memory stays
+        bounded by the rows in flight plus one part."""
         self._positions[row_index] = position
 
     def commit(self) -> None:
-        """Write the buffered rows as a part and append its record to the commit log (one fsync each)."""
-        if not self._buffer and not self._dirty and not self._total_dirty:
+        """Commit what is buffered and wait until every commit so far is durable."""
+        self._commit(wait=True)
+
+    def _commit(self, wait: bool) -> None:
+        self._raise_failure()
+        buffered = bool(self._columns["row_index"])
+        if buffered or self._extra or self._total is not _UNCHANGED:
+            rows = self._pending
+            handed = tuple(self._handed)  # before `done`: a commit the writer finishes meanwhile is in one of them
+            covered = self.done.union(rows)
+            for job in handed:
+                covered = covered.union(job.rows)
+            position = self._positions.get(covered.first_missing())
+            extra = {**self._extra, "last_commit": time.time()}
+            if position is not None:
+                extra[RESUME_POSITION] = position
+            job = _Commit(self._columns if buffered else None, rows, extra, self._total, threading.Event())
+            for start, end in rows.ranges():
+                for row in range(start, end):
+                    self._positions.pop(row, None)
+            self._columns = {name: [] for name in self._names}
+            self._pending, self._extra, self._total = RowRanges(), {}, _UNCHANGED
+            self._first_buffered_at = None
+            self._handed.append(job)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name=f"batchjob-sink-{self.out_dir.name}",
+                                                daemon=True)
+                self._writer.start()
+            self._queue.put(job)  # blocks only while WRITE_BEHIND parts are waiting for the disk
+        if wait:
+            self.sync()
+
+    def sync(self) -> None:
+        """Wait until every commit handed to the writer is durable (or raise its error); buffers stay."""
+        self._queue.join()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self) -> None:
+        if self._closed:
             return
-        listed, extra, seq = self.manifest.parts, dict(self.manifest.extra), self.manifest.seq
-        done = self.done.union(self._pending)
-        dirty = {*self._dirty, "last_commit"}
-        position = self._positions.get(done.first_missing())
-        if position is not None:
-            self.manifest.extra[RESUME_POSITION] = position
-            dirty.add(RESUME_POSITION)
-        self.manifest.extra["last_commit"] = time.time()
         try:
-            record: dict = {"seq": seq + 1, "extra": {k: self.manifest.extra[k] for k in sorted(dirty)}}
-            if self._total_dirty:
-                record["total_rows"] = self.manifest.total_rows
-            entry = self._write_part() if self._buffer else None
-            if entry is not None:
-                record["part"] = asdict(entry)
+            self.commit()
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._queue.put(None)
+                self._writer.join()
+
+    def __enter__(self) -> ArrowSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # buffered rows are finished results: keep them even when the job fails
+
+    # the writer thread
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
             try:
-                self._log.append(record)
-            except OSError as e:
-                raise _output_error(self._log.path, e) from e
-        except BaseException:
-            # a written part stays an orphan, removed on resume
-            self.manifest.parts, self.manifest.extra = listed, extra
-            raise
+                if job is None:
+                    return
+                if self._failure is None:  # after a failure nothing more is committed: the job stops
+                    self._write(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller at its next call
+                self._failure = e
+            finally:
+                self._queue.task_done()
+
+    def _write(self, job: _Commit) -> None:
+        record: dict = {"seq": self.manifest.seq + 1, "extra": job.extra}
+        if job.total_rows is not _UNCHANGED:
+            record["total_rows"] = job.total_rows
+        entry = self._write_part(job.columns, job.rows) if job.columns is not None else None
         if entry is not None:
-            self.manifest.parts = [*listed, entry]
-        self.manifest.seq = seq + 1
-        for start, end in self._pending.ranges():
-            for row in range(start, end):
-                self._positions.pop(row, None)
-        self.done = done
-        self._pending = RowRanges()
-        self._buffer = []
-        self._first_buffered_at = None
-        self._dirty = set()
-        self._total_dirty = False
+            record["part"] = asdict(entry)
+        try:
+            self._log.append(record)
+        except OSError as e:
+            raise _output_error(self._log.path, e) from e  # a written part stays an orphan, removed on resume
+        manifest = self.manifest
+        if entry is not None:
+            manifest.parts = [*manifest.parts, entry]
+        manifest.extra = {**manifest.extra, **job.extra}
+        if job.total_rows is not _UNCHANGED:
+            manifest.total_rows = job.total_rows
+        manifest.seq += 1
+        self.done = self.done.union(job.rows)
+        self._handed.popleft()
         if self._log.bytes > max(COMPACT_MIN_BYTES, self._snapshot_bytes):
             self._compact()  # the commit above is durable already: a failure here loses nothing
 
@@ -206,27 +268,11 @@ class ArrowSink:
             raise _output_error(self.out_dir / MANIFEST, e) from e
         self._log = CommitLog(self.out_dir)  # the old one became commits.log.prev
 
-    def close(self) -> None:
-        if not self._closed:
-            self.commit()
-            self._closed = True
-
-    def __enter__(self) -> ArrowSink:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()  # buffered rows are finished results: keep them even when the job fails
-
     # parts
 
-    def _write_part(self) -> PartEntry:
-        table = self._table()
-        stream = pa.BufferOutputStream()
-        with pa.ipc.new_file(stream, table.schema) as writer:
-            writer.write_table(table)
-        data = stream.getvalue().to_pybytes()
-
-        name = f"part-{self._next_part:05d}.arrow"
+    def _write_part(self, columns: dict[str, list], rows: RowRanges) -> PartEntry:
+        data = encode_part(self._table(columns), self.part_format)
+        name = part_name(self._next_part, self.part_format)
         tmp = self.out_dir / f".{name}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -239,20 +285,20 @@ class ArrowSink:
             raise _output_error(self.out_dir / name, e) from e
         fsync_dir(self.out_dir)
         self._next_part += 1
-        return PartEntry(name=name, num_rows=table.num_rows, rows=self._pending.to_json(), bytes=len(data),
-                         sha256=hashlib.sha256(data).hexdigest(), created=utc_now(), **_counts(self._buffer))
+        return PartEntry(name=name, num_rows=len(columns["row_index"]), rows=rows.to_json(), bytes=len(data),
+                         sha256=hashlib.sha256(data).hexdigest(), created=utc_now(),
+                         **counts(columns["finish_reason"], columns["prompt_tokens"], columns["completion_tokens"]))
 
-    def _table(self) -> pa.Table:
+    def _table(self, columns: dict[str, list]) -> pa.Table:
         arrays, fields = [], []
         for field in RESULT_SCHEMA:
-            values = [row[field.name] for row in self._buffer]
             try:
-                arrays.append(pa.array(values, type=field.type))
+                arrays.append(pa.array(columns[field.name], type=field.type))
             except (pa.ArrowException, TypeError, OverflowError) as e:
                 raise ValueError(f"result column {field.name!r} needs {field.type} values: {e}") from e
             fields.append(field)
         for name in self.keep_columns:
-            array = self._kept_array(name, [row[name] for row in self._buffer])
+            array = self._kept_array(name, columns[name])
             arrays.append(array)
             fields.append(pa.field(name, array.type))
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
@@ -278,265 +324,11 @@ class ArrowSink:
     def _kept_types(self) -> dict[str, pa.DataType]:
         if not self.manifest.parts or not self.keep_columns:
             return {}
-        with pa.memory_map(str(self.out_dir / self.manifest.parts[-1].name)) as source:
-            schema = pa.ipc.open_file(source).schema
+        schema = part_schema(self.out_dir / self.manifest.parts[-1].name)
         return {f.name: f.type for f in schema if f.name in self.keep_columns and not pa.types.is_null(f.type)}
-
-    # recovery
-
-    def _recover(self, adopt: bool) -> tuple[list[str], list[str]]:
-        """Sweep temp files and unlisted parts (adopt verifiable ones instead when the manifest was
-        rebuilt from its previous generation), and set aside listed parts that fail their checksum."""
-        listed = {part.name for part in self.manifest.parts}
-        unlisted = []
-        for path in sorted(self.out_dir.iterdir()):
-            if TEMP_NAME.fullmatch(path.name):
-                log.info("removing %s: written but never committed", path)
-                path.unlink()
-            elif PART_NAME.fullmatch(path.name) and path.name not in listed:
-                unlisted.append(path)
-        repaired, kept = [], []
-        hashed = {p.name for p in self.manifest.parts[-VERIFY_LAST:]} if not adopt else listed
-        for part in self.manifest.parts:
-            path = self.out_dir / part.name
-            problem = _check_part(path, part, full=part.name in hashed)
-            if problem is None:
-                kept.append(part)
-                continue
-            repaired.append(part.name)
-            log.warning("%s is %s; its %d rows will be generated again", path, problem, part.num_rows)
-            if path.exists():
-                path.rename(path.with_name(path.name + ".corrupt"))
-        self.manifest.parts = kept
-        adopted = []
-        done = self.manifest.done_rows()
-        for path in unlisted:
-            entry = _adopt_part(path, done) if adopt else None
-            if entry is None:
-                log.info("removing %s: written but never committed", path)
-                path.unlink()
-                continue
-            log.warning("%s was not in the previous manifest; verified and kept (%d rows)", path, entry.num_rows)
-            self.manifest.parts.append(entry)
-            done = done.union(entry.row_ranges())
-            adopted.append(path.name)
-        self.manifest.parts.sort(key=lambda p: p.name)
-        numbers = [int(PART_NAME.fullmatch(name).group(1)) for name in (*listed, *repaired, *adopted)]
-        self._next_part = max(numbers, default=-1) + 1
-        return repaired, adopted
-
-
-START_OVER = ("rerun the original job unchanged to continue it, or add --restart to delete this folder's "
-              "results and start over, or write to another --output folder")
-
-
-def same_job(old: dict, new: dict) -> bool:
-    """Fingerprints of the same job. An input identity written before inputs were fingerprinted by content
-    (the path, then [name, size, mtime] per file) still matches when the names, sizes and columns do:
-    a folder from an earlier version resumes without --restart."""
-    if old == new:
-        return True
-    o, n = old.get("input"), new.get("input")
-    if not (isinstance(o, dict) and isinstance(n, dict) and "path" in o and "format" not in o):
-        return False
-    legacy = [f[:2] for f in o.get("files", [])] == [f[:2] for f in n.get("files", [])] and o.get("columns") == n.get("columns")
-    return legacy and {**old, "input": None} == {**new, "input": None}
-
-
-def _check_same_job(out_dir: Path, manifest: Manifest, fingerprint: dict, total_rows: int | None) -> bool:
-    """Raises when `manifest` is another job's; True when its fingerprint was of an older form (now updated)."""
-    upgraded = manifest.fingerprint != fingerprint
-    if same_job(manifest.fingerprint, fingerprint):
-        manifest.fingerprint = fingerprint
-    else:
-        changes = fingerprint_changes(manifest.fingerprint, fingerprint)
-        raise FingerprintMismatch(f"{out_dir} holds results of a different job (differs in: {'; '.join(changes)}); "
-                                  + START_OVER)
-    if manifest.total_rows is not None and total_rows is not None and manifest.total_rows != total_rows:
-        raise FingerprintMismatch(f"{out_dir} was written for an input of {manifest.total_rows} rows, "
-                                  f"the input now has {total_rows}; " + START_OVER)
-    return upgraded
-
-
-_ABSENT = object()
-
-
-def fingerprint_changes(old: dict, new: dict, limit: int = 8) -> list[str]:
-    """What differs between two fingerprints, as 'path: old -> new' lines (at most `limit`)."""
-    changes: list[str] = []
-
-    def walk(a, b, path: str) -> None:
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted({*a, *b}, key=str):
-                x, y = a.get(key, _ABSENT), b.get(key, _ABSENT)
-                if x != y:
-                    walk(x, y, f"{path}.{key}" if path else str(key))
-        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and not (_flat(a) and _flat(b)):
-            for i, (x, y) in enumerate(zip(a, b)):
-                if x != y:
-                    walk(x, y, f"{path}[{i}]")
-        else:
-            changes.append(f"{path}: {_short(a)} -> {_short(b)}")
-
-    walk(old, new, "")
-    more = len(changes) - limit
-    return changes[:limit] + ([f"and {more} more"] if more > 0 else [])
-
-
-def _flat(value: list) -> bool:
-    """A list of plain values (an input file's [name, bytes, mtime], a column list) is shown whole."""
-    return not any(isinstance(v, (dict, list)) for v in value)
-
-
-def _short(value) -> str:
-    if value is _ABSENT:
-        return "(absent)"
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _load_manifest(out_dir: Path) -> tuple[Manifest | None, str | None]:
-    """The committed manifest, or None for a fresh folder. When manifest.json is damaged (or gone while
-    a previous generation exists), the previous generation and why; the damaged file is kept aside."""
-    try:
-        manifest = Manifest.load(out_dir)
-        if manifest is not None:
-            return manifest, None
-        problem = f"{out_dir / MANIFEST} is missing"
-    except ManifestVersionError as e:
-        raise SinkError(f"{e}: use that batchjob version for this folder, or another output folder") from e
-    except ManifestError as e:
-        problem = str(e)
-    try:
-        previous = Manifest.load(out_dir, PREVIOUS)
-    except ManifestError as e:
-        raise SinkError(f"{problem}, and its previous generation is damaged too ({e}); the results in {out_dir} "
-                        "cannot be verified: add --restart to delete them and start over, or use another output folder") from e
-    if previous is None:
-        if (out_dir / MANIFEST).exists():
-            raise SinkError(f"{problem}; there is no previous generation to repair it from: add --restart to "
-                            "delete this folder's results and start over, or use another output folder")
-        if any(PART_NAME.fullmatch(p.name) for p in out_dir.iterdir()):
-            raise SinkError(f"{out_dir} holds part files but no manifest.json, so they cannot be verified; add "
-                            "--restart to delete them and start over, or use another output folder")
-        return None, None
-    if (out_dir / MANIFEST).exists():
-        os.replace(out_dir / MANIFEST, out_dir / (MANIFEST + ".corrupt"))
-    log.warning("%s; rebuilding it from %s and the part files it does not list", problem, PREVIOUS)
-    return previous, problem
-
-
-def _check_part(path: Path, part: PartEntry, full: bool = True) -> str | None:
-    """None when the part is whole: its size, and with `full` its SHA-256, as listed."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "missing"
-    if size != part.bytes:
-        return f"{size} bytes, not {part.bytes}"
-    if not full:
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    if digest.hexdigest() != part.sha256:
-        return "damaged (SHA-256 mismatch)"
-    return None
-
-
-def _adopt_part(path: Path, done: RowRanges) -> PartEntry | None:
-    """A manifest entry for an unlisted part that is a whole, valid result file whose rows no listed
-    part holds; None when it is not."""
-    data = path.read_bytes()
-    try:
-        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-        table.validate(full=True)
-    except (pa.ArrowException, OSError):
-        return None
-    if table.schema.names[: len(RESULT_SCHEMA)] != RESULT_SCHEMA.names:
-        return None
-    rows = RowRanges()
-    for index in table.column("row_index").to_pylist():
-        if index is None or index in done or index in rows:
-            return None
-        rows.add_row(index)
-    return PartEntry(name=path.name, num_rows=table.num_rows, rows=rows.to_json(), bytes=len(data),
-                     sha256=hashlib.sha256(data).hexdigest(), created=utc_now(), **_counts(table.to_pylist()))
-
-
-def _counts(rows: list[dict]) -> dict:
-    return {"errors": sum(r["finish_reason"] == "error" for r in rows),
-            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows),
-            "completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
 
 
 def _output_error(path: Path, e: OSError) -> OutputError:
     return OutputError(f"cannot write {path}: {e.strerror or e}; the rows committed before are kept and "
                        "nothing half-written is left: free space (or fix the folder) and rerun the same "
                        "command to continue")
-
-
-def clear_results(out_dir: str | Path) -> int:
-    """Delete what batchjob wrote in `out_dir` (parts, manifests, temp and set-aside files); other files
-    stay. Returns how many files went."""
-    out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return 0
-    ours = re.compile(r"(part-\d{5,}\.(arrow|parquet)|manifest\.json(\.prev)?|commits\.log(\.prev)?)(\.corrupt)?")
-    removed = 0
-    for path in out_dir.iterdir():
-        if path.is_file() and (ours.fullmatch(path.name) or TEMP_NAME.fullmatch(path.name)):
-            path.unlink()
-            removed += 1
-    return removed
-
-
-def to_text(values: list) -> list[str | None]:
-    return [v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)
-            for v in values]
-
-
-def unify_types(a: pa.DataType, b: pa.DataType) -> pa.DataType:
-    schema = pa.unify_schemas([pa.schema([("x", a)]), pa.schema([("x", b)])], promote_options="permissive")
-    return schema.field("x").type
-
-
-def read_results(out_dir: str | Path) -> pa.Table:
-    """All committed rows of an output folder, sorted by row_index."""
-    out_dir = Path(out_dir)
-    manifest = Manifest.load(out_dir)
-    if manifest is None:
-        raise ManifestError(f"{out_dir} has no manifest.json; it is not a batchjob output folder (or nothing ran yet)")
-    tables = []
-    for part in manifest.parts:
-        with pa.memory_map(str(out_dir / part.name)) as source:
-            tables.append(pa.ipc.open_file(source).read_all())
-    if not tables:
-        return RESULT_SCHEMA.empty_table()
-    return _concat(tables).sort_by("row_index")
-
-
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    try:
-        return pa.concat_tables(tables, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        pass
-    # Some kept column changed type across parts in a way Arrow cannot widen: make it text.
-    names = {f.name for t in tables for f in t.schema} - set(RESULT_SCHEMA.names)
-    for name in names:
-        types = [t.schema.field(name).type for t in tables if name in t.schema.names]
-        try:
-            for other in types[1:]:
-                unify_types(types[0], other)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            tables = [_column_as_text(t, name) for t in tables]
-    return pa.concat_tables(tables, promote_options="permissive")
-
-
-def _column_as_text(table: pa.Table, name: str) -> pa.Table:
-    if name not in table.schema.names:
-        return table
-    i = table.schema.get_field_index(name)
-    text = pa.array(to_text(table.column(name).to_pylist()), type=pa.string())
-    return table.set_column(i, pa.field(name, pa.string()), text)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from batchjob.io.lock import OutputLock
 from batchjob.io.manifest import Manifest, result_folders
-from batchjob.io.sink import _check_part
+from batchjob.io.recovery import check_part as _check_part
 
 
 @dataclass(slots=True)

@@ -110,5 +110,10 @@ class LlamaModel:
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.raw_logits(hidden).float()
+
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """In the model's dtype: the sampler widens them only where it needs to (greedy rows take the
+        argmax of bf16 logits as of their fp32 copy: the widening is exact and keeps the order)."""
         with scope("logits"):
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)

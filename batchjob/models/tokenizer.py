@@ -62,6 +62,15 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in one call into the tokenizers library (its Rust loop, not Python's)."""
+        out = [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)] if texts else []
+        if add_special_tokens and self.add_bos_token:
+            for ids in out:
+                if not ids or ids[0] != self.bos_token_id:
+                    ids.insert(0, self.bos_token_id)
+        return out
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -2,6 +2,10 @@
 // in place on q and k, SiLU(gate) * up. Each replaces a chain of small torch ops (one pass over the data
 // instead of 5-8, no temporaries).
 //
+// Also the greedy argmax of logit rows (exactly torch.argmax: the first index of the maximum, a NaN
+// counting as the maximum), on bf16 logits as they come out of the LM head: widening them to fp32 first
+// cost more than the argmax itself.
+//
 // Must equal: kernels/norm.py (rms_norm; HF's order: fp32 statistics, cast, then the weight), kernels/
 // rotary.py (apply_rotary: bitwise, the same products and sums rounded to the dtype after each op, as
 // torch does), F.silu(gate) * up (to a few ulps: another exp). Tested by tests/test_native_kernels.py.
@@ -154,9 +158,74 @@ void silu_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
   }
 }
 
+// The first index of the largest value in x[0, n) (the first NaN, when there is one).
+template <typename T>
+int64_t argmax_row(const T* x, int n) {
+  using io = IO<T>;
+  if (n < 16) {
+    int64_t best = 0;
+    for (int i = 0; i < n; ++i) {
+      const float v = _mm512_cvtss_f32(io::load(x + i, 1)), b = _mm512_cvtss_f32(io::load(x + best, 1));
+      if (v != v) return i;
+      if (v > b) best = i;
+    }
+    return best;
+  }
+  __m512 best = io::load(x, 0xffff);
+  __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = where;
+  const __m512i step = _mm512_set1_epi32(16);
+  int64_t nan = -1;
+  __mmask16 nans = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  if (nans) return __builtin_ctz(nans);
+  int i = 16;
+  for (; i + 16 <= n; i += 16) {
+    idx = _mm512_add_epi32(idx, step);
+    const __m512 v = io::load(x + i, 0xffff);
+    nans = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nans) {
+      nan = i + __builtin_ctz(nans);
+      break;
+    }
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
+    best = _mm512_mask_mov_ps(best, gt, v);
+    where = _mm512_mask_mov_epi32(where, gt, idx);
+  }
+  if (nan >= 0) return nan;
+  const float m = _mm512_reduce_max_ps(best);
+  const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  int64_t first = _mm512_mask_reduce_min_epi32(at, where);
+  float top = m;
+  for (; i < n; ++i) {  // the tail: later indices win only when strictly larger
+    const float v = _mm512_cvtss_f32(io::load(x + i, 1));
+    if (v != v) return i;
+    if (v > top) {
+      top = v;
+      first = i;
+    }
+  }
+  return first;
+}
+
+template <typename T>
+void argmax_rows(const T* x, int rows, int n, int64_t* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 4)
+  for (int r = 0; r < rows; ++r) out[r] = argmax_row(x + (int64_t)r * n, n);
+}
+
 }  // namespace
 
 extern "C" {
+
+int bj_argmax_rows(const void* x, int rows, int n, int64_t* out, int dtype, int threads) {
+  if (dtype == 0)
+    argmax_rows<float>((const float*)x, rows, n, out, threads);
+  else if (dtype == 1)
+    argmax_rows<uint16_t>((const uint16_t*)x, rows, n, out, threads);
+  else
+    return -1;
+  return 0;
+}
 
 // dtype: 0 = fp32, 1 = bf16. Returns 0, or -1 for an unsupported dtype.
 int bj_add_rms_norm(const void* x, int64_t x_stride, void* residual, const void* weight, void* out, int rows, int n,
