@@ -46,6 +46,10 @@ class StatsRecorder:
         self.kernels = kernels
         self.interval = interval
         self.t0 = time.monotonic()
+        self.started_unix = time.time()
+        self.first_row_unix: float | None = None  # when the first row finished (a resume's first new row)
+        self.rows_finished = 0
+        self.model_s = 0.0
         self.last_write = self.t0
         self.rng = random.Random(0)
         self.steps = 0
@@ -72,6 +76,11 @@ class StatsRecorder:
         self.prefix_queries += st.prefix_query_tokens
         self.step_s += st.step_s
         self.forward_s += st.forward_s
+        self.model_s += st.model_s
+        if finished:
+            self.rows_finished += len(finished)
+            if self.first_row_unix is None:
+                self.first_row_unix = time.time()
         self._window[0] += 1
         self._window[1] += st.num_tokens
         self.last = st
@@ -103,6 +112,12 @@ class StatsRecorder:
             "summary": True, "kernels": self.kernels, "tokens": self.tokens, "decode_tokens": self.decode_tokens,
             "prefill_tokens": self.prefill_tokens, "prefix_hit_tokens": self.prefix_hits,
             "outside_forward_share": round(1 - self.forward_s / self.step_s, 4) if self.step_s else None,
+            # where this run's time went: the job (from after the model load), the engine's steps, the runner
+            # (inputs + forward + sampling) and the model alone (forward + logits); wall-clock stamps in Unix time
+            "job_s": round(time.monotonic() - self.t0, 4), "step_s": round(self.step_s, 4),
+            "forward_s": round(self.forward_s, 4), "model_s": round(self.model_s, 4),
+            "sequences_finished": self.rows_finished, "started_unix": round(self.started_unix, 4),
+            "first_row_unix": round(self.first_row_unix, 4) if self.first_row_unix else None,
         })
         return out
 

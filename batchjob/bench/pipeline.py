@@ -2,8 +2,9 @@
 max_tokens 1 on the tiny model, at 10,000 and 100,000 rows (rows/s, peak RSS), and the time to resume
 a 99%-done job.
 
-Each job runs in a child process (`python -m batchjob.bench.pipeline child -- <batchjob run args>`) that
-stamps the first row handed to the sink; the parent takes the child's peak RSS from wait4().
+Each job is a plain `python -m batchjob run ...` child process; the parent takes its peak RSS from
+wait4() and everything else from the job's own summary record at the end of OUTPUT/stats.jsonl (rows
+finished, the job's seconds, the seconds inside the model, when the first row finished).
 
 The 99%-done job is a real crash state, not an edited one: while the 100,000-row job runs, the parent
 copies the commit files (manifest.json, its previous snapshot and the commit logs) the moment they list
@@ -22,7 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-MARK = "PIPELINE "
 PROMPT_WORDS = 4  # tokens per prompt with the tiny model's word-level tokenizer: little model work per row
 
 
@@ -63,7 +63,7 @@ def run_job(model: str, input_path: Path, out: Path, *, engine_flags: list[str],
     listed at least snapshot_at and fewer than total_rows rows."""
     args = ["run", "--model", model, "--input", str(input_path), "--output", str(out), "--max-tokens", "1",
             "--ignore-eos", "--no-progress", *engine_flags]
-    cmd = [sys.executable, "-m", "batchjob.bench.pipeline", "child", "--", *args]
+    cmd = [sys.executable, "-m", "batchjob", *args]
     spawned = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     snapshot: dict = {}
@@ -108,23 +108,21 @@ def run_job(model: str, input_path: Path, out: Path, *, engine_flags: list[str],
     done.set()
     for r in readers:
         r.join(5)
-    info = {}
-    for line in streams.get("out", "").splitlines():
-        if line.startswith(MARK):
-            info = json.loads(line[len(MARK):])
+    info = _summary(out) if proc.returncode == 0 else {}
     rows, _ = _manifest_rows(out)
     result = {
         "rc": proc.returncode, "process_s": exited - spawned, "peak_rss_mb": usage.ru_maxrss / 1024,
-        "rows_committed": rows, "rows_written": info.get("rows_written"),
-        "first_row_s": info["first_row_at"] - spawned if info.get("first_row_at") else None,
-        "summary": info.get("summary"), "engine_flags": engine_flags,
+        "rows_committed": rows, "rows_written": info.get("sequences_finished"),
+        "first_row_s": info["first_row_unix"] - spawned if info.get("first_row_unix") else None,
+        "summary": streams.get("err", "").strip().splitlines()[-1:], "engine_flags": engine_flags,
     }
-    if info.get("first_row_at") and info.get("end_at") and info.get("rows_written"):
-        result["steady_rows_s"] = info["rows_written"] / max(1e-9, info["end_at"] - info["first_row_at"])
-    if info.get("job_start_at") and info.get("end_at") and info.get("rows_written"):
-        job_s = info["end_at"] - info["job_start_at"]
-        result.update(job_s=job_s, model_s=info["model_s"], job_rows_s=info["rows_written"] / job_s,
-                      overhead_rows_s=info["rows_written"] / max(1e-9, job_s - info["model_s"]))
+    n = info.get("sequences_finished")
+    if n and info.get("first_row_unix"):
+        end = info["started_unix"] + info["job_s"]
+        result["steady_rows_s"] = n / max(1e-9, end - info["first_row_unix"])
+    if n and info.get("job_s"):
+        result.update(job_s=info["job_s"], model_s=info["model_s"], job_rows_s=n / info["job_s"],
+                      overhead_rows_s=n / max(1e-9, info["job_s"] - info["model_s"]))
     if result["rows_written"]:
         result["rows_s"] = result["rows_written"] / result["process_s"]
     if proc.returncode != 0:
@@ -149,8 +147,9 @@ def measure(work: Path, model: str, sizes=(10_000, 100_000), fmt: str = "jsonl",
         r = run_job(model, inp, out, engine_flags=flags, snapshot_at=snap, total_rows=n)
         snapshot = r.pop("snapshot", None)
         res["runs"][str(n)] = r
-        log(f"  pipeline {fmt} {n:,} rows: rc {r['rc']}, {r.get('rows_s') or 0:,.0f} rows/s "
-            f"(steady {r.get('steady_rows_s') or 0:,.0f}), peak RSS {r['peak_rss_mb']:.0f} MB")
+        log(f"  pipeline {fmt} {n:,} rows: rc {r['rc']}, {r.get('rows_s') or 0:,.0f} rows/s whole process, "
+            f"{r.get('job_rows_s') or 0:,.0f} in the job, {r.get('overhead_rows_s') or 0:,.0f} outside the model "
+            f"forward, peak RSS {r['peak_rss_mb']:.0f} MB")
         if n == largest:
             res["resume"] = resume(model, inp, out, flags, r, snapshot, log)
     runs = res["runs"]
@@ -181,50 +180,11 @@ def resume(model: str, inp: Path, out: Path, flags: list[str], full: dict, snaps
     return r
 
 
-def child(args: list[str]) -> int:
-    """Runs `batchjob <args>` in this process, stamping the first row handed to the sink and timing the
-    model's forward + logits (the pipeline's overhead is the job's time without them)."""
-    from batchjob import job
-    from batchjob.io import sink
-    from batchjob.models.llama import LlamaModel
-
-    stamps: dict = {"rows_written": 0, "model_s": 0.0}
-    write, run_job = sink.ArrowSink.write, job.run_job
-
-    def stamped(self, row):
-        stamps.setdefault("first_row_at", time.time())
-        stamps["rows_written"] += 1
-        return write(self, row)
-
-    def timed(fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                stamps["model_s"] += time.perf_counter() - t
-        return wrapper
-
-    def started(*a, **k):  # after imports: what the job itself costs
-        stamps["job_start_at"] = time.time()
-        return run_job(*a, **k)
-
-    sink.ArrowSink.write = stamped
-    LlamaModel.forward, LlamaModel.raw_logits = timed(LlamaModel.forward), timed(LlamaModel.raw_logits)
-    job.run_job = started
-    from batchjob.cli import main
-
-    rc = 0
+def _summary(out: Path) -> dict:
+    """The job's own account of the run: the summary record stats.jsonl ends with (public counters: rows
+    finished, seconds in the job, the engine's steps and the model alone, when the first row finished)."""
     try:
-        main(args, standalone_mode=False)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    stamps["end_at"] = time.time()
-    print(MARK + json.dumps(stamps), flush=True)
-    return rc
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "child" and sys.argv[2] == "--":
-        sys.exit(child(sys.argv[3:]))
-    sys.exit("usage: python -m batchjob.bench.pipeline child -- <batchjob run arguments>")
+        lines = (out / "stats.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    return next((json.loads(line) for line in reversed(lines) if '"summary": true' in line), {})

@@ -206,7 +206,7 @@ def pipeline_text(p: dict | None) -> str:
         lines.append(f"  peak RSS growth {sizes[0]:,} -> {sizes[-1]:,} rows: {p['rss_growth']:+.1%}")
     for r in p.get("resume_parts") or []:
         lines.append(f"  resume after {r['parts']:,} committed parts: first new row {r['resume']['first_row_s']}s after "
-                     f"start (job open {r['resume']['job_open_s']}s), peak RSS {r['resume']['peak_rss_mb']} MB")
+                     f"start (finished after {r['resume']['done_s']}s), peak RSS {r['resume']['peak_rss_mb']} MB")
     res = p.get("resume") or {}
     if res.get("status") == "ok":
         lines.append(f"  resume of a {res['done_before'] / res['total_rows']:.0%}-done job ({res['done_before']:,}/"

@@ -48,22 +48,6 @@ class BatchjobRunner:
         self.kernels = self.model.kernels.name
         self.eos = loaded.tokenizer.eos_token_ids
         self.static = static
-        self._model_s = 0.0
-        # The engine's StepStats.forward_s covers ModelRunner.run (input preparation + forward + sampling);
-        # the "outside the forward" share needs the model's own forward, so time it here.
-        forward, logits = self.model.forward, self.model.raw_logits
-
-        def timed(fn):
-            def wrapper(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self._model_s += time.perf_counter() - t
-            return wrapper
-
-        self.model.forward, self.model.raw_logits = timed(forward), timed(logits)
-
     def _engine(self):
         from batchjob.engine.engine import Engine, EngineConfig
         from batchjob.engine.scheduler import SchedulerConfig
@@ -84,21 +68,19 @@ class BatchjobRunner:
                 for i, r in enumerate(workload.rows)]
         times: list[list[float]] = [[] for _ in seqs]
         steps: list[tuple] = []
-        self._model_s = 0.0
         t0 = time.perf_counter()
         for s in seqs:
             err = engine.add(s)
             if err:
                 raise RuntimeError(f"row {s.seq_id}: {err}")
         while engine.has_work:
-            model_before = self._model_s
             engine.step()
             now = time.perf_counter() - t0
             st = engine.last_stats
             for s in engine.last_step.seqs:
                 while len(times[s.seq_id]) < s.num_output:
                     times[s.seq_id].append(now)
-            steps.append((st.num_seqs, st.num_tokens, st.num_decode, st.step_s, st.forward_s, self._model_s - model_before,
+            steps.append((st.num_seqs, st.num_tokens, st.num_decode, st.step_s, st.forward_s, st.model_s,
                           st.prefix_hit_tokens, st.num_preempted))
         gen_s = time.perf_counter() - t0
         return RunResult(workload.useful_tokens, _counted(workload, [s.num_output for s in seqs]), times, gen_s,

@@ -2,7 +2,8 @@
 
 A full block is identified by a hash chained over all token ids up to its end, so equal hashes mean
 equal prefixes. Blocks whose last user left keep their contents and hash (evictable, least recently
-used first) until the space is needed. No tensors here."""
+used first) until the space is needed. Blocks without contents worth keeping are reused last-freed
+first, so a job touches only the KV pages its rows need at once. No tensors here."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -65,8 +66,8 @@ class BlockPool:
             if self.ref[b] == 0:
                 if self.hash_of[b] is not None:
                     self.evictable[b] = None
-                else:
-                    self.free.append(b)
+                else:  # reused first: its pages are warm in cache and memory stays the working set
+                    self.free.appendleft(b)
 
     # prefix cache
 

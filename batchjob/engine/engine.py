@@ -39,7 +39,8 @@ class StepStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     step_s: float
-    forward_s: float
+    forward_s: float  # ModelRunner.run: inputs, forward, logits, sampling
+    model_s: float = 0.0  # inside the model only (forward + logits)
     num_sampled: int = 0  # rows that got a token (decodes and last prompt chunks): tokens generated
 
 
@@ -111,7 +112,7 @@ class Engine:
         step = sched.schedule()
         self.last_step = step
         finished: list[Sequence] = []
-        forward_s = 0.0
+        forward_s = model_s = 0.0
         sampled = 0
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
@@ -119,7 +120,9 @@ class Engine:
             self.cost.observe_swap(moved, time.perf_counter() - ts)
         if step:
             tf = time.perf_counter()
+            model_before = self.runner.model_s
             tokens = self.runner.run(step)
+            model_s = self.runner.model_s - model_before
             forward_s = time.perf_counter() - tf
             self.cost.observe_forward(step.num_tokens, forward_s)
             sched.advance(step)
@@ -141,7 +144,7 @@ class Engine:
             num_preempted=len(step.preempted), num_running=len(sched.running), num_waiting=sched.num_waiting,
             blocks_used=self.pool.num_used, blocks_free=self.pool.num_free,
             prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
-            step_s=time.perf_counter() - t0, forward_s=forward_s, num_sampled=sampled,
+            step_s=time.perf_counter() - t0, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
         )
         return finished
 

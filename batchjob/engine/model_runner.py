@@ -4,6 +4,7 @@ rows whose tokens are all computed. Owns the KV tensors, laid out as the model's
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -32,6 +33,7 @@ class ModelRunner:
         # empty, not zeros: every host block is written by a swap-out before it is read, and untouched
         # pages cost no memory or start-up time
         self.host_cache = torch.empty(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
+        self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
         """Copy preempted rows' blocks to the host pool, then swapped-in rows' blocks back. Returns bytes moved."""
@@ -99,12 +101,15 @@ class ModelRunner:
             input_ids, positions = input_ids.to(device), positions.to(device)
             for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
                 setattr(meta, name, getattr(meta, name).to(device))
+        t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
         out: list[int | None] = [None] * len(step.seqs)
         if not rows:
+            self.model_s += time.perf_counter() - t0
             return out
         logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)]).cpu()
+        self.model_s += time.perf_counter() - t0
         seqs = [step.seqs[i] for i in rows]
         with scope("sampler"):
             tokens = sampler.sample(logits, seqs, argmax=getattr(self.model.kernels, "argmax", None))
