@@ -4,7 +4,7 @@
 first use, so that `import batchjob` stays light (no torch)."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from batchjob.version import __version__
 
 _API = ("generate", "run", "LLM", "Result", "Completion")
 __all__ = ["__version__", *_API]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +16,15 @@ from batchjob.config import FIELDS, SECTIONS, ConfigError, JobConfig, load_job
 from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.detokenizer import IncrementalDetokenizer
 from batchjob.engine.engine import Engine
-from batchjob.engine.sampler import sequence_key
+from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.sequence import Sequence
-from batchjob.job import JobSummary, build_engine, run_job
+from batchjob.job import run_job
+from batchjob.job_engine import build_engine
 from batchjob.models.loader import load_model, resolve_model_path
-from batchjob.requests import SAMPLING_COLUMN, SAMPLING_FIELDS, PromptBuilder, RowError, row_sampling
+from batchjob.prompts import prompt_records
+from batchjob.requests import PromptBuilder, RowError, row_sampling
 from batchjob.results import OutputColumns, PendingRow, TokenText
+from batchjob.summary import JobSummary
 
 # generate()'s keywords, named as in a job file (and vLLM); `seed` is the job seed: row i's random stream
 # comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's, as in a job)
@@ -34,8 +37,6 @@ ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max
                   "prefix_caching", "read_ahead", "threads")
 assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
 
-# the keys of a prompt given as a dict: what an input row of a job may carry (vLLM's prompt_token_ids too)
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", SAMPLING_COLUMN, *SAMPLING_FIELDS})
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
 ALL_COLUMNS = OutputColumns(logprobs=True, completions=True)  # a Result always has both fields (None when unused)
@@ -121,7 +122,7 @@ class LLM:
                 raise
 
     def _generate(self, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
-        """Job._feed's loop: rows enter the engine with the read-ahead a job uses, keys from (seed, row)."""
+        """RowFeed.feed's loop: rows enter the engine with the read-ahead a job uses, keys from (seed, row)."""
         engine, tokenizer = self.engine, self.tokenizer
         base = cfg.sampling_defaults()
         results: list[Result | None] = [None] * len(records)
@@ -130,7 +131,7 @@ class LLM:
         rows = iter(enumerate(records))
         exhausted = False
         while True:
-            while not exhausted and engine.scheduler.num_waiting < read_ahead:
+            while not exhausted and engine.num_waiting() < read_ahead:
                 item = next(rows, None)
                 if item is None:
                     exhausted = True
@@ -286,46 +287,3 @@ def check_template(template: str | None) -> None:
         compile_template(template)
     except ChatTemplateError as e:
         raise ValueError(f"chat_template: {e}") from None
-
-
-# prompts
-
-def prompt_records(prompts: Any) -> list[dict | str]:
-    """One input record per prompt (the shape of a job's input row), or for an item that is not a
-    prompt, the message of its Result. A single prompt counts as a list of one, as in vLLM."""
-    if _is_single(prompts):
-        return [_record(0, prompts)]
-    if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray)):
-        return [_record(i, p) for i, p in enumerate(prompts)]
-    raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
-
-
-def _is_single(prompts: Any) -> bool:
-    if isinstance(prompts, (str, Mapping)):
-        return True
-    if isinstance(prompts, (list, tuple)) and prompts:
-        ids = all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
-        # token ids, or one conversation (a prompt dict never has role or content)
-        return ids or all(isinstance(m, Mapping) for m in prompts) and any("role" in m or "content" in m for m in prompts)
-    return False
-
-
-def _record(index: int, prompt: Any) -> dict | str:
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, (list, tuple)):
-        if prompt and all(isinstance(m, Mapping) for m in prompt):
-            return {"messages": [dict(m) for m in prompt]}
-        return {"prompt": list(prompt)}  # token ids, checked by the PromptBuilder
-    if isinstance(prompt, Mapping):
-        unknown = sorted(set(prompt) - PROMPT_KEYS)
-        if unknown:
-            raise ValueError(f"prompts[{index}]: unknown key {unknown[0]!r}; a prompt dict has {', '.join(sorted(PROMPT_KEYS))}")
-        record = dict(prompt)
-        if "prompt_token_ids" in record:
-            if record.get("prompt") is not None:
-                raise ValueError(f"prompts[{index}]: give prompt or prompt_token_ids, not both")
-            record["prompt"] = record.pop("prompt_token_ids")
-        return record
-    return (f"prompt {index}: expected a string, a list of token ids, a list of {{role, content}} messages "
-            f"or a dict, got {type(prompt).__name__}")

@@ -162,7 +162,7 @@ def submit(job_file: Path, opts: SubmitOptions, *, dry_run: bool = False) -> tup
     Returns (script text, job id or None on a dry run, output folder, warnings)."""
     from batchjob.config import ConfigError, load_job
     from batchjob.io.manifest import MANIFEST
-    from batchjob.shard import JobFile
+    from batchjob.input_shards import JobFile
 
     cfg = load_job(job_file, {})
     if cfg.per_lane_inputs:

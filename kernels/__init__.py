@@ -1,5 +1,6 @@
-"""Model ops. Each op has a torch reference (the test oracle and the fallback) beside its compiled CPU
-kernel (kernels/csrc/, built at first use); `dispatch.select_kernels` is the one place that chooses."""
+"""Model ops over one paged interface. Attention, KV store, norms, rotary and SiLU each have a torch
+reference (the test oracle and the fallback), a compiled CPU kernel (kernels/csrc/, built at first use)
+and a Triton kernel (triton_ops.py); weight matmuls are linear.py's. `dispatch.select_kernels` chooses."""
 from .attention import AttentionMetadata, paged_attention_torch, store_kv
 from .dispatch import CHOICES, KernelError, select_kernels
 from .linear import Linear

@@ -4,7 +4,8 @@
 - native: the compiled CPU kernels (kernels/csrc/, built at first use by kernels/build.py).
 - triton: the Triton kernels (kernels/triton_ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
 - auto: native on CPUs where it builds, else torch with one log line saying why; torch on CUDA until
-  the Triton kernels have passed `make gpu-check` on a GPU (so far they are tested under the interpreter).
+  the Triton kernels have passed their cases on a GPU (`python -m tests.triton_cases --device cuda`; so
+  far they are tested under the interpreter only).
 """
 from __future__ import annotations
 

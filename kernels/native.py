@@ -1,9 +1,10 @@
 """The compiled CPU kernels (kernels/csrc/), loaded through ctypes: a plain C ABI, so a build takes
 seconds (no torch headers to parse) and a call costs ~10 us.
 
-`NativeKernels(head_dim, gqa)` compiles the sources specialised to the model's head_dim and GQA group
-at first use (kernels/build.py) and raises BuildError when that cannot work here; the caller then falls
-back to the torch references.
+`NativeKernels(head_dim, gqa, dtype, block_size)` compiles the sources specialised to the model's
+head_dim and GQA group at first use (kernels/build.py) and raises BuildError when that cannot work here
+(a dtype, head_dim or block size without a kernel, no C++ compiler, a CPU without AVX-512); the caller
+then falls back to the torch references.
 """
 from __future__ import annotations
 

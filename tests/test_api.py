@@ -18,7 +18,7 @@ from batchjob import api
 from batchjob.cli import main
 from batchjob.config import ConfigError, load_job
 from batchjob.engine.sequence import SamplingParams
-from batchjob.job import build_engine
+from batchjob.job_engine import build_engine
 from batchjob.models.loader import load_model
 
 PROMPTS = ["The quick brown fox", "Batch inference reads rows", "def square(x: int) -> int:", "Hello & welcome"]

@@ -12,7 +12,7 @@ import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.scheduler import SchedulerConfig
-from batchjob.engine.sampler import sequence_key
+from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.sequence import SamplingParams, Sequence
 from batchjob.kernels.build import cpu_identity
 from batchjob.models.config import ModelConfig

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.engine.scheduler import SchedulerConfig
+from batchjob.engine.scheduler import Lane, SchedulerConfig
 from batchjob.engine.sequence import SamplingParams, Sequence
-from batchjob.engine.sampler import row_key
+from batchjob.engine.row_keys import row_key
 from batchjob.models.config import ModelConfig
 from batchjob.models.llama import LlamaModel
 
@@ -83,6 +83,21 @@ def test_sampled_same_alone_and_batched(tiny_model):
     assert [s.output_ids for s in greedy] != [s.output_ids for s in batched]
 
 
+def test_waiting_rows_through_the_engine_and_the_callers_config_left_alone(tiny_model):
+    sched = SchedulerConfig(max_num_seqs=2, max_model_len=5000, lanes=[Lane("bulk", 0), Lane("urgent", 1)])
+    engine = Engine(tiny_model, [], EngineConfig(num_blocks=512, block_size=8, scheduler=sched))
+    assert sched.max_model_len == 5000 and engine.max_model_len == 1024  # capped at the model's context
+    for i, lane in enumerate(["bulk"] * 3 + ["urgent"] * 2):
+        engine.add(Sequence(i, [1, 2, 3], SamplingParams(max_tokens=4), lane=lane, rng_key=i))
+    assert engine.num_waiting() == 5 and engine.num_waiting("bulk") == 3 and engine.num_waiting("urgent") == 2
+    engine.step()  # the two urgent rows take both slots
+    assert engine.num_waiting() == 3 and engine.num_waiting("urgent") == 0
+    dropped = engine.drop_waiting()
+    assert sorted(s.seq_id for s in dropped) == [0, 1, 2] and engine.num_waiting() == 0
+    while engine.has_work:
+        engine.step()
+
+
 def test_finished_rows_free_blocks_and_new_rows_join_same_step(tiny_model):
     engine = make_engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
     ps = prompts(10, seed=3, lo=5, hi=20)
@@ -98,7 +113,7 @@ def test_finished_rows_free_blocks_and_new_rows_join_same_step(tiny_model):
         compositions.append(ids)
         for s in finished:
             assert s.block_table == []  # blocks went back to the pool
-        if finished and not engine.scheduler.waiting and not engine.scheduler.running:
+        if finished and not engine.num_waiting() and not engine.scheduler.running:
             assert engine.pool.num_used == 0
         # a step that finished rows and had waiting rows admits new ones in the next schedule():
         if len(compositions) >= 2 and compositions[-2] - ids and ids - compositions[-2]:

@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchjob import job as job_module
+from batchjob import fingerprint as fingerprint_module
 from batchjob.cli import main
 from batchjob.config import JobConfig
+from batchjob.fingerprint import input_identity
 from batchjob.io.manifest import Manifest
 from batchjob.io.ranges import RowRanges
 from batchjob.io.parts import read_results
@@ -29,10 +30,9 @@ from batchjob.io.sources import (
     open_source,
     validate_columns,
 )
-from batchjob.job import input_identity
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.requests import PromptBuilder, RowError, row_sampling
-from batchjob.shard import ShardError, ShardSource, ShardSpec, plan_shards
+from batchjob.input_shards import ShardError, ShardSource, ShardSpec, plan_shards
 
 N = 60
 RECORDS = [{"id": i, "prompt": f"prompt number {i}"} for i in range(N)]
@@ -398,9 +398,9 @@ def test_a_folder_identity_lists_the_files_read_by_their_names_under_it(tmp_path
 
 
 def test_a_huge_file_is_hashed_by_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr(job_module, "CONTENT_HASH_WHOLE_BYTES", 1000)
-    monkeypatch.setattr(job_module, "CONTENT_SAMPLES", 4)
-    monkeypatch.setattr(job_module, "CONTENT_SAMPLE_BYTES", 100)
+    monkeypatch.setattr(fingerprint_module, "CONTENT_HASH_WHOLE_BYTES", 1000)
+    monkeypatch.setattr(fingerprint_module, "CONTENT_SAMPLES", 4)
+    monkeypatch.setattr(fingerprint_module, "CONTENT_SAMPLE_BYTES", 100)
     path = tmp_path / "big.jsonl"
     data = bytearray(jsonl_bytes([{"prompt": "x" * 90}] * 100))  # 10,500 bytes; windows at 0, 3466, 6933, 10400
     path.write_bytes(bytes(data))
@@ -419,7 +419,7 @@ def test_a_huge_file_is_hashed_by_samples(tmp_path, monkeypatch):
     assert changed_at(2000) == first  # between windows: not read, the price of sampling
     path.write_bytes(bytes(data) + b"\n")
     assert input_identity(path, source) != first  # a changed size always shows
-    monkeypatch.setattr(job_module, "CONTENT_HASH_WHOLE_BYTES", 1 << 20)
+    monkeypatch.setattr(fingerprint_module, "CONTENT_HASH_WHOLE_BYTES", 1 << 20)
     path.write_bytes(bytes(data))
     assert input_identity(path, source)["files"][0][2].startswith("sha256:")
 

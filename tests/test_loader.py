@@ -12,6 +12,7 @@ import torch
 
 from batchjob.models import loader
 from batchjob.models.config import UnsupportedModelError
+from batchjob.models.gguf_file import unpermute_rotary
 from batchjob.models.loader import ModelLoadError, load_model, resolve_model_path
 from tests.conftest import TINY_ARCHS, llama_cpp_permute, write_gguf
 
@@ -163,7 +164,7 @@ def test_gguf_quantized_types_dequantize(tiny_model_dir, tiny_gguf_path, qtype):
         a = t.numpy()
         if name.endswith(("q_proj.weight", "k_proj.weight")):  # quantized in llama.cpp's row order
             heads = 4 if "q_proj" in name else 2
-            ref = loader._unpermute_rotary(gguf.quants.dequantize(gguf.quants.quantize(llama_cpp_permute(a, heads), gt), gt), heads)
+            ref = unpermute_rotary(gguf.quants.dequantize(gguf.quants.quantize(llama_cpp_permute(a, heads), gt), gt), heads)
         else:
             ref = gguf.quants.dequantize(gguf.quants.quantize(a, gt), gt)
         assert torch.equal(g.weights[name], torch.from_numpy(ref)), name

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli import main
-from batchjob.io.openai_batch import CHAT, COMPLETIONS, OpenAIBatchSource, openai_batch_lines, request_record
+from batchjob.io.openai_batch import CHAT, COMPLETIONS, openai_batch_lines, request_record
 from batchjob.io.parts import read_results
-from batchjob.io.sources import JsonlSource, open_source
+from batchjob.io.sources import JsonlSource, OpenAIBatchSource, open_source
 
 
 def chat_line(cid: str, content="Hello there", **body) -> dict:

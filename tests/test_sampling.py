@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.engine.detokenizer import IncrementalDetokenizer
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.engine.sampler import NUCLEUS_WINDOW, sampleable, sequence_key
+from batchjob.engine.row_keys import sequence_key
+from batchjob.engine.sampler import NUCLEUS_WINDOW, sampleable
 from batchjob.engine.scheduler import SchedulerConfig
 from batchjob.engine.sequence import SamplingParams, Sequence
 from batchjob.io.parts import read_results

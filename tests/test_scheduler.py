@@ -157,6 +157,29 @@ def test_waiting_high_priority_row_preempts_running_low_row():
     assert lows[-1].status is SeqStatus.WAITING and lows[-1].num_computed == 0  # recompute mode
 
 
+def test_preempting_a_row_scheduled_in_the_same_step_refunds_its_tokens():
+    lanes = [Lane("low", 0), Lane("high", 10)]
+    s = make(num_blocks=6, block_size=4, lanes=lanes, max_num_batched_tokens=10)
+    low = row(16, max_tokens=50, lane="low")
+    s.add(low)
+    run_step(s)  # the first 10 prompt tokens: 3 blocks
+    high = row(8, lane="high")
+    s.add(high)
+    step = s.schedule()
+    # the running loop gave low its last 6 prompt tokens (a 4th block, 2 left); high needs 3 + the
+    # watermark, so admission preempts low, and low's 6 tokens go back to the budget: high gets 8, not 4
+    assert step.preempted == [low] and step.seqs == [high]
+    assert step.num_new == [8] and step.num_tokens == 8
+
+
+def test_scheduler_and_engine_leave_the_callers_config_alone():
+    cfg = SchedulerConfig(max_model_len=1000)
+    s = Scheduler(cfg, BlockPool(8, 4), context_len=512)
+    assert cfg.max_model_len == 1000 and s.max_model_len == (8 - cfg.watermark_blocks) * 4
+    assert Scheduler(cfg, BlockPool(1024, 4), context_len=512).max_model_len == 512
+    assert Scheduler(cfg, BlockPool(1024, 4)).max_model_len == 1000
+
+
 def test_memory_pressure_preempts_youngest_and_swap_moves_blocks():
     s = make(num_blocks=6, block_size=4, watermark_blocks=0, preemption="swap", host_blocks=16)
     a, b = row(7, max_tokens=12), row(7, max_tokens=12)  # 19 tokens = 5 blocks each; 6 in the pool

@@ -13,7 +13,8 @@ from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.ranges import RowRanges
 from batchjob.io.parts import RESULT_SCHEMA, read_results
 from batchjob.io.recovery import FingerprintMismatch, SinkError, clear_results, fingerprint_changes
-from batchjob.io.sink import ArrowSink, OutputError
+from batchjob.io.part_writer import OutputError
+from batchjob.io.sink import ArrowSink
 
 FP = {"model": "tiny", "temperature": 0.0, "input": "data.jsonl"}
 
@@ -171,6 +172,44 @@ def test_a_damaged_record_before_good_ones_is_damage_not_a_crash(tmp_path):
         Manifest.load(tmp_path)
 
 
+def test_records_rewritten_by_a_tool_still_verify_and_a_gap_after_the_snapshot_is_reported(tmp_path):
+    """Records are verified against their bytes as written; one re-encoded (other key order and spacing,
+    same content) falls back to the canonical check. Records missing between the snapshot and the log
+    are an error naming the commits, never silently skipped."""
+    from batchjob.io.commit_log import LOG, LOG_PREV
+
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
+        for i in range(6):
+            sink.write(result(i))
+    log = tmp_path / LOG
+    lines = log.read_bytes().rstrip(b"\n").split(b"\n")
+    lines[0] = json.dumps(json.loads(lines[0]), indent=1).replace("\n", "").encode()  # same record, re-encoded
+    log.write_bytes(b"\n".join(lines) + b"\n")
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 6)]
+    log.write_bytes(b"\n".join(lines[1:]) + b"\n")  # commit 1 lost, and no commits.log.prev holds it
+    assert not (tmp_path / LOG_PREV).exists()
+    with pytest.raises(ManifestError, match="commits 1-1 are missing after manifest.json"):
+        Manifest.load(tmp_path)
+
+
+def test_a_resume_reads_the_snapshot_and_the_current_log_only(tmp_path, monkeypatch):
+    """commits.log.prev (what the last compaction absorbed) is read only to rebuild from manifest.json.prev."""
+    from batchjob.io import commit_log, manifest as manifest_module
+
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=1) as sink:
+        for i in range(3):
+            sink.write(result(i))
+    Manifest.load(tmp_path).commit(tmp_path)  # compaction: the log becomes commits.log.prev
+    with ArrowSink(tmp_path, fingerprint=FP, part_rows=1) as sink:
+        sink.write(result(3))
+    read = []
+    real = commit_log.read
+    monkeypatch.setattr(manifest_module, "read", lambda path: read.append(path.name) or real(path))
+    assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 4)] and read == ["commits.log"]
+    read.clear()
+    assert Manifest.load(tmp_path, "manifest.json.prev").num_rows() == 4 and read == ["commits.log", "commits.log.prev"]
+
+
 def test_commit_bytes_grow_linearly_with_the_number_of_parts(tmp_path, monkeypatch):
     """10,000 commits of one-row parts: the log and its snapshots together write O(parts) bytes (the
     rewritten manifest of batchjob 0.1 wrote O(parts^2): ~12 GB for a 10M-row job in 1,000-row parts)."""
@@ -207,29 +246,33 @@ def test_commit_bytes_grow_linearly_with_the_number_of_parts(tmp_path, monkeypat
 def _tiny_part(self, columns, rows):
     from batchjob.io.manifest import PartEntry, utc_now
 
-    name = f"part-{self._next_part:05d}.arrow"
+    name = f"part-{self._parts.next_number:05d}.arrow"
     (self.out_dir / name).write_bytes(b"x")  # the part's content does not matter here, its entry does
-    self._next_part += 1
+    self._parts.next_number += 1
     return PartEntry(name=name, num_rows=len(columns["row_index"]), rows=rows.to_json(), bytes=1,
                      sha256=hashlib.sha256(b"x").hexdigest(), created=utc_now())
 
 
-def test_a_manifest_of_the_previous_format_is_read_and_converted(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_manifest_of_the_previous_format_is_read_and_converted(tmp_path, version):
+    from dataclasses import asdict
+
+    from batchjob.io.manifest import VERSION, _checksum
+
     with ArrowSink(tmp_path, fingerprint=FP, part_rows=2) as sink:
         for i in range(4):
             sink.write(result(i))
     state = Manifest.load(tmp_path)
-    old = state.to_json()
-    body = {k: v for k, v in old.items() if k not in ("checksum", "seq")}
-    body["version"] = 1  # batchjob 0.1: the whole state in manifest.json, no log
-    from batchjob.io.manifest import _checksum
-
+    # versions 1 and 2: one object per part, checksummed over the canonical encoding; 1 (batchjob 0.1): the
+    # whole state in manifest.json, no log; 2: a snapshot at `seq` with the log beside it
+    body = {"version": version, "fingerprint": state.fingerprint, "total_rows": state.total_rows,
+            "parts": [asdict(p) for p in state.parts], "extra": state.extra} | ({"seq": state.seq} if version == 2 else {})
     (tmp_path / "manifest.json").write_text(json.dumps({**body, "checksum": _checksum(body)}))
     for name in ("commits.log", "manifest.json.prev"):
         (tmp_path / name).unlink()
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
     assert sink.done.ranges() == [(0, 4)]
-    assert json.loads((tmp_path / "manifest.json").read_text())["version"] == 2  # written anew at once
+    assert json.loads((tmp_path / "manifest.json").read_text())["version"] == VERSION == 3  # written anew at once
     sink.write(result(4))
     sink.close()
     assert Manifest.load(tmp_path).done_rows().ranges() == [(0, 5)]
@@ -261,7 +304,7 @@ def test_corrupt_manifest_is_detected(tmp_path):
     Manifest.load(tmp_path).commit(tmp_path)  # a snapshot that lists the part
     path = tmp_path / "manifest.json"
     data = json.loads(path.read_text())
-    data["parts"][0]["num_rows"] = 2
+    data["parts"]["num_rows"][0] = 2  # parts are stored as columns
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="corrupt \\(checksum mismatch\\)"):
         Manifest.load(tmp_path)
@@ -372,11 +415,11 @@ def test_a_failed_write_is_an_output_error_and_leaves_no_temp_file(tmp_path, mon
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
     sink.write(result(0))
     real_fsync = os.fsync
-    monkeypatch.setattr("batchjob.io.sink.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr("batchjob.io.part_writer.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
     sink.write(result(1))  # a full part: the writer thread writes it, and fails
     with pytest.raises(OutputError, match="No space left on device.*rerun"):
         sink.sync()
-    monkeypatch.setattr("batchjob.io.sink.os.fsync", real_fsync)
+    monkeypatch.setattr("batchjob.io.part_writer.os.fsync", real_fsync)
     assert files(tmp_path) == ["manifest.json", "manifest.json.prev"]  # no part, no temp file
     with pytest.raises(OutputError):
         sink.commit()  # this sink is done for: the job stops, and its rows run again on resume
@@ -475,12 +518,11 @@ def test_done_rows_come_back_as_row_ranges(tmp_path):
 def test_a_manifest_of_a_newer_format_is_refused_and_left_alone(tmp_path):
     ArrowSink(tmp_path, fingerprint=FP).close()
     manifest = Manifest.load(tmp_path)
-    body = {**{k: v for k, v in manifest.to_json().items() if k != "checksum"}, "version": 3}
-    from batchjob.io.manifest import _checksum
-
-    (tmp_path / "manifest.json").write_text(json.dumps({**body, "checksum": _checksum(body)}))
+    body = {**{k: v for k, v in manifest.to_json().items() if k != "checksum"}, "version": 4}
+    # a newer format may checksum differently: its version is refused before any check
+    (tmp_path / "manifest.json").write_text(json.dumps({**body, "checksum": "sha256:unknown"}))
     before = (tmp_path / "manifest.json").read_bytes()
-    with pytest.raises(SinkError, match="version 3"):
+    with pytest.raises(SinkError, match="version 4"):
         ArrowSink(tmp_path, fingerprint=FP)
     assert (tmp_path / "manifest.json").read_bytes() == before and "manifest.json.corrupt" not in files(tmp_path)
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.engine.model_runner import ModelRunner
-from batchjob.io import export as export_module
+from batchjob.io import merge as merge_module
 from batchjob.io.export import ExportError, export
 from batchjob.io.manifest import Manifest
 from batchjob.io.parts import read_results
@@ -99,7 +99,7 @@ def test_export_is_atomic(tmp_path, monkeypatch):
     out = folder_of(tmp_path, range(50), 50, part_rows=5)
     to = tmp_path / "results.parquet"
     to.write_bytes(b"the previous export")
-    conform = export_module._conform
+    conform = merge_module.conform
     calls = [0]
 
     def fail_on_second_chunk(table, schema):
@@ -108,7 +108,7 @@ def test_export_is_atomic(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return conform(table, schema)
 
-    monkeypatch.setattr(export_module, "_conform", fail_on_second_chunk)
+    monkeypatch.setattr(merge_module, "conform", fail_on_second_chunk)
     with pytest.raises(OSError):
         export(out, to, chunk_rows=10)
     assert to.read_bytes() == b"the previous export"  # untouched
@@ -122,7 +122,7 @@ def test_export_holds_a_few_parts_at_a_time(tmp_path, monkeypatch):
         order.append(order.pop(k))  # row k finishes late: its part spans far
     out = folder_of(tmp_path, order, 2000, part_rows=10)
     opened, closed, most = [0], [0], [0]
-    init, close = export_module._Part.__init__, export_module._Part.close
+    init, close = merge_module._Part.__init__, merge_module._Part.close
 
     def counting_init(self, path):
         init(self, path)
@@ -133,8 +133,8 @@ def test_export_holds_a_few_parts_at_a_time(tmp_path, monkeypatch):
         closed[0] += 1
         close(self)
 
-    monkeypatch.setattr(export_module._Part, "__init__", counting_init)
-    monkeypatch.setattr(export_module._Part, "close", counting_close)
+    monkeypatch.setattr(merge_module._Part, "__init__", counting_init)
+    monkeypatch.setattr(merge_module._Part, "close", counting_close)
     done = export(out, tmp_path / "all.arrow", chunk_rows=64)
     assert done.rows == 2000 and opened[0] == 200
     assert most[0] <= 4
@@ -147,7 +147,7 @@ def test_export_refuses_duplicate_rows_across_parts(tmp_path):
     manifest.parts[1].rows = [[4, 9]]  # claims rows another part holds (a hand-edited folder)
     (out / "part-00001.arrow").write_bytes((out / "part-00000.arrow").read_bytes())
     with pytest.raises(ExportError, match="more than one part"):
-        list(export_module._merged(out, manifest.parts, 100))
+        list(merge_module.merge_parts(out, manifest.parts, 100))
 
 
 # status

@@ -1,6 +1,6 @@
 """The Triton kernel checks, run by tests/test_triton_kernels.py in a process of their own: the
 interpreter flag (TRITON_INTERPRET=1) must be set before anything imports triton, and the rest of the
-suite imports it through the package. On a GPU (`make gpu-check`) the same cases run on CUDA.
+suite imports it through the package. On a GPU the same cases run on CUDA: `python -m tests.triton_cases --device cuda`.
 
     TRITON_INTERPRET=1 python -m tests.triton_cases [--device cpu|cuda] [-k NAME]
 """

@@ -108,7 +108,7 @@ def run_job(model: str, input_path: Path, out: Path, *, engine_flags: list[str],
     done.set()
     for r in readers:
         r.join(5)
-    info = _summary(out) if proc.returncode == 0 else {}
+    info = summary_record(out) if proc.returncode == 0 else {}
     rows, _ = _manifest_rows(out)
     result = {
         "rc": proc.returncode, "process_s": exited - spawned, "peak_rss_mb": usage.ru_maxrss / 1024,
@@ -180,7 +180,7 @@ def resume(model: str, inp: Path, out: Path, flags: list[str], full: dict, snaps
     return r
 
 
-def _summary(out: Path) -> dict:
+def summary_record(out: Path) -> dict:
     """The job's own account of the run: the summary record stats.jsonl ends with (public counters: rows
     finished, seconds in the job, the engine's steps and the model alone, when the first row finished)."""
     try:

@@ -26,6 +26,13 @@ from pathlib import Path
 EXTRA = 100  # rows left to do after the committed ones
 
 
+def _job(folder: Path, model: str, part_rows: int) -> dict:
+    """The job's fields (as `_flags` gives them on the command line, for the resumed process)."""
+    return dict(model=model, input=str(folder / "in.jsonl"), output=str(folder / "out"), max_tokens=1, progress=False,
+                kv_cache_gb=0.05, swap_space_gb=0.01, max_num_seqs=512, max_num_batched_tokens=8192, part_rows=part_rows,
+                part_seconds=1e9)
+
+
 def _flags(part_rows: int) -> list[str]:
     return ["--max-tokens", "1", "--no-progress", "--kv-cache-gb", "0.05", "--swap-space-gb", "0.01",
             "--max-num-seqs", "512", "--max-num-batched-tokens", "8192", "--part-rows", str(part_rows),
@@ -35,9 +42,7 @@ def _flags(part_rows: int) -> list[str]:
 def build(folder: Path, model: str, committed: int, part_rows: int = 1000) -> dict:
     """The real job over committed + EXTRA input rows, run with --limit committed: the output then holds
     exactly `committed` rows, and a rerun without the limit continues (as after a stop at that point)."""
-    import os
-
-    from batchjob.cli import main as cli
+    import batchjob
 
     src = folder / "in.jsonl"
     with open(src, "w") as f:
@@ -48,8 +53,7 @@ def build(folder: Path, model: str, committed: int, part_rows: int = 1000) -> di
         os.fsync = lambda fd: None  # the fixture only: its parts are complete files either way
     t0 = time.perf_counter()
     try:
-        cli(["run", "--model", model, "--input", str(src), "--output", str(folder / "out"), "--limit", str(committed),
-             *_flags(part_rows)], standalone_mode=False)
+        batchjob.run(_job(folder, model, part_rows), limit=committed)
     finally:
         os.fsync = fsync
     return {"build_s": round(time.perf_counter() - t0, 1)}
@@ -59,7 +63,7 @@ def measure(folder: Path, model: str, part_rows: int = 1000) -> dict:
     """The resume, in a fresh `python -m batchjob run` process: seconds from its start to the first new row
     (the job's own first_row_unix stamp), the whole run, and the process's peak RSS (noisy: it includes
     model loading)."""
-    from batchjob.bench.pipeline import _summary
+    from batchjob.bench.pipeline import summary_record
 
     out = folder / "out"
     cmd = [sys.executable, "-m", "batchjob", "run", "--model", model, "--input", str(folder / "in.jsonl"),
@@ -71,7 +75,7 @@ def measure(folder: Path, model: str, part_rows: int = 1000) -> dict:
     err = proc.stderr.read()
     if os.waitstatus_to_exitcode(status):
         raise RuntimeError(f"the resume failed:\n{err[-3000:]}")
-    info = _summary(out)
+    info = summary_record(out)
     return {"first_row_s": round(info["first_row_unix"] - spawned, 2), "done_s": round(done - spawned, 2),
             "job_s": info["job_s"], "rows": info["sequences_finished"],
             "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}

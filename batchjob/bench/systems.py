@@ -60,7 +60,7 @@ class BatchjobRunner:
         return Engine(self.model, self.eos, EngineConfig(scheduler=sched))
 
     def run(self, workload: Workload) -> RunResult:
-        from batchjob.engine.sampler import row_key
+        from batchjob.engine.row_keys import row_key
         from batchjob.engine.sequence import SamplingParams, Sequence
 
         engine = self._engine()

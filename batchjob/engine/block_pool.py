@@ -1,20 +1,26 @@
 """BlockPool: the KV cache's fixed-size blocks as ids with reference counts, plus the prefix cache.
 
-A full block is identified by a hash chained over all token ids up to its end, so equal hashes mean
-equal prefixes. Blocks whose last user left keep their contents and hash (evictable, least recently
-used first) until the space is needed. Blocks without contents worth keeping are reused last-freed
-first, so a job touches only the KV pages its rows need at once. No tensors here."""
+A full block is keyed by a SHA-256 digest chained over all token ids up to its end, so equal keys mean
+equal prefixes (a collision-resistant digest: Python's `hash()` collides on crafted inputs, and a
+collision would hand one row another prefix's KV). Blocks whose last user left keep their contents and
+key (evictable, least recently used first) until the space is needed. Blocks without contents worth
+keeping are reused last-freed first, so a job touches only the KV pages its rows need at once. No tensors here."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
+ROOT = b""  # the parent of a row's first block
 
-def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` from block index `start` on."""
+
+def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: bytes | None = None) -> list[bytes]:
+    """Chained digests of the full blocks of `token_ids` from block index `start` on: each is
+    SHA-256(parent digest + the block's token ids as int64)."""
     out = []
-    h = parent if parent is not None else 0
+    h = parent if parent is not None else ROOT
     for b in range(start, len(token_ids) // block_size):
-        h = hash((h, tuple(token_ids[b * block_size:(b + 1) * block_size])))
+        h = hashlib.sha256(h + array("q", token_ids[b * block_size:(b + 1) * block_size]).tobytes()).digest()
         out.append(h)
     return out
 
@@ -26,8 +32,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.free: deque[int] = deque(range(num_blocks))
         self.ref = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.by_hash: dict[int, int] = {}
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, contents kept; LRU first
 
     @property
@@ -71,7 +77,7 @@ class BlockPool:
 
     # prefix cache
 
-    def cached_prefix(self, hashes: list[int]) -> list[int]:
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """Blocks holding the longest cached prefix of `hashes` (not yet referenced)."""
         out = []
         for h in hashes:
@@ -87,7 +93,7 @@ class BlockPool:
                 del self.evictable[b]
             self.ref[b] += 1
 
-    def register(self, block: int, h: int) -> None:
+    def register(self, block: int, h: bytes) -> None:
         if self.enable_caching and self.hash_of[block] is None and h not in self.by_hash:
             self.hash_of[block] = h
             self.by_hash[h] = block

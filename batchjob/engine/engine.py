@@ -1,6 +1,6 @@
 """Engine: add rows, call `step()` until idle. Each step is one scheduler decision, the KV swaps it
 asks for, one forward and one sampling pass; rows that finish leave with their output and their
-blocks return to the pool."""
+blocks return to the pool. Callers use only this class (add, step, num_waiting, drop_waiting)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from batchjob.engine.block_pool import BlockPool
 from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.models.llama import LlamaModel
@@ -73,15 +74,14 @@ class Engine:
         per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // per_block)
         num_host = config.num_host_blocks or config.swap_space_bytes // per_block
-        sched_cfg = config.scheduler or SchedulerConfig()
-        sched_cfg.max_model_len = min(sched_cfg.max_model_len, model.config.max_position_embeddings)
         self.model = model
         self.eos = frozenset(eos_token_ids)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.host_pool = BlockPool(num_host, config.block_size) if num_host else None
         self.cost = CostModel(per_block)
-        self.scheduler = Scheduler(sched_cfg, self.pool, self.host_pool, prefer_swap=self.cost.prefer_swap)
-        self.max_model_len = sched_cfg.max_model_len  # the context, capped at what the KV pool holds
+        self.scheduler = Scheduler(config.scheduler or SchedulerConfig(), self.pool, self.host_pool,
+                                   prefer_swap=self.cost.prefer_swap, context_len=model.config.max_position_embeddings)
+        self.max_model_len = self.scheduler.max_model_len  # the context, capped at what the KV pool holds
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
@@ -104,6 +104,16 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def num_waiting(self, lane: str | None = None) -> int:
+        """Rows waiting in the scheduler: in one lane, or in all."""
+        if lane is None:
+            return self.scheduler.num_waiting
+        return len(self.scheduler.waiting[lane])
+
+    def drop_waiting(self) -> list[Sequence]:
+        """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""
+        return self.scheduler.drop_waiting()
 
     def step(self) -> list[Sequence]:
         """Run one iteration; returns the rows that finished in it."""
@@ -160,8 +170,6 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seed: int = 0) -> list[Sequence]:
         """Convenience for tests and benchmarks: run prompts to completion, return sequences in input order."""
-        from batchjob.engine.sampler import sequence_key
-
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [Sequence(i, list(p), plist[i], rng_key=sequence_key(plist[i], seed, i)) for i, p in enumerate(prompts)]
         for s in seqs:

@@ -1,6 +1,7 @@
 """ModelRunner: turns a scheduled Step into flat tensors (input ids, positions, and the paged-attention
 metadata: block tables, context lengths, query offsets, slot mapping), runs one forward, and samples the
-rows whose tokens are all computed. Owns the KV tensors, laid out as the model's kernels want them."""
+rows whose tokens are all computed. Owns the KV tensors, laid out as the model's kernels want them, and
+their host copy for swapped-out rows."""
 from __future__ import annotations
 
 import math

@@ -4,9 +4,9 @@ The order is vLLM's: raw logprobs (log-softmax of the model's logits) -> min_tok
 argmax for greedy rows; temperature -> min_p -> top-k -> top-p -> draw for the others. Each stage runs
 once over all the rows that use it; a greedy row without penalties costs its share of one argmax.
 
-A row's random draw at output position t is a pure function of (row key, t): the same text comes out
-whatever the row was batched with, and after a preemption or a resume. Sampling uses the inverse CDF
-(one uniform per row) instead of per-vocabulary noise, so it costs one cumsum per sampled row.
+A row's random draw at output position t is a pure function of (row key, t) (engine/row_keys.py): the
+same text comes out whatever the row was batched with, and after a preemption or a resume. Sampling uses
+the inverse CDF (one uniform per row) instead of per-vocabulary noise, so it costs one cumsum per sampled row.
 """
 from __future__ import annotations
 
@@ -15,34 +15,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from batchjob.engine.sequence import SamplingParams, Sequence
-
-_MASK64 = (1 << 64) - 1
-SEEDED_ROW = _MASK64  # the row index a row's own seed is hashed with: no input row has it
-
-
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def row_key(seed: int, row_index: int, sample_index: int = 0) -> int:
-    return splitmix64(splitmix64(splitmix64(seed & _MASK64) ^ row_index) ^ sample_index)
-
-
-def sequence_key(params: SamplingParams, job_seed: int, row_index: int, sample_index: int = 0) -> int:
-    """The key of completion `sample_index` of a row: from the row's own seed when it has one (the same
-    seed and prompt give the same text in any row, as in vLLM), else from (job seed, row index)."""
-    if params.seed is not None:
-        return row_key(params.seed, SEEDED_ROW, sample_index)
-    return row_key(job_seed, row_index, sample_index)
-
-
-def uniform(key: int, position: int) -> float:
-    """A float in [0, 1) with 53 random bits."""
-    return (splitmix64(key ^ splitmix64(position)) >> 11) * (1.0 / (1 << 53))
+from batchjob.engine.row_keys import uniform
+from batchjob.engine.sequence import Sequence
 
 
 def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:

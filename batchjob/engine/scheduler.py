@@ -2,26 +2,20 @@
 `num_tokens` and `num_computed`, and a step gives each row the next slice of its tokens — running
 rows' decode tokens first, then running rows' prompt chunks, then waiting rows admitted by lane.
 
-Policies are the small functions at the bottom: which lane admits next (strict priority, aging,
-weighted fair share in tokens), whether a row fits (admission), and which running row gives way
-(preemption). The scheduler moves block ids, never tensors."""
+Which lane admits next lives in engine/lanes.py; here: whether a row fits (admission, optimistic or
+reserving), and which running row gives way (preemption, by recompute or swap, its budget refunded).
+The scheduler moves block ids, never tensors."""
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from batchjob.engine.block_pool import BlockPool, block_hashes
+from batchjob.engine.lanes import Lane, LaneQueues
 from batchjob.engine.sequence import Sequence, SeqStatus
 
-
-@dataclass(slots=True)
-class Lane:
-    name: str = "default"
-    priority: int = 0  # higher is admitted first
-    weight: float = 1.0  # share of tokens among lanes of equal priority
+__all__ = ["Lane", "Scheduler", "SchedulerConfig", "Step"]  # Lane: re-exported for callers that configure lanes
 
 
 @dataclass(slots=True)
@@ -35,7 +29,7 @@ class SchedulerConfig:
     watermark_blocks: int = 1
     max_wait: float = 300.0  # seconds; a row waiting longer goes ahead of every lane
     aging: float = 0.0  # priority points gained per second of waiting; 0 = reach the top lane at max_wait
-    max_model_len: int = 1 << 30
+    max_model_len: int = 1 << 30  # capped further by the model's context and the KV pool (Scheduler.max_model_len)
     lanes: list[Lane] = field(default_factory=lambda: [Lane()])
 
 
@@ -48,6 +42,7 @@ class Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    token_budget: int = 0  # tokens not yet given to a row while the step is scheduled
 
     @property
     def num_tokens(self) -> int:
@@ -59,38 +54,31 @@ class Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, host_pool: BlockPool | None = None,
-                 clock: Callable[[], float] = time.monotonic, prefer_swap: Callable[[Sequence], bool] | None = None):
+                 clock: Callable[[], float] = time.monotonic, prefer_swap: Callable[[Sequence], bool] | None = None,
+                 context_len: int | None = None):
+        """`context_len`: the model's context (max position embeddings); `config` is read, never changed."""
         self.config = config
         # a row can never hold more KV than the pool: it ends with "length" there instead of thrashing
-        config.max_model_len = min(config.max_model_len, (pool.num_blocks - config.watermark_blocks) * pool.block_size)
+        self.max_model_len = min(config.max_model_len, context_len or config.max_model_len,
+                                 (pool.num_blocks - config.watermark_blocks) * pool.block_size)
         self.pool = pool
         self.host_pool = host_pool
         self.clock = clock
         self.prefer_swap = prefer_swap  # preemption=auto: cost model supplied by the engine
-        self.lanes = {lane.name: lane for lane in config.lanes}
-        self.waiting: dict[str, deque[Sequence]] = {name: deque() for name in self.lanes}
+        self.queues = LaneQueues(config.lanes, config.max_wait, config.aging, clock)
+        self.waiting = self.queues.waiting  # lane name -> its waiting rows, oldest first
         self.running: list[Sequence] = []
-        self.served = {name: 0.0 for name in self.lanes}  # tokens scheduled per lane
-        span = max(lane.priority for lane in config.lanes) - min(lane.priority for lane in config.lanes)
-        self.aging = config.aging or (span + 1) / config.max_wait
         self._arrivals = 0
         self._host_to_free: list[int] = []
 
     # queue
 
     def add(self, seq: Sequence) -> None:
-        if seq.lane not in self.lanes:
-            raise ValueError(f"unknown lane {seq.lane!r}; lanes: {', '.join(self.lanes)}")
-        seq.priority = self.lanes[seq.lane].priority
-        seq.enqueued_at = self.clock()
-        q = self.waiting[seq.lane]
-        if not q and not any(s.lane == seq.lane for s in self.running):
-            self._catch_up(seq.lane)
-        q.append(seq)
+        self.queues.add(seq, self.running)
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self.waiting.values())
+        return len(self.queues)
 
     @property
     def has_work(self) -> bool:
@@ -98,21 +86,15 @@ class Scheduler:
 
     def drop_waiting(self) -> list[Sequence]:
         """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""
-        dropped = []
-        for q in self.waiting.values():
-            started = [s for s in q if s.first_scheduled_at is not None]  # preempted rows keep their place
-            dropped.extend(s for s in q if s.first_scheduled_at is None)
-            q.clear()
-            q.extend(started)
-        return dropped
+        return self.queues.drop_unstarted()
 
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a row can never be admitted (a per-row error), or None."""
-        cfg, n = self.config, seq.num_prompt
+        n, limit = seq.num_prompt, self.max_model_len
         if n == 0:
             return "empty prompt: it has no tokens"
-        if n + 1 > cfg.max_model_len:
-            return (f"prompt has {n} tokens; at most {cfg.max_model_len - 1} fit (the model's context and the KV "
+        if n + 1 > limit:
+            return (f"prompt has {n} tokens; at most {limit - 1} fit (the model's context and the KV "
                     f"cache of {self.pool.num_blocks * self.pool.block_size} tokens; prompt + 1 generated token must fit)")
         return None
 
@@ -123,35 +105,32 @@ class Scheduler:
         if self._host_to_free:  # host blocks read by last step's swap-ins are free only now
             self.host_pool.release(self._host_to_free)
             self._host_to_free = []
-        step = Step()
-        budget = cfg.max_num_batched_tokens
+        step = Step(token_budget=cfg.max_num_batched_tokens)
         order = sorted(self.running, key=_admit_order)
         decoding = [s for s in order if s.num_tokens - s.num_computed == 1]
         prefilling = [s for s in order if s.num_tokens - s.num_computed > 1]
         for seq in decoding + prefilling:
-            if budget <= 0:
+            if step.token_budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, step.token_budget)
             if self._make_room(seq, seq.num_computed + n, step):
                 self._schedule(step, seq, n)
-                budget -= n
 
         admit = not cfg.static_batch or not self.running
         max_seqs = cfg.static_batch or cfg.max_num_seqs
-        while admit and budget > 0:
-            seq = self._next_waiting()
+        while admit and step.token_budget > 0:
+            seq = self.queues.head()
             if seq is None:
                 break
             if len(self.running) >= max_seqs and not self._evict_lower(seq, step, slots=True):
                 break
-            if not self._admit(seq, step):
+            if not self._admit(seq, step):  # may preempt rows scheduled above: their tokens come back
                 break
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, step.token_budget)
             self._grow(seq, seq.num_computed + n)  # fits: admission counted the whole row
             self._schedule(step, seq, n)
-            budget -= n
         return step
 
     def advance(self, step: Step) -> None:
@@ -179,7 +158,8 @@ class Scheduler:
     def _schedule(self, step: Step, seq: Sequence, n: int) -> None:
         step.seqs.append(seq)
         step.num_new.append(n)
-        self.served[seq.lane] += n
+        step.token_budget -= n
+        self.queues.charge(seq, n)
         if seq.first_scheduled_at is None:
             seq.first_scheduled_at = self.clock()
 
@@ -225,9 +205,10 @@ class Scheduler:
         return self.pool.num_free >= blocks
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
-        if seq in step.seqs:  # refund: it leaves this step's batch
+        if seq in step.seqs:  # refund: it leaves this step's batch, its tokens go back to the budget
             i = step.seqs.index(seq)
-            self.served[seq.lane] -= step.num_new[i]
+            step.token_budget += step.num_new[i]
+            self.queues.charge(seq, -step.num_new[i])
             del step.seqs[i], step.num_new[i]
         self.running.remove(seq)
         seq.num_preemptions += 1
@@ -245,7 +226,7 @@ class Scheduler:
             seq.num_computed = 0
             seq.status = SeqStatus.WAITING
         seq.reserved_blocks = 0
-        self.waiting[seq.lane].appendleft(seq)
+        self.queues.requeue(seq)
 
     def _swap_mode(self, seq: Sequence) -> bool:
         mode = self.config.preemption
@@ -270,7 +251,7 @@ class Scheduler:
         need_free = max(need, reserve - len(hits)) + outstanding + cfg.watermark_blocks
         if need_free > pool.num_free and not self._evict_lower(seq, step, blocks=need_free):
             return False
-        self.waiting[seq.lane].popleft()
+        self.queues.pop(seq)
         if seq.status is SeqStatus.SWAPPED:
             device = pool.allocate(len(seq.block_table))
             step.swap_in.extend(zip(seq.block_table, device))
@@ -291,37 +272,13 @@ class Scheduler:
         return True
 
     def _reserve_need(self, seq: Sequence) -> int:
-        return self.pool.blocks_for(min(seq.num_prompt + seq.params.max_tokens, self.config.max_model_len))
+        return self.pool.blocks_for(min(seq.num_prompt + seq.params.max_tokens, self.max_model_len))
 
     def _outstanding_reservations(self) -> int:
         return sum(max(0, s.reserved_blocks - len(s.block_table)) for s in self.running)
 
-    def _next_waiting(self) -> Sequence | None:
-        now = self.clock()
-        best, best_key = None, None
-        for name, q in self.waiting.items():
-            if q:
-                key = lane_key(self.lanes[name], now - q[0].enqueued_at, self.served[name], self.config.max_wait, self.aging)
-                if best_key is None or key > best_key:
-                    best, best_key = q[0], key
-        return best
-
-    def _catch_up(self, lane: str) -> None:
-        """A lane that was idle joins at the others' virtual time instead of claiming its idle share."""
-        active = [self.served[n] / self.lanes[n].weight for n, q in self.waiting.items() if q and n != lane]
-        if active:
-            self.served[lane] = max(self.served[lane], min(active) * self.lanes[lane].weight)
-
 
 # policies
-
-def lane_key(lane: Lane, waited: float, served: float, max_wait: float, aging: float) -> tuple:
-    """Larger is admitted first: overdue rows (oldest first), then effective priority (priority plus
-    aging, in whole levels), then the lane furthest below its weighted share of tokens."""
-    overdue = waited >= max_wait
-    effective = lane.priority + math.floor(aging * waited)
-    return (overdue, waited if overdue else 0.0, effective, -served / lane.weight)
-
 
 def _victim_order(seq: Sequence) -> tuple:
     """Smallest is preempted first: lowest priority, then the youngest."""

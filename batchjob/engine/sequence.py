@@ -135,7 +135,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full computed blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digests of the full computed blocks
     arrival: int = 0  # admission order, for "youngest first" preemption
     enqueued_at: float = 0.0  # when the row entered the waiting queue (aging, wait statistics)
     first_scheduled_at: float | None = None

@@ -32,8 +32,20 @@ def encode(record: dict) -> bytes:
     return f'{{"sha256":"{digest}","record":{body}}}\n'.encode()
 
 
+_HEAD = b'{"sha256":"'
+_BODY_AT = len(_HEAD) + 32 + len(b'","record":')
+
+
 def _decode(line: bytes) -> dict | None:
-    try:
+    body = line[_BODY_AT:-1]  # as encode() wrote it: the digest is over these very bytes
+    if line.startswith(_HEAD) and line.endswith(b"}") and hashlib.sha256(body).hexdigest()[:32].encode() == line[len(_HEAD):len(_HEAD) + 32]:
+        try:
+            record = json.loads(body)
+            if isinstance(record, dict) and isinstance(record.get("seq"), int):
+                return record
+        except ValueError:
+            pass
+    try:  # written some other way (re-encoded by a tool): check the canonical encoding
         data = json.loads(line)
         body = json.dumps(data["record"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         if hashlib.sha256(body.encode()).hexdigest()[:32] == data["sha256"] and isinstance(data["record"].get("seq"), int):

@@ -1,34 +1,19 @@
-"""Export: the committed rows of an output folder as one file (.parquet, .jsonl, .arrow) in input order.
-
-Parts hold rows in completion order, so each part is sorted on its own (a part is at most part_rows
-rows) and the parts are merged with a heap. A part is opened only when the merge reaches its first row
-(known from the manifest) and let go after its last, so memory is a few parts, whatever the row count.
-The file is written under a temporary name and renamed: a reader never sees half an export.
-"""
+"""Export of one output folder: its committed rows as one file in input order (.parquet, .jsonl or
+.arrow, merged by `merge.py`), or as an OpenAI Batch response file (one line per input line)."""
 from __future__ import annotations
 
-import heapq
-import json
 import os
-from collections.abc import Iterator
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-
-from batchjob.io.manifest import Manifest, ManifestError, PartEntry, fsync_dir, result_folders
+from batchjob.io.manifest import Manifest, ManifestError, result_folders
+from batchjob.io.merge import CHUNK_ROWS, FORMATS, ExportError, write_merged
+from batchjob.io.openai_batch import openai_batch_lines
+from batchjob.io.parts import read_results
 from batchjob.io.ranges import RowRanges
-from batchjob.io.parts import RESULT_SCHEMA, part_schema, read_part, to_text, unify_types
-from batchjob.io.parts import concat_parts
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".arrow": "arrow",
-           ".feather": "arrow"}
-CHUNK_ROWS = 8192  # rows per write
-
-
-class ExportError(Exception):
-    """The folder cannot be exported as asked (rows missing, not an output folder, unknown format)."""
+RESULTS_FILE = "results.jsonl"  # an OpenAI Batch job's response file, in its output folder
 
 
 @dataclass(slots=True)
@@ -61,19 +46,7 @@ def export(out: str | Path, to: str | Path, *, partial: bool = False, chunk_rows
         if missing:
             raise ExportError(f"{folder} lacks {missing.count()} of {total} rows: {describe(missing)}; rerun the job "
                               "to finish it, or pass --partial to export the committed rows only")
-    schema = _schema(folder, manifest.parts)
-    rows = 0
-    tmp = to.with_name(f".{to.name}.tmp-{os.getpid()}")
-    try:
-        with _Writer(kind, tmp, schema) as writer:
-            for table in _merged(folder, manifest.parts, chunk_rows):
-                writer.write(_conform(table, schema))
-                rows += table.num_rows
-        os.replace(tmp, to)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(to.parent)
+    rows = write_merged(folder, manifest.parts, to, kind, chunk_rows=chunk_rows)
     return ExportSummary(rows, missing, total, to)
 
 
@@ -106,147 +79,58 @@ def _one_folder(out: Path) -> Path:
     return folders[0]
 
 
-# merging
+# OpenAI Batch response files
 
 
-class _Part:
-    """One part, sorted by row_index: the Arrow table (memory-mapped) and its sort order."""
-
-    def __init__(self, path: Path) -> None:
-        self.table = read_part(path)  # an Arrow part stays memory-mapped
-        index = self.table.column("row_index").to_numpy()
-        self.order = np.argsort(index, kind="stable")
-        self.rows = index[self.order]
-        self.pos = 0
-
-    @property
-    def next_row(self) -> int:
-        return int(self.rows[self.pos])
-
-    def take_below(self, limit: float) -> pa.Table:
-        """The part's next rows whose row_index is below `limit`."""
-        end = int(np.searchsorted(self.rows, limit, side="left")) if limit != float("inf") else len(self.rows)
-        end = max(end, self.pos + 1)
-        piece = self.table.take(pa.array(self.order[self.pos:end]))
-        self.pos = end
-        return piece
-
-    def close(self) -> None:
-        self.table = None  # the mapping goes with the last reference to its buffers
+def write_openai_batch(out_dir: str | Path, to: str | Path | None = None, *, created: int | None = None) -> Path:
+    """Write the committed rows of one output folder as an OpenAI Batch response file (default
+    OUTPUT/results.jsonl)."""
+    out_dir = Path(out_dir)
+    target = Path(to) if to is not None else out_dir / RESULTS_FILE
+    write_responses([out_dir], target, created)
+    return target
 
 
-def _merged(folder: Path, parts: list[PartEntry], chunk_rows: int) -> Iterator[pa.Table]:
-    """Tables of about chunk_rows rows, in row_index order, over all parts."""
-    waiting = sorted((min(s for s, _ in p.rows) if p.rows else 0, i) for i, p in enumerate(parts))
-    heap: list[tuple[int, int, _Part]] = []
-    pieces: list[pa.Table] = []
-    buffered = 0
-    last = -1
-    w = 0
-    while heap or w < len(waiting):
-        while w < len(waiting) and (not heap or waiting[w][0] <= heap[0][0]):
-            part = _Part(folder / parts[waiting[w][1]].name)
-            if len(part.rows):
-                heapq.heappush(heap, (part.next_row, waiting[w][1], part))
-            w += 1
-        if not heap:
-            continue
-        row, i, part = heapq.heappop(heap)
-        if row <= last:
-            raise ExportError(f"row {row} is in more than one part of {folder}; the folder was edited by hand")
-        limit = min(heap[0][0] if heap else float("inf"), waiting[w][0] if w < len(waiting) else float("inf"))
-        piece = part.take_below(limit)
-        last = int(piece.column("row_index")[-1].as_py())
-        pieces.append(piece)
-        buffered += piece.num_rows
-        if part.pos < len(part.rows):
-            heapq.heappush(heap, (part.next_row, i, part))
-        else:
-            part.close()
-        if buffered >= chunk_rows:
-            yield _concat(pieces)
-            pieces, buffered = [], 0
-    if pieces:
-        yield _concat(pieces)
+def export_folder_responses(out: str | Path, to: str | Path, *, created: int | None = None) -> int:
+    """`batchjob export OUT --format openai-batch --to FILE` for one output folder. Refuses when input
+    rows are missing. Returns the lines written."""
+    out = Path(out)
+    manifest = Manifest.load(out)
+    if manifest is None:
+        raise ExportError(f"{out} has no manifest.json; it is not a batchjob output folder (or nothing ran yet)")
+    done = manifest.num_rows()
+    if manifest.total_rows is not None and done < manifest.total_rows:
+        raise ExportError(f"{out} holds {done} of {manifest.total_rows} rows; rerun the job to finish it "
+                          "(a response file has one line per input line)")
+    return write_responses([out], Path(to), created)
 
 
-def _concat(pieces: list[pa.Table]) -> pa.Table:
-    return concat_parts(pieces) if len(pieces) > 1 else pieces[0]  # a kept column typed apart turns to text
+def write_responses(folders: list[Path], target: Path, created: int | None) -> int:
+    """The response lines of `folders`' rows, in that order, to `target`. Atomically: a temp file,
+    fsynced, then renamed. One folder's rows in memory at a time."""
+    created = int(time.time()) if created is None else created
+    model = model_name(folders[0]) if folders else "batchjob"
+    tmp = target.with_name(f".{target.name}.tmp")
+    written = 0
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for folder in folders:
+                for text in openai_batch_lines(read_results(folder), model=model, created=created):
+                    f.write(text + "\n")
+                    written += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return written
 
 
-# one schema for all parts
-
-
-def _schema(folder: Path, parts: list[PartEntry]) -> pa.Schema:
-    """Result columns, then the kept columns in first-seen order; a kept column whose types across
-    parts cannot be widened into one becomes text (as read_results does). Reads part footers only."""
-    types: dict[str, pa.DataType | None] = {}
-    for part in parts:
-        schema = part_schema(folder / part.name)
-        for field in schema:
-            if field.name in RESULT_SCHEMA.names:
-                continue
-            known = types.get(field.name)
-            if field.name not in types or known is None or pa.types.is_null(known):
-                types[field.name] = field.type
-            elif not pa.types.is_null(field.type) and field.type != known:
-                try:
-                    types[field.name] = unify_types(known, field.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-                    types[field.name] = pa.string()
-    return pa.schema([*RESULT_SCHEMA, *(pa.field(name, t) for name, t in types.items())])
-
-
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    arrays = []
-    for field in schema:
-        if field.name not in table.schema.names:
-            arrays.append(pa.nulls(table.num_rows, field.type))
-            continue
-        column = table.column(field.name)
-        if column.type != field.type:
-            if pa.types.is_string(field.type):
-                column = pa.array(to_text(column.to_pylist()), type=pa.string())
-            else:
-                try:
-                    column = column.cast(field.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-                    column = pa.array(column.to_pylist(), type=field.type)  # e.g. a struct gaining fields
-        arrays.append(column)
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-# writing
-
-
-class _Writer:
-    def __init__(self, kind: str, path: Path, schema: pa.Schema) -> None:
-        self.kind, self.path, self.schema = kind, path, schema
-        self.file = open(path, "wb")
-        self.writer = None
-        if kind == "parquet":
-            import pyarrow.parquet as pq
-
-            self.writer = pq.ParquetWriter(self.file, schema)
-        elif kind == "arrow":
-            self.writer = pa.ipc.new_file(self.file, schema)
-
-    def write(self, table: pa.Table) -> None:
-        if self.kind == "jsonl":
-            lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
-            self.file.write(lines.encode())
-        else:
-            self.writer.write_table(table)
-
-    def __enter__(self) -> _Writer:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        try:
-            if self.writer is not None:
-                self.writer.close()
-            if exc_type is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
-        finally:
-            self.file.close()
+def model_name(out_dir: str | Path) -> str:
+    """The model an output folder was made with, as its file or folder name (for the response bodies)."""
+    manifest = Manifest.load(Path(out_dir))
+    path = ((manifest.fingerprint if manifest else {}).get("model") or {}).get("path")
+    if not path:
+        return "batchjob"
+    p = Path(path)
+    return p.stem if p.suffix == ".gguf" else p.name

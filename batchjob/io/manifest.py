@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchjob.io.commit_log import LOG, LOG_PREV, LogError, fsync_dir, read
@@ -22,8 +22,10 @@ from batchjob.io.ranges import RowRanges
 
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.json.prev"
-VERSION = 2  # 2: a snapshot with `seq` and a commit log beside it; 1 (read too): the whole state, no log
-READS = (1, 2)
+VERSION = 3  # 3: as 2, checksummed over the bytes as written (no re-encoding to verify a large snapshot)
+READS = (1, 2, 3)  # 2: a snapshot with `seq` and a commit log beside it; 1: the whole state, no log
+_HEAD = b'{"checksum":"sha256:'  # a version-3 file: this, 64 hex digits, '",', then the rest of the object
+_HEAD_LEN = len(_HEAD) + 64 + 2
 
 
 class ManifestError(Exception):
@@ -70,11 +72,7 @@ class Manifest:
         self.seq = record["seq"]
 
     def done_rows(self) -> RowRanges:
-        done = RowRanges()
-        for part in self.parts:
-            for start, end in part.rows:
-                done.add(start, end)
-        return done
+        return RowRanges.merged(r for part in self.parts for r in part.rows)
 
     def num_rows(self) -> int:
         return sum(part.num_rows for part in self.parts)
@@ -85,32 +83,42 @@ class Manifest:
                 "prompt_tokens": sum(p.prompt_tokens for p in self.parts),
                 "completion_tokens": sum(p.completion_tokens for p in self.parts)}
 
+    def _body(self) -> dict:
+        # parts as columns (one list per field): a 100,000-part snapshot parses in a fraction of the time
+        parts = {f: [getattr(p, f) for p in self.parts] for f in PART_FIELDS}
+        return {"version": VERSION, "seq": self.seq, "fingerprint": self.fingerprint, "total_rows": self.total_rows,
+                "parts": parts, "extra": self.extra}
+
+    def encode(self) -> bytes:
+        """The snapshot file: the state as compact JSON, its first field the SHA-256 of every byte after it."""
+        rest = json.dumps(self._body(), separators=(",", ":"), ensure_ascii=False).encode()[1:]
+        return _HEAD + hashlib.sha256(rest).hexdigest().encode() + b'",' + rest
+
     def to_json(self) -> dict:
-        body = {
-            "version": VERSION,
-            "seq": self.seq,
-            "fingerprint": self.fingerprint,
-            "total_rows": self.total_rows,
-            "parts": [asdict(part) for part in self.parts],
-            "extra": self.extra,
-        }
-        return {**body, "checksum": _checksum(body)}
+        return json.loads(self.encode())
 
     @classmethod
-    def from_json(cls, data: dict, *, where: str = MANIFEST) -> Manifest:
+    def from_json(cls, data: dict, *, where: str = MANIFEST, raw: bytes | None = None) -> Manifest:
+        """The state from a parsed snapshot. Version 3 is verified against `raw` (the file's bytes), versions 1
+        and 2 against their canonical re-encoding; a newer version is refused before any check."""
         if not isinstance(data, dict) or "checksum" not in data:
             raise ManifestError(f"{where} has no checksum field; it was not written by batchjob")
+        if data.get("version") not in READS:
+            raise ManifestVersionError(f"{where} has version {data.get('version')}; this batchjob reads versions "
+                                       f"{', '.join(map(str, READS))}")
         body = {k: v for k, v in data.items() if k != "checksum"}
-        if _checksum(body) != data["checksum"]:
+        if data["version"] >= 3:
+            ok = (raw is not None and raw.startswith(_HEAD) and raw[_HEAD_LEN - 2:_HEAD_LEN] == b'",'
+                  and "sha256:" + hashlib.sha256(raw[_HEAD_LEN:]).hexdigest() == data["checksum"])
+        else:
+            ok = _checksum(body) == data["checksum"]
+        if not ok:
             raise ManifestError(f"{where} is corrupt (checksum mismatch); it was edited or damaged — "
                                 "restore it or rerun into a new output folder")
-        if body.get("version") not in READS:
-            raise ManifestVersionError(f"{where} has version {body.get('version')}; this batchjob reads versions "
-                                       f"{', '.join(map(str, READS))}")
         try:
             return cls(
                 fingerprint=body["fingerprint"],
-                parts=[PartEntry(**part) for part in body["parts"]],
+                parts=_parts(body["parts"]),
                 total_rows=body["total_rows"],
                 extra=body["extra"],
                 version=body["version"],
@@ -133,10 +141,16 @@ class Manifest:
             data = json.loads(text)
         except ValueError as e:
             raise ManifestError(f"{path} is corrupt (not valid JSON: {e}); restore it or rerun into a new output folder") from e
-        manifest = cls.from_json(data, where=str(path))
+        manifest = cls.from_json(data, where=str(path), raw=text)
         try:
-            for log in (LOG_PREV, LOG):  # the older log first: a record is applied once, in seq order
-                for record in read(out_dir / log)[0]:
+            current = read(out_dir / LOG)[0]
+            logs = [(LOG, current)]
+            if name != MANIFEST or (current and current[0]["seq"] > manifest.seq + 1):
+                # commits.log.prev holds what the compaction after this snapshot absorbed: needed from the
+                # previous snapshot (or to report a gap), never from manifest.json itself
+                logs.insert(0, (LOG_PREV, read(out_dir / LOG_PREV)[0]))
+            for log, records in logs:  # the older log first: a record is applied once, in seq order
+                for record in records:
                     if record["seq"] <= manifest.seq:
                         continue  # already in the snapshot
                     if record["seq"] != manifest.seq + 1:
@@ -152,7 +166,7 @@ class Manifest:
         stays as manifest.json.prev (a hard link: no copy) and the log it absorbed becomes commits.log.prev.
         Returns the snapshot's size in bytes."""
         out_dir = Path(out_dir)
-        data = json.dumps(self.to_json(), indent=None, separators=(",", ":"), ensure_ascii=False).encode()
+        data = self.encode()
         path = out_dir / MANIFEST
         if path.exists():
             keep_previous(path, out_dir / PREVIOUS)
@@ -207,6 +221,18 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+PART_FIELDS = tuple(PartEntry.__slots__)
+
+
+def _parts(data: list | dict) -> list[PartEntry]:
+    """Version 3 stores parts as columns, versions 1 and 2 as one object per part."""
+    if isinstance(data, list):
+        return [PartEntry(**part) for part in data]
+    if not isinstance(data, dict) or set(data) != set(PART_FIELDS) or len({len(v) for v in data.values()}) > 1:
+        raise TypeError(f"parts must have the columns {', '.join(PART_FIELDS)} of equal length")
+    return [PartEntry(*values) for values in zip(*(data[f] for f in PART_FIELDS))]
 
 
 def _checksum(body: dict) -> str:

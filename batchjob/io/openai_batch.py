@@ -1,28 +1,24 @@
-"""OpenAI Batch API files: request lines in (`OpenAIBatchSource`), response lines out (`openai_batch_lines`).
+"""OpenAI Batch lines, both ways: a request line -> a record (`request_record`), a result row -> a
+response line (`response_line`, `openai_batch_lines`). Pure: no files (`sources/openai_batch.py` reads
+request files, `export.py` writes response files).
 
 In: a line {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}
 becomes a record {custom_id, endpoint, messages | prompt, sampling}; the body's fields map to the
-sampling parameters (README, "OpenAI Batch JSONL"). A bad line, or a repeated custom_id, becomes a
-per-row error that still carries its custom_id, so the response file has a line for it.
-Out: one response line per result row, from the Arrow results, in input order.
+sampling parameters (README, "OpenAI Batch JSONL").
+Out: one response line per result row (the Arrow output's columns), in input order.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import pyarrow as pa
-
-from batchjob.io.sources import InputRow, JsonlSource, _narrow
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling"]
-RESULTS_FILE = "results.jsonl"
 
 # body field -> sampling parameter, for both endpoints (vLLM's extra sampling fields included)
 _SAMPLING = {
@@ -39,57 +35,6 @@ _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_option
 def is_openai_batch_line(value) -> bool:
     """Auto-detection: a first line with custom_id, url and body is a batch request file."""
     return isinstance(value, dict) and {"custom_id", "url", "body"} <= value.keys()
-
-
-class OpenAIBatchSource(JsonlSource):
-    format_name = "OpenAI batch"
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.columns = list(COLUMNS)
-        self.duplicates, self.num_rows = self._scan_custom_ids()
-
-    def _parse(self, row_index: int, line: bytes, where: str, columns: list[str] | None) -> InputRow:
-        try:
-            value = json.loads(line)
-        except ValueError as e:
-            return InputRow(row_index, None, f"{where}: invalid JSON: {e}")
-        ids = {"custom_id": None, "endpoint": None}
-        if isinstance(value, dict):
-            cid, url = value.get("custom_id"), value.get("url")
-            ids = {"custom_id": cid if isinstance(cid, str) else None, "endpoint": url if url in (CHAT, COMPLETIONS) else None}
-        try:
-            record = request_record(value)
-        except ValueError as e:
-            return InputRow(row_index, ids, f"{where}: {e}")
-        first = self.duplicates.get(row_index)
-        if first is not None:
-            return InputRow(row_index, ids, f"{where}: duplicate custom_id {record['custom_id']!r} "
-                                            f"(first used by row {first}); custom_id must be unique")
-        return InputRow(row_index, _narrow(record, columns))
-
-    def _scan_custom_ids(self) -> tuple[dict[int, int], int]:
-        """One pass over the whole file, so a repeat is caught even when a resume skips the first use:
-        {row index of a repeated custom_id: row index of its first use}, and the number of rows."""
-        first: dict[str, int] = {}
-        duplicates: dict[int, int] = {}
-        row = 0
-        with open(self.path, "rb") as f:
-            for line, _, _ in self._lines(f, 0):
-                if not line.strip():
-                    continue
-                try:
-                    cid = json.loads(line).get("custom_id")
-                except (ValueError, AttributeError):
-                    cid = None
-                if isinstance(cid, str):
-                    if cid in first:
-                        duplicates[row] = first[cid]
-                    else:
-                        first[cid] = row
-                row += 1
-        self.peak_buffer_bytes = 0
-        return duplicates, row
 
 
 def request_record(line) -> dict:
@@ -235,76 +180,3 @@ def _text_choice(c: dict) -> dict:
                     "top_logprobs": tops, "text_offset": offsets}
     return {"index": c["index"], "text": c["text"], "logprobs": logprobs, "finish_reason": c["finish_reason"]}
 
-
-def model_name(out_dir: str | Path) -> str:
-    """The model an output folder was made with, as its file or folder name (for the response bodies)."""
-    from batchjob.io.manifest import Manifest
-
-    manifest = Manifest.load(Path(out_dir))
-    path = ((manifest.fingerprint if manifest else {}).get("model") or {}).get("path")
-    if not path:
-        return "batchjob"
-    p = Path(path)
-    return p.stem if p.suffix == ".gguf" else p.name
-
-
-class ExportError(Exception):
-    """The folder cannot give one response line per input line (rows missing)."""
-
-
-def write_openai_batch(out_dir: str | Path, to: str | Path | None = None, *, created: int | None = None) -> Path:
-    """Write the committed rows of one output folder as an OpenAI Batch response file (default
-    OUTPUT/results.jsonl)."""
-    out_dir = Path(out_dir)
-    target = Path(to) if to is not None else out_dir / RESULTS_FILE
-    _write([out_dir], target, created)
-    return target
-
-
-def export_openai_batch(out: str | Path, to: str | Path, *, created: int | None = None) -> int:
-    """`batchjob export OUT --format openai-batch --to FILE`: OUT is one output folder or a sharded job
-    folder (its shards in order). Refuses when input rows are missing. Returns the lines written."""
-    from batchjob.io.manifest import Manifest
-    from batchjob.shard import is_sharded, shard_states
-
-    out = Path(out)
-    if is_sharded(out):
-        from batchjob.sharded import incomplete_message
-
-        _, states = shard_states(out)
-        problem = incomplete_message(out, states)
-        if problem:
-            raise ExportError(problem)
-        folders = [s.folder for s in states if s.range.num_rows]
-    else:
-        manifest = Manifest.load(out)
-        if manifest is None:
-            raise ExportError(f"{out} has no manifest.json; it is not a batchjob output folder (or nothing ran yet)")
-        done = manifest.num_rows()
-        if manifest.total_rows is not None and done < manifest.total_rows:
-            raise ExportError(f"{out} holds {done} of {manifest.total_rows} rows; rerun the job to finish it "
-                              "(a response file has one line per input line)")
-        folders = [out]
-    return _write(folders, Path(to), created)
-
-
-def _write(folders: list[Path], target: Path, created: int | None) -> int:
-    """Atomically: a temp file, fsynced, then renamed. One folder's rows in memory at a time."""
-    from batchjob.io.parts import read_results
-
-    created = int(time.time()) if created is None else created
-    model = model_name(folders[0]) if folders else "batchjob"
-    tmp = target.with_name(f".{target.name}.tmp")
-    written = 0
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for folder in folders:
-                for text in openai_batch_lines(read_results(folder), model=model, created=created):
-                    f.write(text + "\n")
-                    written += 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return written

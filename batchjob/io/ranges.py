@@ -122,6 +122,24 @@ class RowRanges:
             out._ends.append(total)
         return out
 
+    @classmethod
+    def merged(cls, ranges: Iterable[Iterable[int]]) -> RowRanges:
+        """The union of many [start, end) ranges in one sort and one pass (a resume's committed rows)."""
+        out = cls()
+        starts, ends = out._starts, out._ends
+        for s, e in sorted(ranges):  # [start, end] pairs as lists or tuples
+            if s < 0 or e < s:
+                raise ValueError(f"bad range [{s}, {e})")
+            if s == e:
+                continue
+            if ends and s <= ends[-1]:
+                if e > ends[-1]:
+                    ends[-1] = e
+            else:
+                starts.append(s)
+                ends.append(e)
+        return out
+
     def to_json(self) -> list[list[int]]:
         return [[s, e] for s, e in zip(self._starts, self._ends)]
 

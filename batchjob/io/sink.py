@@ -12,9 +12,7 @@ failed write (a full disk) is raised by the next call into the sink. `done` hold
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import queue
 import threading
 import time
@@ -23,23 +21,16 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow as pa
-
-from batchjob.io.commit_log import CommitLog, fsync_dir
-from batchjob.io.manifest import MANIFEST, VERSION, Manifest, PartEntry, utc_now
-from batchjob.io.parts import (FINISH_REASONS, PART_FORMATS, RESULT_SCHEMA, counts, encode_part, part_name, part_schema,
-                               to_text, unify_types)
+from batchjob.io.commit_log import CommitLog
+from batchjob.io.manifest import MANIFEST, VERSION, Manifest, PartEntry
+from batchjob.io.part_writer import OutputError, PartWriter, output_error
+from batchjob.io.parts import FINISH_REASONS, PART_FORMATS, RESULT_SCHEMA
 from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import SinkError, check_same_job, load_manifest, recover
 
 RESUME_POSITION = "resume_position"  # manifest extra: where a reader resumes (first row not committed)
 COMPACT_MIN_BYTES = 256 << 10  # the log is folded into a new snapshot once it is larger than this and the snapshot
 WRITE_BEHIND = 2  # parts handed to the writer thread and not yet committed, at most
-
-
-class OutputError(SinkError, OSError):
-    """Writing a part or the manifest failed (disk full, quota, I/O error). What was committed before
-    stays committed and nothing half-written is left behind: the folder can be resumed."""
 
 
 @dataclass(slots=True)
@@ -53,6 +44,7 @@ class _Commit:
 
 
 _UNCHANGED = object()
+_REASONS = frozenset(FINISH_REASONS)
 
 
 class ArrowSink:
@@ -84,19 +76,21 @@ class ArrowSink:
             manifest.total_rows = manifest.total_rows if total_rows is None else total_rows
         self.manifest = manifest
         # names of listed parts that were missing or damaged; with a damaged manifest, the parts adopted
-        self.repaired, self.adopted, self._next_part = recover(self.out_dir, manifest, adopt=self.damaged_manifest is not None)
+        self.repaired, self.adopted, next_part = recover(self.out_dir, manifest, adopt=self.damaged_manifest is not None)
 
         self.done: RowRanges = manifest.done_rows()  # committed rows only
         self._names = [*RESULT_SCHEMA.names, *self.keep_columns]
         self._columns: dict[str, list] = {name: [] for name in self._names}
         self._pending = RowRanges()  # buffered here
+        self._written = self.done.copy()  # committed, with the writer, or buffered: any row written (main thread)
         self._handed: deque[_Commit] = deque()  # with the writer, not committed yet (the writer pops them)
         self._first_buffered_at: float | None = None
         self._extra: dict = {}  # set since the last commit
         self._total = _UNCHANGED
         self._closed = False
         self._positions: dict[int, object] = {}  # row read but not committed -> where reading it again starts
-        self._types = self._kept_types()
+        last = self.out_dir / manifest.parts[-1].name if manifest.parts else None
+        self._parts = PartWriter(self.out_dir, self.keep_columns, part_format, next_part, last)
         self._log = CommitLog(self.out_dir)  # cuts off a torn last record
         snapshot = self.out_dir / MANIFEST
         self._snapshot_bytes = snapshot.stat().st_size if snapshot.exists() else 0
@@ -113,18 +107,18 @@ class ArrowSink:
         """Buffer one result row (result fields plus the kept input columns, by name)."""
         if self._closed:
             raise ValueError("write() after close()")
-        self._raise_failure()
+        if self._failure is not None:
+            raise self._failure
         index = row.get("row_index")
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"result row needs a non-negative int row_index, got {index!r}")
-        # the writer moves a commit into `done`, then pops it: looking at the handed ones first sees each row
-        handed = tuple(self._handed)
-        if index in self._pending or any(index in job.rows for job in handed) or index in self.done:
+        if index in self._written:
             raise ValueError(f"row {index} was already written to {self.out_dir}")
-        if row.get("finish_reason") not in FINISH_REASONS:
+        if row.get("finish_reason") not in _REASONS:
             raise ValueError(f"row {index}: finish_reason {row.get('finish_reason')!r} is not one of {FINISH_REASONS}")
         for name, column in self._columns.items():
             column.append(row.get(name))
+        self._written.add_row(index)
         self._pending.add_row(index)
         if self._first_buffered_at is None:
             self._first_buffered_at = time.monotonic()
@@ -173,11 +167,7 @@ class ArrowSink:
         buffered = bool(self._columns["row_index"])
         if buffered or self._extra or self._total is not _UNCHANGED:
             rows = self._pending
-            handed = tuple(self._handed)  # before `done`: a commit the writer finishes meanwhile is in one of them
-            covered = self.done.union(rows)
-            for job in handed:
-                covered = covered.union(job.rows)
-            position = self._positions.get(covered.first_missing())
+            position = self._positions.get(self._written.first_missing())
             extra = {**self._extra, "last_commit": time.time()}
             if position is not None:
                 extra[RESUME_POSITION] = position
@@ -248,10 +238,10 @@ class ArrowSink:
         try:
             self._log.append(record)
         except OSError as e:
-            raise _output_error(self._log.path, e) from e  # a written part stays an orphan, removed on resume
+            raise output_error(self._log.path, e) from e  # a written part stays an orphan, removed on resume
         manifest = self.manifest
         if entry is not None:
-            manifest.parts = [*manifest.parts, entry]
+            manifest.parts.append(entry)  # no copy: readers elsewhere only take len() or iterate once
         manifest.extra = {**manifest.extra, **job.extra}
         if job.total_rows is not _UNCHANGED:
             manifest.total_rows = job.total_rows
@@ -265,70 +255,8 @@ class ArrowSink:
         try:
             self._snapshot_bytes = self.manifest.commit(self.out_dir)
         except OSError as e:
-            raise _output_error(self.out_dir / MANIFEST, e) from e
+            raise output_error(self.out_dir / MANIFEST, e) from e
         self._log = CommitLog(self.out_dir)  # the old one became commits.log.prev
 
-    # parts
-
     def _write_part(self, columns: dict[str, list], rows: RowRanges) -> PartEntry:
-        data = encode_part(self._table(columns), self.part_format)
-        name = part_name(self._next_part, self.part_format)
-        tmp = self.out_dir / f".{name}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.out_dir / name)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise _output_error(self.out_dir / name, e) from e
-        fsync_dir(self.out_dir)
-        self._next_part += 1
-        return PartEntry(name=name, num_rows=len(columns["row_index"]), rows=rows.to_json(), bytes=len(data),
-                         sha256=hashlib.sha256(data).hexdigest(), created=utc_now(),
-                         **counts(columns["finish_reason"], columns["prompt_tokens"], columns["completion_tokens"]))
-
-    def _table(self, columns: dict[str, list]) -> pa.Table:
-        arrays, fields = [], []
-        for field in RESULT_SCHEMA:
-            try:
-                arrays.append(pa.array(columns[field.name], type=field.type))
-            except (pa.ArrowException, TypeError, OverflowError) as e:
-                raise ValueError(f"result column {field.name!r} needs {field.type} values: {e}") from e
-            fields.append(field)
-        for name in self.keep_columns:
-            array = self._kept_array(name, columns[name])
-            arrays.append(array)
-            fields.append(pa.field(name, array.type))
-        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-
-    def _kept_array(self, name: str, values: list) -> pa.Array:
-        # A kept column's type is inferred from its first non-null part and reused; a later part
-        # that does not fit widens it where Arrow can (null -> T, int -> float, new struct fields),
-        # else the column turns to JSON text from then on. read_results() reconciles the parts.
-        known = self._types.get(name)
-        try:
-            array = pa.array(values)
-            target = known or array.type
-            if known is not None and not pa.types.is_null(array.type) and array.type != known:
-                target = unify_types(known, array.type)
-            if target != array.type:
-                array = pa.array(values, type=target)  # from the values: a cast cannot add struct fields
-        except (pa.ArrowException, TypeError, OverflowError):
-            array = pa.array(to_text(values), type=pa.string())
-        if not pa.types.is_null(array.type):
-            self._types[name] = array.type
-        return array
-
-    def _kept_types(self) -> dict[str, pa.DataType]:
-        if not self.manifest.parts or not self.keep_columns:
-            return {}
-        schema = part_schema(self.out_dir / self.manifest.parts[-1].name)
-        return {f.name: f.type for f in schema if f.name in self.keep_columns and not pa.types.is_null(f.type)}
-
-
-def _output_error(path: Path, e: OSError) -> OutputError:
-    return OutputError(f"cannot write {path}: {e.strerror or e}; the rows committed before are kept and "
-                       "nothing half-written is left: free space (or fix the folder) and rerun the same "
-                       "command to continue")
+        return self._parts.write(columns, rows)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from batchjob.io.lock import OutputLock
 from batchjob.io.manifest import Manifest, result_folders
-from batchjob.io.recovery import check_part as _check_part
+from batchjob.io.recovery import check_part
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ def verify(out: str | Path, repair: bool = False) -> list[FolderCheck]:
             continue
         check = FolderCheck(folder, len(manifest.parts), manifest.num_rows(), sum(p.bytes for p in manifest.parts))
         for part in manifest.parts:
-            problem = _check_part(folder / part.name, part, full=True)
+            problem = check_part(folder / part.name, part, full=True)
             if problem is not None:
                 check.damaged.append((part.name, problem))
         if repair and check.damaged:

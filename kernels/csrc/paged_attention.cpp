@@ -1,7 +1,7 @@
 // Paged attention over block tables on the CPU (AVX-512): decode rows, prefill chunks and extends in one
 // kernel, reading K/V where they lie in the paged cache (no gather, no padding).
 //
-// Must equal: kernels/attention_torch.py (`paged_attention_torch`) within fp32 rounding.
+// Must equal: kernels/attention.py (`paged_attention_torch`) within fp32 rounding.
 // Tested by:  tests/test_native_kernels.py (head_dim 64/80/96/128, GQA 1-8, blocks 16/32, fp32 and bf16
 //             caches, sliding window, chunked prefill, prefix hits; bitwise batch invariance).
 //

@@ -1,27 +1,71 @@
-"""Status and export of a sharded output folder: every shard's progress (with its Slurm task's
-state when squeue is there), and all shards merged back in input order."""
+"""A sharded job's output folder (OUT/job.json + OUT/shard-K-of-N/): every shard's state and progress
+(with its Slurm task's state when squeue is there), and all shards exported back in input order."""
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# the single-folder export's streaming merge, fed with the parts of every shard
-from batchjob.io.export import CHUNK_ROWS, FORMATS, _conform, _merged, _schema, _Writer
+from batchjob.input_shards import JOB_FILE, JobFile, ShardError, ShardRange, ShardSpec
+from batchjob.io.export import export_folder_responses, write_responses
 from batchjob.io.lock import lock_holder
-from batchjob.io.manifest import Manifest, fsync_dir
+from batchjob.io.manifest import Manifest, ManifestError
+from batchjob.io.merge import FORMATS, ExportError, write_merged
 from batchjob.io.ranges import RowRanges
-from batchjob.shard import JOB_FILE, ShardError, ShardSpec, ShardState, is_sharded, shard_states
 from batchjob.slurm import last_submission, task_states
 from batchjob.status import FolderStatus, folder_status
 
-__all__ = ["is_sharded", "is_sharded_folder", "sharded_status", "format_sharded_status", "export_shards", "ShardError"]
+__all__ = ["has_job_file", "is_planned_or_submitted", "ShardState", "shard_states", "sharded_status",
+           "format_sharded_status", "incomplete_message", "export_shards", "export_openai_batch", "ShardError"]
 
 
-def is_sharded_folder(out: str | Path) -> bool:
+def has_job_file(out: str | Path) -> bool:
+    """OUT/job.json is there: a shard has started and planned the job."""
+    return (Path(out) / JOB_FILE).is_file()
+
+
+def is_planned_or_submitted(out: str | Path) -> bool:
     """A sharded job's folder: job.json written, or submitted to Slurm and not started yet."""
-    return is_sharded(out) or last_submission(Path(out)) is not None
+    return has_job_file(out) or last_submission(Path(out)) is not None
+
+
+@dataclass(slots=True)
+class ShardState:
+    index: int
+    folder: Path
+    range: ShardRange
+    done: int  # committed rows
+    started: bool  # has a manifest
+    missing: RowRanges  # rows of the range not committed
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.range.num_rows
+
+    def describe_missing(self, most: int = 3) -> str:
+        spans = self.missing.ranges()
+        shown = ", ".join(f"{s}-{e - 1}" if e - s > 1 else str(s) for s, e in spans[:most])
+        return shown + (f" and {len(spans) - most} more ranges" if len(spans) > most else "")
+
+
+def shard_states(out: str | Path) -> tuple[JobFile, list[ShardState]]:
+    """Every shard of a sharded output folder, started or not (raises ShardError when OUT is not one)."""
+    out = Path(out)
+    job = JobFile.load(out)
+    if job is None:
+        raise ShardError(f"{out} has no {JOB_FILE}; it is not a sharded job folder (or no shard has started yet)")
+    states = []
+    for index, rng in enumerate(job.ranges):
+        folder = job.folder(out, index)
+        try:
+            manifest = Manifest.load(folder)
+        except ManifestError as e:
+            raise ShardError(str(e)) from e
+        done = manifest.done_rows() if manifest is not None else RowRanges()
+        missing = RowRanges((max(s, rng.start), e) for s, e in done.missing(rng.end).ranges() if e > rng.start)
+        states.append(ShardState(index, folder, rng, rng.num_rows - missing.count(), manifest is not None, missing))
+    return job, states
+
 
 
 def sharded_status(out: str | Path, *, slurm: bool = True, now: float | None = None) -> dict:
@@ -32,7 +76,7 @@ def sharded_status(out: str | Path, *, slurm: bool = True, now: float | None = N
     now = time.time() if now is None else now
     submission = last_submission(out) if slurm else None
     tasks = task_states(submission["job_id"]) if submission else None
-    if is_sharded(out):
+    if has_job_file(out):
         job, states = shard_states(out)
         count, total = job.shards, job.total_rows
     elif submission is not None:  # submitted, no task has started yet
@@ -127,6 +171,9 @@ def incomplete_message(out: Path, states: list[ShardState]) -> str | None:
             f". Rerun those shards (e.g. `sbatch --array=K {out}/slurm/batchjob.sbatch` or `batchjob run JOB --shard K/N`)")
 
 
+# export
+
+
 def export_shards(out: str | Path, to: str | Path, *, partial: bool = False) -> tuple[int, RowRanges]:
     """Write every committed row of every shard, in input order, to `to` (.parquet, .jsonl or .arrow),
     streaming like a single folder's export (all shards' parts merged by row_index, a few parts in
@@ -146,20 +193,23 @@ def export_shards(out: str | Path, to: str | Path, *, partial: bool = False) -> 
     # every shard's parts as parts of OUT, named by their path below it
     parts = [replace(part, name=f"{s.folder.name}/{part.name}")
              for s in states if s.started for part in Manifest.load(s.folder).parts]
-    schema = _schema(out, parts)
-    rows = 0
-    tmp = to.with_name(f".{to.name}.tmp-{os.getpid()}")
-    try:
-        with _Writer(kind, tmp, schema) as writer:
-            for table in _merged(out, parts, CHUNK_ROWS):
-                writer.write(_conform(table, schema))
-                rows += table.num_rows
+
+    def check(rows: int) -> None:
         if rows + missing.count() != job.total_rows:
             raise ShardError(f"{out}: the shards hold {rows} rows and lack {missing.count()}, but {JOB_FILE} "
                              f"says the input has {job.total_rows}")
-        os.replace(tmp, to)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(to.parent)
-    return rows, missing
+
+    return write_merged(out, parts, to, kind, check=check), missing
+
+
+def export_openai_batch(out: str | Path, to: str | Path, *, created: int | None = None) -> int:
+    """`batchjob export OUT --format openai-batch --to FILE`: OUT is one output folder or a sharded job
+    folder (its shards in order). Refuses when input rows are missing. Returns the lines written."""
+    out = Path(out)
+    if not has_job_file(out):
+        return export_folder_responses(out, to, created=created)
+    _, states = shard_states(out)
+    problem = incomplete_message(out, states)
+    if problem:
+        raise ExportError(problem)
+    return write_responses([s.folder for s in states if s.range.num_rows], Path(to), created)

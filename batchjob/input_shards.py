@@ -1,8 +1,10 @@
-"""Shards: one contiguous slice of the input per process (`--shard K/N`, or one Slurm array task each).
+"""The input cut into shards, one contiguous slice per process (`--shard K/N`, or one Slurm array task
+each): which shard this is, planning the row ranges, and claiming one shard's slice of the input.
 
 OUT/job.json, written once by the first shard to start, pins the shard count, each shard's row range
 (and JSONL byte offset) and the job fingerprint. Each shard writes its own OUT/shard-KKKKK-of-NNNNN/
-(manifest, parts, lock) and keeps global row indices, so the shards merge back in input order.
+(manifest, parts, lock) and keeps global row indices, so the shards merge back in input order
+(`sharded_output.py` reads such a folder back).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchjob.config import ConfigError
-from batchjob.io.manifest import MANIFEST, Manifest, ManifestError, atomic_write, utc_now
+from batchjob.io.manifest import MANIFEST, atomic_write, utc_now
 from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import SinkError
 from batchjob.io.sources import InputRow, JsonlSource, Source
@@ -252,48 +254,3 @@ def check_unsharded(out: str | Path) -> None:
         raise ShardError(f"{out} is a job of {job.shards} shards; run a shard with --shard K/{job.shards} "
                          f"(K = 0..{job.shards - 1}) or `batchjob slurm submit --shards {job.shards}`, "
                          "or use a new output folder")
-
-
-# ---- observing ---------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ShardState:
-    index: int
-    folder: Path
-    range: ShardRange
-    done: int  # committed rows
-    started: bool  # has a manifest
-    missing: RowRanges  # rows of the range not committed
-
-    @property
-    def complete(self) -> bool:
-        return self.done == self.range.num_rows
-
-    def describe_missing(self, most: int = 3) -> str:
-        spans = self.missing.ranges()
-        shown = ", ".join(f"{s}-{e - 1}" if e - s > 1 else str(s) for s, e in spans[:most])
-        return shown + (f" and {len(spans) - most} more ranges" if len(spans) > most else "")
-
-
-def shard_states(out: str | Path) -> tuple[JobFile, list[ShardState]]:
-    """Every shard of a sharded output folder, started or not (raises ShardError when OUT is not one)."""
-    out = Path(out)
-    job = JobFile.load(out)
-    if job is None:
-        raise ShardError(f"{out} has no {JOB_FILE}; it is not a sharded job folder (or no shard has started yet)")
-    states = []
-    for index, rng in enumerate(job.ranges):
-        folder = job.folder(out, index)
-        try:
-            manifest = Manifest.load(folder)
-        except ManifestError as e:
-            raise ShardError(str(e)) from e
-        done = manifest.done_rows() if manifest is not None else RowRanges()
-        missing = RowRanges((max(s, rng.start), e) for s, e in done.missing(rng.end).ranges() if e > rng.start)
-        states.append(ShardState(index, folder, rng, rng.num_rows - missing.count(), manifest is not None, missing))
-    return job, states
-
-
-def is_sharded(out: str | Path) -> bool:
-    return (Path(out) / JOB_FILE).is_file()

@@ -1,0 +1,86 @@
+"""The OpenAI Batch source: a request file (one uncompressed .jsonl) whose lines become records through
+the codec's `request_record`. A bad line, or a repeated custom_id, becomes a per-row error that still
+carries its custom_id, so the response file has a line for it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchjob.io.openai_batch import CHAT, COLUMNS, COMPLETIONS, is_openai_batch_line, request_record
+from batchjob.io.sources.base import InputRow, SourceError, narrow
+from batchjob.io.sources.jsonl import JsonlSource, codec_of
+
+
+def open_openai_batch(path: Path) -> OpenAIBatchSource:
+    if path.is_dir() or codec_of(path) is not None:
+        raise SourceError(f"{path}: an OpenAI Batch input must be one uncompressed .jsonl file")
+    return OpenAIBatchSource(path)
+
+
+def is_openai_batch_file(path: Path) -> bool:
+    """Auto-detection of a .jsonl input: one uncompressed file whose first line that parses is a request."""
+    return path.is_file() and codec_of(path) is None and _first_line_is_openai_batch(path)
+
+
+def _first_line_is_openai_batch(path: Path) -> bool:
+    with open(path, "rb") as f:  # decided by the first line that parses (a bad first line is a row error)
+        for _, line in zip(range(100), f):
+            try:
+                return is_openai_batch_line(json.loads(line)) if line.strip() else None
+            except ValueError:
+                continue
+    return False
+
+
+
+class OpenAIBatchSource(JsonlSource):
+    format_name = "OpenAI batch"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.columns = list(COLUMNS)
+        self.duplicates, self.num_rows = self._scan_custom_ids()
+
+    def _parse(self, row_index: int, line: bytes, where: str, columns: list[str] | None) -> InputRow:
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            return InputRow(row_index, None, f"{where}: invalid JSON: {e}")
+        ids = {"custom_id": None, "endpoint": None}
+        if isinstance(value, dict):
+            cid, url = value.get("custom_id"), value.get("url")
+            ids = {"custom_id": cid if isinstance(cid, str) else None, "endpoint": url if url in (CHAT, COMPLETIONS) else None}
+        try:
+            record = request_record(value)
+        except ValueError as e:
+            return InputRow(row_index, ids, f"{where}: {e}")
+        first = self.duplicates.get(row_index)
+        if first is not None:
+            return InputRow(row_index, ids, f"{where}: duplicate custom_id {record['custom_id']!r} "
+                                            f"(first used by row {first}); custom_id must be unique")
+        return InputRow(row_index, narrow(record, columns))
+
+    def _scan_custom_ids(self) -> tuple[dict[int, int], int]:
+        """One pass over the whole file, so a repeat is caught even when a resume skips the first use:
+        {row index of a repeated custom_id: row index of its first use}, and the number of rows."""
+        first: dict[str, int] = {}
+        duplicates: dict[int, int] = {}
+        row = 0
+        with open(self.path, "rb") as f:
+            for line, _, _ in self._lines(f, 0):
+                if not line.strip():
+                    continue
+                try:
+                    cid = json.loads(line).get("custom_id")
+                except (ValueError, AttributeError):
+                    cid = None
+                if isinstance(cid, str):
+                    if cid in first:
+                        duplicates[row] = first[cid]
+                    else:
+                        first[cid] = row
+                row += 1
+        self.peak_buffer_bytes = 0
+        return duplicates, row
+
+

@@ -1,0 +1,34 @@
+"""The engine a job config asks for (the model with its kernels, the scheduler's lanes and budgets, the KV
+cache), built the same way for `batchjob run` and for the Python API."""
+from __future__ import annotations
+
+import torch
+
+from batchjob.config import JobConfig
+from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.engine.lanes import Lane
+from batchjob.engine.scheduler import SchedulerConfig
+from batchjob.models.llama import LlamaModel
+from batchjob.models.loader import LoadedModel
+
+
+def lanes_of(cfg: JobConfig) -> list[Lane]:
+    if not cfg.lanes:
+        return [Lane()]
+    return [Lane(lane["name"], lane.get("priority", 0), float(lane.get("weight", 1.0))) for lane in cfg.lanes]
+
+
+def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
+    model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size)
+    static = cfg.scheduling == "static"
+    sched = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
+        # a static batch is prefilled whole, then decoded until its longest row ends
+        max_num_batched_tokens=1 << 20 if static else cfg.max_num_batched_tokens,
+        static_batch=cfg.batch_size if static else 0, admission=cfg.admission, preemption=cfg.preemption,
+        max_wait=cfg.max_wait, lanes=lanes_of(cfg),
+    )
+    ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+                        swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
+                        enable_prefix_caching=cfg.prefix_caching, scheduler=sched)
+    return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)

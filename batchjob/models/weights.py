@@ -1,0 +1,78 @@
+"""What every model file format loads into: a LoadedModel with HF-named weights, checked against its
+config (names and shapes), and the file digests its identity is made of."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchjob.models.config import ModelConfig
+from batchjob.models.tokenizer import Tokenizer
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names, in the requested dtype
+    tokenizer: Tokenizer
+    identity: dict  # JSON-able: what the model is, for a job fingerprint
+    name: str
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+        }
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+    return shapes
+
+
+def checked_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Exactly the parameters the config implies, with their shapes; extras (a tied lm_head, rotary buffers) dropped."""
+    expected = _expected_shapes(config)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{source}: missing weights {', '.join(missing[:5])}{more}")
+    wrong = [f"{n} {tuple(weights[n].shape)} != {s}" for n, s in expected.items() if tuple(weights[n].shape) != s]
+    if wrong:
+        raise ModelLoadError(f"{source}: weights do not match the config: {'; '.join(wrong[:5])}")
+    # a bias we would drop changes the math (e.g. Llama's attention_bias on o_proj, mlp_bias): refuse
+    ignored = [n for n in weights if n.endswith(".bias") and n not in expected]
+    if ignored:
+        raise ModelLoadError(f"{source}: biases this engine does not apply: {', '.join(ignored[:5])}")
+    return {n: weights[n] for n in expected}
+
+
+def sha256_file(path: Path, limit: int | None = None) -> str:
+    """SHA-256 of the file, or of its first `limit` bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        remaining = limit if limit is not None else float("inf")
+        while remaining > 0 and (chunk := f.read(int(min(1 << 20, remaining)))):
+            h.update(chunk)
+            remaining -= len(chunk)
+    return h.hexdigest()
