@@ -20,6 +20,7 @@ from batchjob.config import ConfigError, JobConfig
 from batchjob.device import choose_device, choose_dtype
 from batchjob.feed import RowFeed, check_chat_template, read_template
 from batchjob.fingerprint import fingerprint
+from batchjob.heap import QuietCollector
 from batchjob.input_shards import ShardSource, ShardSpec, check_unsharded, claim_shard
 from batchjob.io.export import write_openai_batch
 from batchjob.io.lock import OutputLock
@@ -120,6 +121,8 @@ class Job:
         engine = self.engine
         stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation)
         stop.install()  # here, not at import: only a running job turns signals into a drain
+        collector = QuietCollector()
+        collector.start()
         try:
             self._mark_run("running")
             try:
@@ -160,6 +163,7 @@ class Job:
                 if cfg.output_format == "openai-batch" and stream.exhausted and not self.summary.stopped and not limited:
                     write_openai_batch(stream.sink.out_dir)  # every row is in: the response file
         finally:
+            collector.stop()
             stop.restore()
             self.progress.close()
         self.summary.wall_s = time.perf_counter() - self.t0
