@@ -2,7 +2,8 @@
 result dicts, lists) that reference counting frees; the collector's full passes over the model's,
 tokenizer's and engine's long-lived objects are pure cost (they cut the rows/s outside the forward from
 ~24k to ~17k in the pipeline benchmark). So a run freezes what exists when it starts (out of the
-collector's view) and collects the young generation less often, and puts both back when it ends."""
+collector's view) and collects the young generation less often, and puts both back when it ends.
+Loading a large manifest pauses the collector too (io/manifest.py)."""
 from __future__ import annotations
 
 import gc
@@ -16,8 +17,8 @@ class QuietCollector:
         self._saved: tuple[int, int, int] | None = None
 
     def start(self) -> None:
-        gc.collect()  # garbage from start-up is not frozen for good
-        gc.freeze()
+        gc.freeze()  # no collect() first: it would walk a resumed job's 100,000 manifest entries; any garbage
+        # frozen here is collected after stop() (the CLI's process ends anyway)
         self._saved = gc.get_threshold()
         young, middle, old = self._saved
         gc.set_threshold(max(young, YOUNG_THRESHOLD), middle, max(old, OLD_THRESHOLD))

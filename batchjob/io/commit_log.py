@@ -36,20 +36,32 @@ _HEAD = b'{"sha256":"'
 _BODY_AT = len(_HEAD) + 32 + len(b'","record":')
 
 
-def _decode(line: bytes) -> dict | None:
-    body = line[_BODY_AT:-1]  # as encode() wrote it: the digest is over these very bytes
+def _verified_body(line: bytes) -> bytes | None:
+    """The record's JSON as encode() wrote it, when its digest (over these very bytes) matches."""
+    body = line[_BODY_AT:-1]
     if line.startswith(_HEAD) and line.endswith(b"}") and hashlib.sha256(body).hexdigest()[:32].encode() == line[len(_HEAD):len(_HEAD) + 32]:
+        return body
+    return None
+
+
+def _record(value) -> dict | None:
+    return value if isinstance(value, dict) and isinstance(value.get("seq"), int) else None
+
+
+def _decode(line: bytes) -> dict | None:
+    body = _verified_body(line)
+    if body is not None:
         try:
-            record = json.loads(body)
-            if isinstance(record, dict) and isinstance(record.get("seq"), int):
+            record = _record(json.loads(body))
+            if record is not None:
                 return record
         except ValueError:
             pass
     try:  # written some other way (re-encoded by a tool): check the canonical encoding
         data = json.loads(line)
         body = json.dumps(data["record"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        if hashlib.sha256(body.encode()).hexdigest()[:32] == data["sha256"] and isinstance(data["record"].get("seq"), int):
-            return data["record"]
+        if hashlib.sha256(body.encode()).hexdigest()[:32] == data["sha256"]:
+            return _record(data["record"])
     except (ValueError, KeyError, TypeError, AttributeError):
         pass
     return None
@@ -62,28 +74,44 @@ def read(path: Path) -> tuple[list[dict], int]:
         data = path.read_bytes()
     except FileNotFoundError:
         return [], 0
-    records, pos = [], 0
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
-        if nl < 0:  # the last append never got its newline: torn
+    lines = data.split(b"\n")
+    if lines[-1]:
+        lines[-1] = None  # the last append never got its newline: torn
+    else:
+        lines.pop()
+    # records as written are checked by their digests, then parsed in one call (a resume replays many)
+    bodies = [_verified_body(line) if line is not None else None for line in lines]
+    good = 0
+    while good < len(bodies) and bodies[good] is not None:
+        good += 1
+    try:
+        records = [_record(r) for r in json.loads(b"[" + b",".join(bodies[:good]) + b"]")]
+    except ValueError:
+        records = [None] * good
+    records += [None] * (len(lines) - good)
+    pos = 0
+    out = []
+    for i, line in enumerate(lines):
+        if line is None:
             break
-        record = _decode(data[pos:nl])
+        record = records[i] if records[i] is not None else _decode(line)
         if record is None:
-            if any(_decode(line) for line in data[nl + 1:].split(b"\n") if line.strip()):
-                raise LogError(f"{path}: record {len(records) + 1} is damaged and valid records follow it; the "
+            if any(_decode(rest) for rest in lines[i + 1:] if rest is not None and rest.strip()):
+                raise LogError(f"{path}: record {len(out) + 1} is damaged and valid records follow it; the "
                                "folder was edited or the disk damaged it")
             break
-        records.append(record)
-        pos = nl + 1
-    return records, pos
+        out.append(record)
+        pos += len(line) + 1
+    return out, pos
 
 
 class CommitLog:
     """The writer's end: appends records durably, after cutting off a torn tail once."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, valid_bytes: int | None = None) -> None:
+        """`valid_bytes`: the length of the log's valid prefix when the caller has just read it."""
         self.path = out_dir / LOG
-        _, good = read(self.path)
+        good = read(self.path)[1] if valid_bytes is None else valid_bytes
         if self.path.exists() and self.path.stat().st_size != good:
             with open(self.path, "r+b") as f:  # a crash cut the last append short: drop it before appending
                 f.truncate(good)

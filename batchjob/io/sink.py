@@ -91,7 +91,7 @@ class ArrowSink:
         self._positions: dict[int, object] = {}  # row read but not committed -> where reading it again starts
         last = self.out_dir / manifest.parts[-1].name if manifest.parts else None
         self._parts = PartWriter(self.out_dir, self.keep_columns, part_format, next_part, last)
-        self._log = CommitLog(self.out_dir)  # cuts off a torn last record
+        self._log = CommitLog(self.out_dir, manifest.log_bytes)  # cuts off a torn last record
         snapshot = self.out_dir / MANIFEST
         self._snapshot_bytes = snapshot.stat().st_size if snapshot.exists() else 0
         self._queue: queue.Queue[_Commit | None] = queue.Queue(maxsize=WRITE_BEHIND)
