@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 BATCHJOB := $(VENV)/bin/batchjob
 
-.PHONY: demo test install install-test bench bench-peers bench-resume chaos clean
+.PHONY: demo test install install-test bench bench-peers bench-resume chaos clean gpu-check gpu-check-smoke
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,3 +62,14 @@ bench-peers: $(VLLM_VENV)/.installed
 
 clean:
 	rm -rf out build *.egg-info
+
+# Issue 11: every GPU check in one command (kernels on CUDA, GPU vs CPU greedy text, attention bandwidth,
+# decode tokens/s vs the roofline, HF generate as a peer) -> bench/gpu-check/gpu-check.json. Uses the venv
+# when there is one, else the machine's python (a GPU machine without network brings its own packages).
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
+gpu-check:
+	$(GPU_PY) -m batchjob.bench.gpu_check
+
+# The same script on tiny shapes on the CPU under the Triton interpreter: its code paths, not its numbers (~75 s).
+gpu-check-smoke: install
+	TRITON_INTERPRET=1 $(PY) -m batchjob.bench.gpu_check --smoke --out /tmp/batchjob-gpu-check-smoke

@@ -53,7 +53,8 @@ class JobConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 0
     block_size: int = 16
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float | None = None  # None: 1 GiB on the CPU; on CUDA, sized by gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     threads: int = 0  # 0 = torch's default (all cores)
     limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
@@ -106,8 +107,10 @@ class JobConfig:
             raise ConfigError(f"limit: must be >= 1 rows, got {self.limit}")
         if self.log_every <= 0:
             raise ConfigError(f"log_every: must be > 0 seconds, got {self.log_every}")
-        if self.kv_cache_gb <= 0:
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         _choice("admission", self.admission, ("optimistic", "reserve"))
         _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
         if self.max_wait <= 0:
@@ -240,6 +243,10 @@ def _coerce(name: str, value):
     default = FIELDS[name].default
     if name == "limit" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"limit: expected a number of rows, got {value!r}")
+    if name == "kv_cache_gb" and value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"kv_cache_gb: expected a number of GiB, got {value!r}")
+        return float(value)
     if isinstance(default, bool) and not isinstance(value, bool):
         raise ConfigError(f"{name}: expected true or false, got {value!r}")
     if isinstance(default, int) and not isinstance(default, bool):

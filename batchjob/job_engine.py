@@ -28,7 +28,9 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
         static_batch=cfg.batch_size if static else 0, admission=cfg.admission, preemption=cfg.preemption,
         max_wait=cfg.max_wait, lanes=lanes_of(cfg),
     )
-    ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+    # --kv-cache-gb wins; else 1 GiB on the CPU, and on CUDA what gpu_memory_utilization leaves (kv_budget.py)
+    ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
+                        gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
                         enable_prefix_caching=cfg.prefix_caching, scheduler=sched)
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from batchjob.engine.block_pool import BlockPool
+from batchjob.engine.kv_budget import blocks_for, kv_cache_bytes, measure_cuda, profile_step
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
@@ -19,6 +20,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0 = derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float | None = None  # on CUDA: size the pool from the device's memory (kv_budget.py)
     swap_space_bytes: int = 0  # host pool for preemption=swap|auto
     num_host_blocks: int = 0  # 0 = derive from swap_space_bytes
     enable_prefix_caching: bool = True
@@ -73,6 +75,8 @@ class Engine:
         config = config or EngineConfig()
         per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // per_block)
+        if not config.num_blocks and config.gpu_memory_utilization and model.device.type == "cuda":
+            num_blocks = gpu_kv_blocks(model, config, per_block)
         num_host = config.num_host_blocks or config.swap_space_bytes // per_block
         self.model = model
         self.eos = frozenset(eos_token_ids)
@@ -178,3 +182,16 @@ class Engine:
         while self.has_work:
             self.step()
         return seqs
+
+
+def gpu_kv_blocks(model: LlamaModel, config: EngineConfig, per_block: int) -> int:
+    """KV blocks for what the GPU has left after the weights and one forward at the largest step."""
+    sched = config.scheduler or SchedulerConfig()
+    max_len = min(sched.max_model_len, model.config.max_position_embeddings)
+    tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
+    step, used = profile_step(tokens, sched.max_num_seqs, config.block_size)
+    runner = ModelRunner(model, used, config.block_size)  # a KV cache just large enough for the profile
+    mem = measure_cuda(lambda: runner.run(step), model.device)
+    del runner  # its KV cache was counted in the peak: it is free again
+    nbytes = kv_cache_bytes(mem, config.gpu_memory_utilization) + used * per_block
+    return blocks_for(nbytes, per_block, min_blocks=-(-max_len // config.block_size))

@@ -13,6 +13,7 @@ import torch
 
 from batchjob.engine import sampler
 from batchjob.engine.scheduler import Step
+from batchjob.engine.staging import StagingBuffers
 from batchjob.kernels import AttentionMetadata
 from batchjob.kernels.profiling import scope
 from batchjob.models.llama import LlamaModel
@@ -34,6 +35,7 @@ class ModelRunner:
         # empty, not zeros: every host block is written by a swap-out before it is read, and untouched
         # pages cost no memory or start-up time
         self.host_cache = torch.empty(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
+        self.staging = StagingBuffers(model.device)
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
@@ -90,6 +92,8 @@ class ModelRunner:
             block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decodes=sum(1 for n in step.num_new if n == 1),
+            # on a GPU, kernels plan from these host lists instead of reading the device tensors back (a sync)
+            host={"query_start_loc": qsl, "seq_lens": seq_lens} if self.model.device.type != "cpu" else None,
         )
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last
 
@@ -99,9 +103,10 @@ class ModelRunner:
         with scope("prepare"):
             input_ids, positions, meta, last = self.prepare(step)
         if device.type != "cpu":
-            input_ids, positions = input_ids.to(device), positions.to(device)
+            stage = self.staging.to_device
+            input_ids, positions = stage("input_ids", input_ids), stage("positions", positions)
             for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
-                setattr(meta, name, getattr(meta, name).to(device))
+                setattr(meta, name, stage(name, getattr(meta, name)))
         t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
@@ -109,7 +114,8 @@ class ModelRunner:
         if not rows:
             self.model_s += time.perf_counter() - t0
             return out
-        logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)]).cpu()
+        # the logits stay on the model's device: sampling runs there and only token ids come back
+        logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)])
         self.model_s += time.perf_counter() - t0
         seqs = [step.seqs[i] for i in rows]
         with scope("sampler"):

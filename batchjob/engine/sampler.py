@@ -29,7 +29,7 @@ def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:
         return x.argmax(dim=-1)
     chunks = x.view(rows, vocab // width, width)
     best = chunks.amax(dim=-1).argmax(dim=-1)
-    return best * width + chunks[torch.arange(rows), best].argmax(dim=-1)
+    return best * width + chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> list[int]:

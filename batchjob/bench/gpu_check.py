@@ -1,0 +1,240 @@
+"""`make gpu-check`: every GPU check in one command, failing at the first error (issue 11).
+
+1. kernels: the Triton kernel cases on CUDA (tests/triton_cases.py, the same cases CI runs under the
+   interpreter);
+2. text: the quickstart job's first rows on the GPU (Triton kernels, fp32) against a CPU fp32 run
+   (torch kernels): share of rows with identical greedy text;
+3. attention: paged decode attention at 128 rows x 2k context (SmolLM2's and 1B-class shapes, bf16):
+   GB/s of K/V read, and that as a share of the device's measured copy bandwidth (target >= 70%);
+4. decode: W1-style steps (256 rows) on SmolLM2 and on a random 1B-shaped Llama, per kernel set:
+   tokens/s, and the step time against the weights + KV bytes roofline at the measured bandwidth;
+5. peer: HF transformers `generate`, static batches of 16, on the same GPU (when transformers is here).
+
+Writes a JSON file and prints a table. `--smoke` runs tiny shapes on the CPU under TRITON_INTERPRET=1
+(the code paths, not the numbers) so CI can keep this script working without a GPU."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeat: int) -> float:
+    """Seconds per call, after one warm-up call."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / repeat
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Device memory bandwidth as a large copy sees it: bytes read + written per second."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    s = _timed(lambda: y.copy_(x), device, 5)
+    return 2 * nbytes / s
+
+
+def decode_attention(device: torch.device, rows: int, ctx: int, kv_heads: int, gqa: int, head_dim: int,
+                     block_size: int = 16, repeat: int = 10) -> dict:
+    """Triton paged decode attention: K/V bytes read per second."""
+    from batchjob.kernels import AttentionMetadata
+    from batchjob.kernels.triton_ops import TritonKernels
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kern = TritonKernels(head_dim, gqa, dtype, block_size)
+    per_row = -(-ctx // block_size)
+    blocks = torch.randperm(rows * per_row, device=device).to(torch.int32).view(rows, per_row)
+    shape, _ = kern.kv_cache_shapes(rows * per_row, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, device=device).to(dtype)
+    vc = torch.randn(shape, device=device).to(dtype)
+    q = torch.randn(rows, kv_heads * gqa, head_dim, device=device).to(dtype)
+    qsl = list(range(rows + 1))
+    meta = AttentionMetadata(blocks, torch.full((rows,), ctx, dtype=torch.int32, device=device),
+                             torch.tensor(qsl, dtype=torch.int32, device=device),
+                             torch.zeros(rows, dtype=torch.long, device=device), rows,
+                             host={"query_start_loc": qsl, "seq_lens": [ctx] * rows})
+    s = _timed(lambda: kern.attention(q, kc, vc, meta, head_dim ** -0.5), device, repeat)
+    nbytes = 2 * rows * ctx * kv_heads * head_dim * kc.element_size()
+    return {"rows": rows, "context": ctx, "kv_heads": kv_heads, "gqa": gqa, "head_dim": head_dim,
+            "ms": round(s * 1e3, 3), "gb_s": round(nbytes / s / 1e9, 1)}
+
+
+def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, device, dtype):
+    from batchjob.models.config import ModelConfig
+    from batchjob.models.llama import LlamaModel
+
+    d = hidden // heads
+    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, max_position_embeddings=4096)
+    w = lambda *shape: (torch.randn(*shape, device=device) * 0.02).to(dtype)  # noqa: E731
+    weights = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden, device=device),
+               "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights.update({p + "input_layernorm.weight": torch.ones(hidden, device=device),
+                        p + "post_attention_layernorm.weight": torch.ones(hidden, device=device),
+                        p + "self_attn.q_proj.weight": w(heads * d, hidden), p + "self_attn.k_proj.weight": w(kv_heads * d, hidden),
+                        p + "self_attn.v_proj.weight": w(kv_heads * d, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * d),
+                        p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+                        p + "mlp.down_proj.weight": w(hidden, inter)})
+    return cfg, weights
+
+
+def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prompt: int, out: int, bandwidth: float) -> dict:
+    """tokens/s of decode steps with `rows` rows, and the step time over the weights + KV roofline."""
+    from batchjob.engine.engine import Engine, EngineConfig
+    from batchjob.engine.row_keys import row_key
+    from batchjob.engine.scheduler import SchedulerConfig
+    from batchjob.engine.sequence import SamplingParams, Sequence
+    from batchjob.models.llama import LlamaModel
+
+    model = LlamaModel(cfg, weights, dtype, str(device), kernels=kernels)
+    sched = SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=max(2048, rows))
+    engine = Engine(model, [], EngineConfig(scheduler=sched, kv_cache_bytes=rows * (prompt + out + 16) * 2 * cfg.num_layers
+                                            * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 + (64 << 20)))
+    g = torch.Generator().manual_seed(0)
+    for i in range(rows):
+        ids = torch.randint(3, cfg.vocab_size, (prompt,), generator=g).tolist()
+        engine.add(Sequence(i, ids, SamplingParams(max_tokens=out, ignore_eos=True), rng_key=row_key(0, i)))
+    decode_s, decode_steps, decode_rows = 0.0, 0, 0
+    while engine.has_work:
+        engine.step()
+        st = engine.last_stats
+        if st.num_decode == st.num_seqs == rows:
+            decode_s += st.step_s
+            decode_steps += 1
+            decode_rows += rows
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    kv_bytes = rows * (prompt + out / 2) * kv_token  # the mean context over the decode
+    step = decode_s / max(1, decode_steps)
+    roofline = (weight_bytes + kv_bytes) / bandwidth
+    return {"kernels": model.kernels.name, "rows": rows, "decode_steps": decode_steps,
+            "tokens_s": round(decode_rows / decode_s, 1) if decode_s else None,
+            "step_ms": round(step * 1e3, 3), "roofline_ms": round(roofline * 1e3, 3),
+            "over_roofline": round(step / roofline, 2) if roofline else None}
+
+
+def quickstart_text(out: Path, rows: int, smoke: bool) -> dict:
+    """Greedy text of the quickstart job's first rows: GPU (Triton, fp32) vs CPU (torch, fp32)."""
+    from batchjob.io.parts import read_results
+
+    runs = {"gpu": ["--device", "cuda", "--kernels", "triton"], "cpu": ["--device", "cpu", "--kernels", "torch"]}
+    if smoke:
+        runs["gpu"] = ["--device", "cpu", "--kernels", "triton"]  # the interpreter: the code path only
+    texts = {}
+    for name, flags in runs.items():
+        folder = out / f"quickstart-{name}"
+        cmd = [sys.executable, "-m", "batchjob", "run", str(ROOT / "jobs/quickstart.toml"), "--output", str(folder),
+               "--dtype", "float32", "--limit", str(rows), "--max-tokens", "4" if smoke else "64", "--no-progress",
+               "--restart", *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise CheckFailed(f"quickstart on {name} failed:\n{done.stderr[-2000:]}")
+        table = read_results(folder).sort_by("row_index")
+        texts[name] = dict(zip(table.column("row_index").to_pylist(), table.column("generated_text").to_pylist()))
+    same = sum(texts["gpu"][i] == texts["cpu"].get(i) for i in texts["gpu"])
+    return {"rows": len(texts["gpu"]), "identical": same, "share": round(same / max(1, len(texts["gpu"])), 3)}
+
+
+def hf_generate(device: torch.device, rows: int, prompt: int, out: int) -> dict:
+    try:
+        import transformers as tf
+    except ImportError:
+        return {"status": "not run: transformers is not installed"}
+    from batchjob.models.loader import resolve_model_path
+
+    gguf = resolve_model_path("smollm2")
+    model = tf.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16).to(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (rows, prompt), generator=g).to(device)
+    t0 = time.perf_counter()
+    for b in range(0, rows, 16):
+        model.generate(ids[b:b + 16], max_new_tokens=out, min_new_tokens=out, do_sample=False)
+    _sync(device)
+    return {"status": "ok", "static_batch": 16, "tokens_s": round(rows * out / (time.perf_counter() - t0), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m batchjob.bench.gpu_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu-check")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--smoke needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        return 2
+    if not smoke and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here (use --smoke under TRITON_INTERPRET=1 to check the script)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if smoke else "cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": torch.cuda.get_device_name(0) if not smoke else "cpu (smoke)", "torch": torch.__version__}
+    t0 = time.time()
+    try:
+        if not smoke:
+            done = subprocess.run([sys.executable, "-m", "tests.triton_cases", "--device", "cuda"], cwd=ROOT,
+                                  capture_output=True, text=True)
+            report["kernels"] = done.stdout.strip().splitlines()[-1:] or [done.stderr[-500:]]
+            if done.returncode:
+                raise CheckFailed(f"Triton kernel cases failed on CUDA:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        report["text"] = quickstart_text(args.out, 2 if smoke else 48, smoke)
+        if report["text"]["share"] < (1.0 if smoke else 0.9):
+            raise CheckFailed(f"GPU greedy text differs from the CPU fp32 run on too many rows: {report['text']}")
+        bw = copy_bandwidth(device, (16 << 20) if smoke else (2 << 30))
+        report["copy_gb_s"] = round(bw / 1e9, 1)
+        shapes = {"smollm2": (3, 3, 64), "1b": (8, 4, 64)}  # kv heads, GQA group, head_dim
+        rows, ctx = (2, 64) if smoke else (128, 2048)
+        report["attention"] = {name: decode_attention(device, rows, ctx, *s, repeat=1 if smoke else 20) for name, s in shapes.items()}
+        for a in report["attention"].values():
+            a["share_of_copy"] = round(a["gb_s"] * 1e9 / bw, 3)
+        dtype = torch.float32 if smoke else torch.bfloat16
+        models = {"smollm2": None, "1b": (128256, 2048, 8192, 16, 32, 8)} if not smoke else {"tiny": (512, 64, 128, 2, 4, 2)}
+        report["decode"] = {}
+        for name, shape in models.items():
+            if shape is None:
+                from batchjob.models.loader import load_model, resolve_model_path
+
+                loaded = load_model(resolve_model_path(name), dtype=dtype)
+                cfg, weights = loaded.config, loaded.weights
+            else:
+                cfg, weights = random_llama(*shape, device=device, dtype=dtype)
+            r, p, o = (4, 8, 4) if smoke else (256, 128, 128)
+            report["decode"][name] = [decode_throughput(cfg, weights, device, dtype, k, r, p, o, bw)
+                                      for k in (("triton",) if smoke else ("torch", "triton"))]
+            del weights
+        if not smoke:
+            report["hf_generate"] = hf_generate(device, 64, 128, 128)
+    except CheckFailed as e:
+        report["failed"] = str(e)
+        print(f"gpu-check FAILED: {e}", file=sys.stderr)
+    report["seconds"] = round(time.time() - t0, 1)
+    (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return 1 if "failed" in report else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
