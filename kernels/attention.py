@@ -27,8 +27,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [tokens]: cache slot (block * block_size + offset) of each new token
     num_decodes: int  # rows 0..num_decodes-1 have one query token each
     plans: dict = field(default_factory=dict)  # per-backend work derived once per step, shared by every layer
-    # host copies of query_start_loc and seq_lens (lists) when the tensors live on a GPU: plans read these,
-    # never the device tensors (no sync inside the forward)
+    # host copies when the tensors live on a GPU (query_start_loc and seq_lens as lists, block_tables as a
+    # CPU tensor): plans read these, never the device tensors (no sync inside the forward)
     host: dict | None = None
 
 
@@ -85,9 +85,10 @@ class _TorchPlan:
 
     def __init__(self, meta: AttentionMetadata, block_size: int, window: int | None, device: torch.device):
         self.block_size = block_size
-        tables = meta.block_tables.cpu()
-        seq_lens = meta.seq_lens.tolist()
-        qsl = meta.query_start_loc.tolist()
+        host = meta.host or {}  # on a GPU the runner's host copies: no device read-back (sync) per step
+        tables = host["block_tables"] if "block_tables" in host else meta.block_tables.cpu()
+        seq_lens = host["seq_lens"] if "seq_lens" in host else meta.seq_lens.tolist()
+        qsl = host["query_start_loc"] if "query_start_loc" in host else meta.query_start_loc.tolist()
         nd = meta.num_decodes
         self.decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.prefill_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []

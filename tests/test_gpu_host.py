@@ -90,3 +90,25 @@ def test_gpu_memory_utilization_is_validated_and_kv_cache_gb_defaults_to_auto(tm
     result = CliRunner().invoke(main, ["run", "--model", "m", "--input", str(tmp_path / "x.jsonl"),
                                        "--gpu-memory-utilization", "0"])
     assert result.exit_code == 2 and "gpu-memory-utilization" in result.output
+
+
+def test_the_torch_kernels_plan_from_the_runners_host_copies_with_the_same_result(tiny_model):  # noqa: F811
+    """On a GPU the runner hands host copies of the offsets and block tables (no read-back per step); the
+    torch reference's plan from them is the plan from the tensors."""
+    from batchjob.kernels import AttentionMetadata
+    from batchjob.kernels.dispatch import TorchKernels
+
+    step, used = profile_step(40, 5, 16)
+    runner = ModelRunner(tiny_model, used, 16)
+    ids, positions, meta, _ = runner.prepare(step)
+    assert meta.host is None  # the CPU needs no copies
+    g = torch.Generator().manual_seed(0)
+    shape, _ = TorchKernels.kv_cache_shapes(used, 16, 2, 16)
+    kc, vc = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    q = torch.randn(40, 4, 16, generator=g)
+    # the tensors scrambled: only a plan built from the host copies gets the right answer
+    hosted = AttentionMetadata(torch.zeros_like(meta.block_tables), meta.seq_lens.flip(0), meta.query_start_loc.flip(0),
+                               meta.slot_mapping, meta.num_decodes,
+                               host={"query_start_loc": meta.query_start_loc.tolist(), "seq_lens": meta.seq_lens.tolist(),
+                                     "block_tables": meta.block_tables.clone()})
+    assert torch.equal(TorchKernels.attention(q, kc, vc, hosted, 0.25), TorchKernels.attention(q, kc, vc, meta, 0.25))

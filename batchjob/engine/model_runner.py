@@ -93,7 +93,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_decodes=sum(1 for n in step.num_new if n == 1),
             # on a GPU, kernels plan from these host lists instead of reading the device tensors back (a sync)
-            host={"query_start_loc": qsl, "seq_lens": seq_lens} if self.model.device.type != "cpu" else None,
+            host={"query_start_loc": qsl, "seq_lens": seq_lens, "block_tables": block_tables}
+            if self.model.device.type != "cpu" else None,
         )
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last
 
