@@ -48,7 +48,7 @@ class StatsRecorder:
         self.t0 = time.monotonic()
         self.started_unix = time.time()
         self.first_row_unix: float | None = None  # when the first row finished (a resume's first new row)
-        self.rows_finished = 0
+        self.sequences_finished = 0
         self.model_s = 0.0
         self.last_write = self.t0
         self.rng = random.Random(0)
@@ -78,7 +78,7 @@ class StatsRecorder:
         self.forward_s += st.forward_s
         self.model_s += st.model_s
         if finished:
-            self.rows_finished += len(finished)
+            self.sequences_finished += len(finished)
             if self.first_row_unix is None:
                 self.first_row_unix = time.time()
         self._window[0] += 1
@@ -116,7 +116,7 @@ class StatsRecorder:
             # (inputs + forward + sampling) and the model alone (forward + logits); wall-clock stamps in Unix time
             "job_s": round(time.monotonic() - self.t0, 4), "step_s": round(self.step_s, 4),
             "forward_s": round(self.forward_s, 4), "model_s": round(self.model_s, 4),
-            "sequences_finished": self.rows_finished, "started_unix": round(self.started_unix, 4),
+            "sequences_finished": self.sequences_finished, "started_unix": round(self.started_unix, 4),
             "first_row_unix": round(self.first_row_unix, 4) if self.first_row_unix else None,
         })
         return out

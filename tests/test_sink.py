@@ -229,7 +229,7 @@ def test_commit_bytes_grow_linearly_with_the_number_of_parts(tmp_path, monkeypat
 
     monkeypatch.setattr(commit_log.CommitLog, "append", append)
     monkeypatch.setattr(manifest_module, "atomic_write", atomic_write)
-    monkeypatch.setattr("batchjob.io.sink.ArrowSink._write_part", _tiny_part)
+    monkeypatch.setattr("batchjob.io.part_writer.PartWriter.write", _tiny_part)
     per_part = []
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=1)
     for i in range(10_000):
@@ -246,9 +246,9 @@ def test_commit_bytes_grow_linearly_with_the_number_of_parts(tmp_path, monkeypat
 def _tiny_part(self, columns, rows):
     from batchjob.io.manifest import PartEntry, utc_now
 
-    name = f"part-{self._parts.next_number:05d}.arrow"
+    name = f"part-{self.next_number:05d}.arrow"
     (self.out_dir / name).write_bytes(b"x")  # the part's content does not matter here, its entry does
-    self._parts.next_number += 1
+    self.next_number += 1
     return PartEntry(name=name, num_rows=len(columns["row_index"]), rows=rows.to_json(), bytes=1,
                      sha256=hashlib.sha256(b"x").hexdigest(), created=utc_now())
 

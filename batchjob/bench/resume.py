@@ -27,16 +27,19 @@ EXTRA = 100  # rows left to do after the committed ones
 
 
 def _job(folder: Path, model: str, part_rows: int) -> dict:
-    """The job's fields (as `_flags` gives them on the command line, for the resumed process)."""
+    """The job's fields: the fixture runs them through batchjob.run, the resume as `_flags` on the command line."""
     return dict(model=model, input=str(folder / "in.jsonl"), output=str(folder / "out"), max_tokens=1, progress=False,
                 kv_cache_gb=0.05, swap_space_gb=0.01, max_num_seqs=512, max_num_batched_tokens=8192, part_rows=part_rows,
                 part_seconds=1e9)
 
 
-def _flags(part_rows: int) -> list[str]:
-    return ["--max-tokens", "1", "--no-progress", "--kv-cache-gb", "0.05", "--swap-space-gb", "0.01",
-            "--max-num-seqs", "512", "--max-num-batched-tokens", "8192", "--part-rows", str(part_rows),
-            "--part-seconds", "1000000000"]
+def _flags(job: dict) -> list[str]:
+    """`job` as `batchjob run` flags, so the resumed process runs the very job the fixture built."""
+    out = []
+    for key, value in job.items():
+        flag = "--" + key.replace("_", "-")
+        out += ([flag] if value else ["--no-" + key.replace("_", "-")]) if isinstance(value, bool) else [flag, str(value)]
+    return out
 
 
 def build(folder: Path, model: str, committed: int, part_rows: int = 1000) -> dict:
@@ -66,8 +69,7 @@ def measure(folder: Path, model: str, part_rows: int = 1000) -> dict:
     from batchjob.bench.pipeline import summary_record
 
     out = folder / "out"
-    cmd = [sys.executable, "-m", "batchjob", "run", "--model", model, "--input", str(folder / "in.jsonl"),
-           "--output", str(out), *_flags(part_rows)]
+    cmd = [sys.executable, "-m", "batchjob", "run", *_flags(_job(folder, model, part_rows))]
     spawned = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)

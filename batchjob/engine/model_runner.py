@@ -111,13 +111,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
+        # the logits stay on the model's device: sampling runs there and only token ids come back
+        logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)]) if rows else None
+        self.model_s += time.perf_counter() - t0
         out: list[int | None] = [None] * len(step.seqs)
         if not rows:
-            self.model_s += time.perf_counter() - t0
             return out
-        # the logits stay on the model's device: sampling runs there and only token ids come back
-        logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)])
-        self.model_s += time.perf_counter() - t0
         seqs = [step.seqs[i] for i in rows]
         with scope("sampler"):
             tokens = sampler.sample(logits, seqs, argmax=getattr(self.model.kernels, "argmax", None))

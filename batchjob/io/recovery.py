@@ -126,16 +126,14 @@ def load_manifest(out_dir: Path) -> tuple[Manifest | None, str | None]:
     return previous, problem
 
 
-def check_part(path: Path | str, part: PartEntry, full: bool = True) -> str | None:
-    """None when the part is whole: its size, and with `full` its SHA-256, as listed."""
+def check_part(path: Path | str, part: PartEntry) -> str | None:
+    """None when the part is whole: its size and its SHA-256 as listed."""
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
         return "missing"
     if size != part.bytes:
         return f"{size} bytes, not {part.bytes}"
-    if not full:
-        return None
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -159,14 +157,14 @@ def recover(out_dir: Path, manifest: Manifest, adopt: bool) -> tuple[list[str], 
         elif PART_NAME.fullmatch(name):
             unlisted.append(out_dir / name)
     present, folder, stat = set(names), str(out_dir), os.stat
-    # the hot loop of a resume after 100,000 parts: one stat each, in one comprehension
-    suspect = {p.name for p in manifest.parts if p.name not in present or stat(f"{folder}/{p.name}").st_size != p.bytes}
-    suspect.update(p.name for p in manifest.parts[-VERIFY_LAST:])  # and the newest, what a crash can have touched, by hash
     if adopt:
         suspect = listed  # a rebuilt manifest: every listed part is hashed
+    else:  # the hot loop of a resume after 100,000 parts: one stat each, in one comprehension
+        suspect = {p.name for p in manifest.parts if p.name not in present or stat(f"{folder}/{p.name}").st_size != p.bytes}
+        suspect.update(p.name for p in manifest.parts[-VERIFY_LAST:])  # and the newest, what a crash can have touched
     repaired, kept = [], []
-    for part in manifest.parts:
-        if part.name not in suspect or (problem := check_part(f"{folder}/{part.name}", part, full=True)) is None:
+    for part in manifest.parts:  # the suspect ones sized and hashed
+        if part.name not in suspect or (problem := check_part(f"{folder}/{part.name}", part)) is None:
             kept.append(part)
             continue
         path = out_dir / part.name
@@ -189,9 +187,8 @@ def recover(out_dir: Path, manifest: Manifest, adopt: bool) -> tuple[list[str], 
         adopted.append(path.name)
     if adopted:
         manifest.parts.sort(key=lambda p: p.name)
-    numbers = [int(name[5:name.index(".")]) for name in (*listed, *repaired, *adopted)]  # part-<number>.<format>
+    numbers = [int(name[5:name.index(".")]) for name in (*listed, *adopted)]  # part-<number>.<format>
     return repaired, adopted, max(numbers, default=-1) + 1
-
 
 
 def clear_results(out_dir: str | Path) -> int:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchjob.io.commit_log import CommitLog
-from batchjob.io.manifest import MANIFEST, VERSION, Manifest, PartEntry
+from batchjob.io.manifest import MANIFEST, VERSION, Manifest
 from batchjob.io.part_writer import OutputError, PartWriter, output_error
 from batchjob.io.parts import FINISH_REASONS, PART_FORMATS, RESULT_SCHEMA
 from batchjob.io.ranges import RowRanges
@@ -40,7 +40,6 @@ class _Commit:
     rows: RowRanges
     extra: dict  # manifest extra keys set since the last commit
     total_rows: object  # the input's row count once known, or _UNCHANGED
-    done: threading.Event
 
 
 _UNCHANGED = object()
@@ -107,8 +106,7 @@ class ArrowSink:
         """Buffer one result row (result fields plus the kept input columns, by name)."""
         if self._closed:
             raise ValueError("write() after close()")
-        if self._failure is not None:
-            raise self._failure
+        self._raise_failure()
         index = row.get("row_index")
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"result row needs a non-negative int row_index, got {index!r}")
@@ -171,7 +169,7 @@ class ArrowSink:
             extra = {**self._extra, "last_commit": time.time()}
             if position is not None:
                 extra[RESUME_POSITION] = position
-            job = _Commit(self._columns if buffered else None, rows, extra, self._total, threading.Event())
+            job = _Commit(self._columns if buffered else None, rows, extra, self._total)
             for start, end in rows.ranges():
                 for row in range(start, end):
                     self._positions.pop(row, None)
@@ -232,7 +230,7 @@ class ArrowSink:
         record: dict = {"seq": self.manifest.seq + 1, "extra": job.extra}
         if job.total_rows is not _UNCHANGED:
             record["total_rows"] = job.total_rows
-        entry = self._write_part(job.columns, job.rows) if job.columns is not None else None
+        entry = self._parts.write(job.columns, job.rows) if job.columns is not None else None
         if entry is not None:
             record["part"] = asdict(entry)
         try:
@@ -257,6 +255,3 @@ class ArrowSink:
         except OSError as e:
             raise output_error(self.out_dir / MANIFEST, e) from e
         self._log = CommitLog(self.out_dir)  # the old one became commits.log.prev
-
-    def _write_part(self, columns: dict[str, list], rows: RowRanges) -> PartEntry:
-        return self._parts.write(columns, rows)

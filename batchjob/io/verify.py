@@ -32,7 +32,7 @@ def verify(out: str | Path, repair: bool = False) -> list[FolderCheck]:
             continue
         check = FolderCheck(folder, len(manifest.parts), manifest.num_rows(), sum(p.bytes for p in manifest.parts))
         for part in manifest.parts:
-            problem = check_part(folder / part.name, part, full=True)
+            problem = check_part(folder / part.name, part)
             if problem is not None:
                 check.damaged.append((part.name, problem))
         if repair and check.damaged:
