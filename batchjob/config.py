@@ -55,6 +55,7 @@ class JobConfig:
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: 1 GiB on the CPU; on CUDA, sized by gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
+    cuda_graphs: bool = True  # CUDA + Triton kernels: decode steps replay captured CUDA graphs
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     threads: int = 0  # 0 = torch's default (all cores)
     limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues

@@ -138,10 +138,11 @@ class Job:
                     if not engine.has_work or (draining and stop.drain_over()):
                         break
                     finished = engine.step()
-                    self.summary.generated_tokens_live += engine.last_stats.num_sampled
                     for seq in finished:
                         feed.finished(seq)
-                    self.stats.step(engine.last_stats, finished)
+                    if engine.last_stats is not None:  # None: an async step was launched, none completed
+                        self.summary.generated_tokens_live += engine.last_stats.num_sampled
+                        self.stats.step(engine.last_stats, finished)
                     for stream in self.streams:
                         stream.sink.commit_if_due()
                     self.progress.update(self._snapshot())

@@ -20,6 +20,8 @@ def lanes_of(cfg: JobConfig) -> list[Lane]:
 
 def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
     model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size)
+    if model.device.type != "cpu":
+        loaded.weights.clear()  # the device holds them now: release the host copy (a CPU model shares it)
     static = cfg.scheduling == "static"
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
@@ -32,5 +34,5 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
     ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
                         gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
-                        enable_prefix_caching=cfg.prefix_caching, scheduler=sched)
+                        enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs, scheduler=sched)
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)

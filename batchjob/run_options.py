@@ -48,6 +48,8 @@ RUN_OPTIONS = [
     ("--kv-cache-gb", "kv_cache_gb", float, "KV cache memory in GiB (default: 1.0 on the CPU; on CUDA, what --gpu-memory-utilization leaves)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", click.FloatRange(0, 1, min_open=True),
      "CUDA: share of the GPU's memory for weights, activations and the KV cache, sized after a profiling forward at the largest step (default: 0.9)"),
+    ("--cuda-graphs/--no-cuda-graphs", "cuda_graphs", None, "CUDA with the Triton kernels: decode steps replay CUDA "
+     "graphs captured at padded batch sizes (default: on)"),
     ("--admission", "admission", click.Choice(["optimistic", "reserve"]), "admit a row when prompt + a watermark fits (optimistic, relies on preemption) or prompt + max_tokens (reserve, never preempts)"),
     ("--preemption", "preemption", click.Choice(["auto", "recompute", "swap"]), "under memory pressure: recompute the row later, swap its KV to host memory, or choose by measured cost (default: auto)"),
     ("--swap-space-gb", "swap_space_gb", float, "host memory for swapped-out KV blocks in GiB (default: 1.0)"),

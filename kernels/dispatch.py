@@ -3,9 +3,9 @@
 - torch: the references (kernels/attention.py and friends), on any device.
 - native: the compiled CPU kernels (kernels/csrc/, built at first use by kernels/build.py).
 - triton: the Triton kernels (kernels/triton_ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
-- auto: native on CPUs where it builds, else torch with one log line saying why; torch on CUDA until
-  the Triton kernels have passed their cases on a GPU (`python -m tests.triton_cases --device cuda`; so
-  far they are tested under the interpreter only).
+- auto: native on CPUs where it builds, else torch with one log line saying why; on CUDA triton when
+  its start-up check against the references passes on this GPU (kernels/triton_check.py), else torch
+  with one log line saying why.
 """
 from __future__ import annotations
 
@@ -73,15 +73,23 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         return TorchKernels()
-    if choice == "triton":
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from . import triton_ops
 
         why = triton_ops.available(device)
         if why is None:
             try:
-                return triton_ops.TritonKernels(head_dim, gqa, dtype, block_size)
-            except ValueError as e:
-                why = str(e)
+                kern = triton_ops.TritonKernels(head_dim, gqa, dtype, block_size)
+                if choice == "auto":  # on trust only after agreeing with the references on this GPU
+                    from .triton_check import check
+
+                    why = check(kern, device)
+                if why is None:
+                    return kern
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot compile here: say why, run the references
+                if choice == "triton" and not isinstance(e, ValueError):
+                    raise
+                why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if choice == "triton":
             raise KernelError(f"kernels: 'triton' cannot run here: {why}; use --kernels auto or torch")
         log(f"Triton kernels unavailable ({why}); using the torch reference kernels")

@@ -200,6 +200,16 @@ def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None):
     return out
 
 
+def decode_plan(max_context: int) -> _Plan:
+    """The plan of any decode-only step whose rows hold at most `max_context` tokens, from that bound alone
+    (a CUDA graph replays it whatever the lengths): splits past a row's context do no work and the merge
+    reads only the row's own, so the result is that of the step's own plan."""
+    plan = _Plan.__new__(_Plan)
+    plan.max_splits = max(1, -(-max_context // SPLIT))
+    plan.block_m, plan.num_tiles, plan.tile_row, plan.tile_start = 16, 0, None, None
+    return plan
+
+
 class _Plan:
     """Launch shapes of one step, from host copies of the metadata (built once, shared by every layer)."""
 

@@ -54,6 +54,11 @@ class TritonKernels:
     def attention(self, q, k_cache, v_cache, meta, scale, window=None):
         return triton_attention.attention(q, k_cache, v_cache, meta, scale, self.block_size, window)
 
+    @staticmethod
+    def graph_plan(max_context: int) -> dict:
+        """Decode plans from shapes alone, for CUDA graphs (batchjob/engine/cuda_graphs.py)."""
+        return {"triton": triton_attention.decode_plan(max_context)}
+
     rms_norm = staticmethod(triton_elementwise.rms_norm)
     add_rms_norm = staticmethod(triton_elementwise.add_rms_norm)
     rotary = staticmethod(triton_elementwise.rotary)

@@ -45,7 +45,7 @@ def test_the_profiling_step_is_the_largest_the_scheduler_builds_and_runs_through
     small, _ = profile_step(10, 64, 16)  # fewer tokens than rows: one token a row
     assert len(small.seqs) == 10 and small.num_new == [1] * 10
     runner = ModelRunner(tiny_model, used, 16)
-    tokens = runner.run(step)  # a real forward, logits and sampling on the model's device (here the CPU)
+    tokens = runner.run(step).tolist()  # a real forward, logits and sampling on the model's device (here the CPU)
     assert len(tokens) == 64 and all(isinstance(t, int) for t in tokens)
 
 

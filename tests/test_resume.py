@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.config import load_job
-from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.model_runner import ModelRunner, StepTokens
+from batchjob.engine.sampler import SampledTokens
 from batchjob.io.manifest import Manifest
 from batchjob.io.sink import ArrowSink
 from batchjob.io.parts import read_results
@@ -70,9 +72,9 @@ def test_resume_of_100000_committed_rows_reads_none_of_them(tmp_path, model_dir,
     sampled = [0]
 
     def fixed_token(self, step):
-        tokens = [5 if s.num_computed + n == s.num_tokens else None for s, n in zip(step.seqs, step.num_new)]
-        sampled[0] += sum(t is not None for t in tokens)
-        return tokens
+        rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
+        sampled[0] += len(rows)
+        return StepTokens(len(step.seqs), rows, SampledTokens(torch.full((len(rows),), 5)))
 
     sinks = set()
     write = ArrowSink.write

@@ -83,6 +83,8 @@ def run(device: str, only: str | None = None) -> int:
         cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))
         cases.append((f"silu_mul {str(dt)[6:]}", lambda dt=dt: silu_case(dt, device)))
     cases.append(("decode batch invariance", lambda: invariance_case(device)))
+    cases.append(("decode CUDA graphs", lambda: graphs_case(device)))
+    cases.append(("auto's start-up check", lambda: startup_check_case(device)))
     failed = 0
     for name, fn in cases:
         if only and only not in name:
@@ -148,6 +150,60 @@ def invariance_case(device):
                                 torch.tensor([0, 1], dtype=torch.int32, device=device), meta.slot_mapping[r:r + 1], 1,
                                 host={"query_start_loc": [0, 1], "seq_lens": [spec[r][0] + 1]})
         assert torch.equal(kern.attention(q[r:r + 1], kc, vc, one, 0.125), batched[r:r + 1]), r
+
+
+def startup_check_case(device):
+    """kernels/triton_check.py passes the kernels over several shapes, and catches a wrong one."""
+    from batchjob.kernels.triton_check import check
+
+    for hd, g, bs, dt in [(64, 3, 16, torch.float32), (80, 4, 32, torch.float16), (128, 1, 16, torch.float32)]:
+        why = check(TritonKernels(hd, g, dt, bs), torch.device(device))
+        assert why is None, why
+
+    class Broken(TritonKernels):
+        def silu_mul(self, gate_up):
+            return super().silu_mul(gate_up) * 1.1
+
+    why = check(Broken(64, 3, torch.float32, 16), torch.device(device))
+    assert why is not None and why.startswith("SiLU * up differs"), why
+
+
+def graphs_case(device):
+    """Decode steps through engine/cuda_graphs.py (captured on CUDA; on the CPU the same padded static
+    buffers without a graph) give the eager engine's greedy tokens, as the batch shrinks through padded
+    sizes 8, 4, 2, 1 and stale rows linger in the static buffers."""
+    from batchjob.bench.gpu_check import random_llama
+    from batchjob.engine.cuda_graphs import DecodeGraphs
+    from batchjob.engine.engine import Engine, EngineConfig
+    from batchjob.engine.row_keys import row_key
+    from batchjob.engine.scheduler import SchedulerConfig
+    from batchjob.engine.sequence import SamplingParams, Sequence
+    from batchjob.models.llama import LlamaModel
+
+    cfg, weights = random_llama(512, 64, 128, 2, 4, 2, device=device, dtype=torch.float32, max_positions=256)
+    model = LlamaModel(cfg, weights, torch.float32, device, kernels="triton")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (5 + 7 * i,), generator=g).tolist() for i in range(7)]
+
+    def run(graphs: bool):
+        engine = Engine(model, [], EngineConfig(num_blocks=128, cuda_graphs=graphs,
+                                                scheduler=SchedulerConfig(max_num_seqs=8)))
+        if graphs and device == "cpu":
+            engine.runner.decode_graphs = DecodeGraphs(model, engine.runner.kv_caches, 16, 8, engine.max_model_len,
+                                                       capture=False)
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=2 + 2 * i, ignore_eos=True), rng_key=row_key(0, i))
+                for i, p in enumerate(prompts)]
+        for s in seqs:
+            engine.add(s)
+        while engine.has_work:
+            engine.step()
+        return [s.output_ids for s in seqs], engine.runner.decode_graphs
+
+    eager, none = run(False)
+    graphed, graphs = run(True)
+    assert none is None and graphs is not None and graphs.replays >= 10, "graphs not used"
+    assert graphs.capture or not graphs.graphs
+    assert graphed == eager, f"graphs changed the greedy tokens: {graphed} vs {eager}"
 
 
 def main(argv=None) -> int:

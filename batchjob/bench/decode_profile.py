@@ -40,7 +40,8 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
         engine.add(Sequence(i, [t % vocab for t in r.prompt], params, rng_key=row_key(0, i)))
     for _ in range(10_000):  # prefill everything, then decode a while so that contexts are mid-run
         engine.step()
-        if engine.last_stats.num_prefill_tokens == 0 and engine.last_stats.num_seqs == len(wl.rows):
+        st = engine.last_stats
+        if st is not None and st.num_prefill_tokens == 0 and st.num_seqs == len(wl.rows):
             break
     for _ in range(warm_steps):
         engine.step()

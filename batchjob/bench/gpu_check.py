@@ -6,8 +6,9 @@
    (torch kernels): share of rows with identical greedy text;
 3. attention: paged decode attention at 128 rows x 2k context (SmolLM2's and 1B-class shapes, bf16):
    GB/s of K/V read, and that as a share of the device's measured copy bandwidth (target >= 70%);
-4. decode: W1-style steps (256 rows) on SmolLM2 and on a random 1B-shaped Llama, per kernel set:
-   tokens/s, and the step time against the weights + KV bytes roofline at the measured bandwidth;
+4. decode: W1-style steps (256 rows) on SmolLM2 and on a random 1B-shaped Llama: torch kernels, Triton
+   eager (synchronous, then with async output), Triton with CUDA graphs: tokens/s, and the step time
+   against the weights + KV bytes roofline at the measured bandwidth;
 5. peer: HF transformers `generate`, static batches of 16, on the same GPU (when transformers is here).
 
 Writes a JSON file and prints a table. `--smoke` runs tiny shapes on the CPU under TRITON_INTERPRET=1
@@ -80,13 +81,14 @@ def decode_attention(device: torch.device, rows: int, ctx: int, kv_heads: int, g
             "ms": round(s * 1e3, 3), "gb_s": round(nbytes / s / 1e9, 1)}
 
 
-def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, device, dtype):
+def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, device, dtype,
+                 max_positions: int = 4096):
     from batchjob.models.config import ModelConfig
     from batchjob.models.llama import LlamaModel
 
     d = hidden // heads
     cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, max_position_embeddings=4096)
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, max_position_embeddings=max_positions)
     w = lambda *shape: (torch.randn(*shape, device=device) * 0.02).to(dtype)  # noqa: E731
     weights = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden, device=device),
                "lm_head.weight": w(vocab, hidden)}
@@ -101,7 +103,8 @@ def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, k
     return cfg, weights
 
 
-def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prompt: int, out: int, bandwidth: float) -> dict:
+def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prompt: int, out: int, bandwidth: float,
+                      cuda_graphs: bool = True, async_output: bool | None = None) -> dict:
     """tokens/s of decode steps with `rows` rows, and the step time over the weights + KV roofline."""
     from batchjob.engine.engine import Engine, EngineConfig
     from batchjob.engine.row_keys import row_key
@@ -111,7 +114,7 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
 
     model = LlamaModel(cfg, weights, dtype, str(device), kernels=kernels)
     sched = SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=max(2048, rows))
-    engine = Engine(model, [], EngineConfig(scheduler=sched, kv_cache_bytes=rows * (prompt + out + 16) * 2 * cfg.num_layers
+    engine = Engine(model, [], EngineConfig(scheduler=sched, cuda_graphs=cuda_graphs, async_output=async_output, kv_cache_bytes=rows * (prompt + out + 16) * 2 * cfg.num_layers
                                             * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 + (64 << 20)))
     g = torch.Generator().manual_seed(0)
     for i in range(rows):
@@ -121,7 +124,7 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
     while engine.has_work:
         engine.step()
         st = engine.last_stats
-        if st.num_decode == st.num_seqs == rows:
+        if st is not None and st.num_decode == st.num_seqs == rows:
             decode_s += st.step_s
             decode_steps += 1
             decode_rows += rows
@@ -130,7 +133,10 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
     kv_bytes = rows * (prompt + out / 2) * kv_token  # the mean context over the decode
     step = decode_s / max(1, decode_steps)
     roofline = (weight_bytes + kv_bytes) / bandwidth
-    return {"kernels": model.kernels.name, "rows": rows, "decode_steps": decode_steps,
+    graphs = engine.runner.decode_graphs
+    return {"kernels": model.kernels.name, "cuda_graphs": graphs is not None, "async_output": engine.async_output,
+            "graph_replays": graphs.replays if graphs else 0,
+            "graph_capture_s": round(graphs.capture_s, 2) if graphs else 0.0, "rows": rows, "decode_steps": decode_steps,
             "tokens_s": round(decode_rows / decode_s, 1) if decode_s else None,
             "step_ms": round(step * 1e3, 3), "roofline_ms": round(roofline * 1e3, 3),
             "over_roofline": round(step / roofline, 2) if roofline else None}
@@ -222,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 cfg, weights = random_llama(*shape, device=device, dtype=dtype)
             r, p, o = (4, 8, 4) if smoke else (256, 128, 128)
-            report["decode"][name] = [decode_throughput(cfg, weights, device, dtype, k, r, p, o, bw)
-                                      for k in (("triton",) if smoke else ("torch", "triton"))]
+            # (kernels, CUDA graphs, async output): the references; Triton eager, synchronous; + async; + graphs
+            variants = [("triton", False, None)] if smoke else [("torch", False, None), ("triton", False, False),
+                                                                 ("triton", False, True), ("triton", True, True)]
+            report["decode"][name] = [decode_throughput(cfg, weights, device, dtype, k, r, p, o, bw, cuda_graphs=g,
+                                                        async_output=a) for k, g, a in variants]
             del weights
         if not smoke:
             report["hf_generate"] = hf_generate(device, 64, 128, 128)
@@ -233,7 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.time() - t0, 1)
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
+    print(table(report))
     return 1 if "failed" in report else 0
+
+
+def table(report: dict) -> str:
+    """The headline numbers, one line each."""
+    lines = [f"{report['device']}: copy {report.get('copy_gb_s', '-')} GB/s"]
+    for name, a in report.get("attention", {}).items():
+        lines.append(f"attention {name:8} {a['rows']} rows x {a['context']}: {a['gb_s']} GB/s = "
+                     f"{a.get('share_of_copy', 0):.0%} of copy")
+    for name, runs in report.get("decode", {}).items():
+        for r in runs:
+            how = f"{r['kernels']}{' +graphs' if r['cuda_graphs'] else ''}{' +async' if r['async_output'] else ''}"
+            lines.append(f"decode {name:8} {how:22} {r['tokens_s']} tok/s, step {r['step_ms']} ms = "
+                         f"{r['over_roofline']}x roofline")
+    peer = report.get("hf_generate", {})
+    if peer.get("tokens_s"):
+        lines.append(f"HF generate static-16: {peer['tokens_s']} tok/s")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

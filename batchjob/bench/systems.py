@@ -77,6 +77,8 @@ class BatchjobRunner:
             engine.step()
             now = time.perf_counter() - t0
             st = engine.last_stats
+            if st is None:  # an async step launched, none completed (CUDA)
+                continue
             for s in engine.last_step.seqs:
                 while len(times[s.seq_id]) < s.num_output:
                     times[s.seq_id].append(now)

@@ -7,11 +7,13 @@ import time
 from dataclasses import dataclass
 
 from batchjob.engine.block_pool import BlockPool
+from batchjob.engine.cuda_graphs import DecodeGraphs
 from batchjob.engine.kv_budget import blocks_for, kv_cache_bytes, measure_cuda, profile_step
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.kernels.build import default_log
 from batchjob.models.llama import LlamaModel
 
 
@@ -24,6 +26,10 @@ class EngineConfig:
     swap_space_bytes: int = 0  # host pool for preemption=swap|auto
     num_host_blocks: int = 0  # 0 = derive from swap_space_bytes
     enable_prefix_caching: bool = True
+    # step() returns the previous step's finished rows while this one runs on the device; None: on CUDA only
+    # (a CPU forward has finished when it returns: nothing to overlap)
+    async_output: bool | None = None
+    cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
     scheduler: SchedulerConfig | None = None
 
 
@@ -45,6 +51,15 @@ class StepStats:
     forward_s: float  # ModelRunner.run: inputs, forward, logits, sampling
     model_s: float = 0.0  # inside the model only (forward + logits)
     num_sampled: int = 0  # rows that got a token (decodes and last prompt chunks): tokens generated
+
+
+@dataclass(slots=True)
+class _Pending:
+    step: Step
+    tokens: object  # model_runner.StepTokens
+    t0: float  # when the step's engine work began (its StepStats.step_s runs from here to its collection)
+    launch_s: float  # host time to prepare and launch the forward (and sampling)
+    model_s: float
 
 
 class CostModel:
@@ -79,6 +94,7 @@ class Engine:
             num_blocks = gpu_kv_blocks(model, config, per_block)
         num_host = config.num_host_blocks or config.swap_space_bytes // per_block
         self.model = model
+        self.config = config  # read, never changed: derived limits live on the engine and its scheduler
         self.eos = frozenset(eos_token_ids)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.host_pool = BlockPool(num_host, config.block_size) if num_host else None
@@ -87,9 +103,19 @@ class Engine:
                                    prefer_swap=self.cost.prefer_swap, context_len=model.config.max_position_embeddings)
         self.max_model_len = self.scheduler.max_model_len  # the context, capped at what the KV pool holds
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
+        if config.cuda_graphs and model.device.type == "cuda":
+            if getattr(model.kernels, "graph_plan", None) is None:
+                default_log(f"CUDA graphs need the Triton kernels (the {model.kernels.name} kernels plan each step "
+                            "on the host); decode steps run eagerly")
+            else:
+                self.runner.decode_graphs = DecodeGraphs(model, self.runner.kv_caches, config.block_size,
+                                                         self.scheduler.config.max_num_seqs, self.max_model_len)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
         self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
+        # a launched step whose tokens are not applied yet (async_output: until the next step() call)
+        self._pending: _Pending | None = None
+        self.async_output = model.device.type == "cuda" if config.async_output is None else config.async_output
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
@@ -107,7 +133,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self._pending is not None or self.scheduler.has_work
 
     def num_waiting(self, lane: str | None = None) -> int:
         """Rows waiting in the scheduler: in one lane, or in all."""
@@ -120,14 +146,15 @@ class Engine:
         return self.scheduler.drop_waiting()
 
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the rows that finished in it."""
-        t0 = time.perf_counter()
+        """Run one iteration; returns the rows that finished in it. With `async_output` (on CUDA) the step
+        is launched and the call returns the rows the previous step finished: the caller's work on them
+        (results, commits, feeding rows) runs while the GPU computes this one. `last_step`/`last_stats`
+        describe the step this call completed (None after an async call that only launched)."""
+        self.last_step = self.last_stats = None  # set again for the step this call completes
+        finished = self._collect() if self._pending is not None else []
+        t_step = time.perf_counter()  # this step's own work starts here (after collecting the last one)
         sched = self.scheduler
         step = sched.schedule()
-        self.last_step = step
-        finished: list[Sequence] = []
-        forward_s = model_s = 0.0
-        sampled = 0
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
             moved = self.runner.swap(step.swap_out, step.swap_in)
@@ -136,31 +163,52 @@ class Engine:
             tf = time.perf_counter()
             model_before = self.runner.model_s
             tokens = self.runner.run(step)
-            model_s = self.runner.model_s - model_before
-            forward_s = time.perf_counter() - tf
-            self.cost.observe_forward(step.num_tokens, forward_s)
-            sched.advance(step)
-            for seq, tok in zip(step.seqs, tokens):
-                if tok is None:
-                    continue
-                sampled += 1
-                seq.token_ids.append(tok)
-                reason = self._finish_reason(seq, tok)
-                if reason:
-                    sched.finish(seq, reason)
-                    finished.append(seq)
+            self._pending = _Pending(step, tokens, t_step, time.perf_counter() - tf,
+                                     self.runner.model_s - model_before)
+            if not self.async_output:
+                finished += self._collect()
         elif sched.num_waiting and not sched.running:
             raise RuntimeError("scheduler made no progress with an empty batch (a row cannot be admitted)")
+        elif self.last_stats is None:  # nothing ran or was collected: an empty step's stats
+            self._record(step, [], 0, time.perf_counter() - t_step, 0.0, 0.0)
+        return finished
+
+    def _collect(self) -> list[Sequence]:
+        """Wait for the launched step's tokens and apply them: append, finish the rows that stop."""
+        pending, self._pending = self._pending, None
+        step, sched = pending.step, self.scheduler
+        tw = time.perf_counter()
+        tokens = pending.tokens.tolist()
+        forward_s = pending.launch_s + time.perf_counter() - tw
+        self.cost.observe_forward(step.num_tokens, forward_s)
+        sched.advance(step)
+        finished: list[Sequence] = []
+        sampled = 0
+        for seq, tok in zip(step.seqs, tokens):
+            if tok is None:
+                continue
+            sampled += 1
+            seq.token_ids.append(tok)
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                sched.finish(seq, reason)
+                finished.append(seq)
+        self._record(step, finished, sampled, time.perf_counter() - pending.t0, forward_s, pending.model_s)
+        return finished
+
+    def _record(self, step: Step, finished: list[Sequence], sampled: int, step_s: float, forward_s: float,
+                model_s: float) -> None:
+        sched = self.scheduler
         num_decode = sum(1 for n in step.num_new if n == 1)
+        self.last_step = step
         self.last_stats = StepStats(
             num_seqs=len(step.seqs), num_tokens=step.num_tokens, num_decode=num_decode,
             num_prefill_tokens=step.num_tokens - num_decode, num_finished=len(finished),
             num_preempted=len(step.preempted), num_running=len(sched.running), num_waiting=sched.num_waiting,
             blocks_used=self.pool.num_used, blocks_free=self.pool.num_free,
             prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
-            step_s=time.perf_counter() - t0, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
+            step_s=step_s, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
         )
-        return finished
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p: SamplingParams = seq.params

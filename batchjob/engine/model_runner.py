@@ -36,6 +36,7 @@ class ModelRunner:
         # pages cost no memory or start-up time
         self.host_cache = torch.empty(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
         self.staging = StagingBuffers(model.device)
+        self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
@@ -98,11 +99,22 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last
 
-    def run(self, step: Step) -> list[int | None]:
-        """One forward over the step; returns the sampled token per row (None for mid-prompt chunks)."""
+    def run(self, step: Step) -> StepTokens:
+        """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
+        handle whose `tolist()` waits for them. On a GPU the host is free until then; on the CPU the forward
+        has run by the time this returns."""
         device = self.model.device
         with scope("prepare"):
             input_ids, positions, meta, last = self.prepare(step)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
+            t0 = time.perf_counter()
+            logits = graphs.run(input_ids, positions, meta)
+            self.model_s += time.perf_counter() - t0
+            rows = list(range(len(step.seqs)))
+            with scope("sampler"):
+                sampled = sampler.sample(logits, step.seqs, argmax=getattr(self.model.kernels, "argmax", None))
+            return StepTokens(len(rows), rows, sampled)
         if device.type != "cpu":
             stage = self.staging.to_device
             input_ids, positions = stage("input_ids", input_ids), stage("positions", positions)
@@ -114,16 +126,30 @@ class ModelRunner:
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)]) if rows else None
         self.model_s += time.perf_counter() - t0
-        out: list[int | None] = [None] * len(step.seqs)
         if not rows:
-            return out
-        seqs = [step.seqs[i] for i in rows]
+            return StepTokens(len(step.seqs), rows, None)
         with scope("sampler"):
-            tokens = sampler.sample(logits, seqs, argmax=getattr(self.model.kernels, "argmax", None))
-        for i, t in zip(rows, tokens):
-            out[i] = t
-        return out
+            sampled = sampler.sample(logits, [step.seqs[i] for i in rows], argmax=getattr(self.model.kernels, "argmax", None))
+        return StepTokens(len(step.seqs), rows, sampled)
 
+
+class StepTokens:
+    """A launched step's sampled token per row: `tolist()` waits for them (None for mid-prompt chunks)."""
+
+    __slots__ = ("num_rows", "rows", "sampled")
+
+    def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None):
+        self.num_rows, self.rows, self.sampled = num_rows, rows, sampled
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def tolist(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_rows
+        if self.sampled is not None:
+            for i, t in zip(self.rows, self.sampled.tolist()):
+                out[i] = t
+        return out
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

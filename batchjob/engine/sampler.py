@@ -32,10 +32,12 @@ def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:
     return best * width + chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> list[int]:
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> SampledTokens:
     """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
-    token id per row; rows with `params.logprobs` set get an entry appended to `seq.logprobs`. `argmax`:
-    a kernel equal to `argmax_rows` (the model's kernel set may have a faster one)."""
+    token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows with
+    `params.logprobs` set get an entry appended to `seq.logprobs` then. `argmax`: a kernel equal to
+    `argmax_rows` (the model's kernel set may have a faster one). Greedy rows never wait for the device
+    here; top-p rows whose nucleus may pass the window read one flag back."""
     argmax = argmax or argmax_rows
     params = [s.params for s in seqs]
     vocab = logits.shape[-1]
@@ -74,10 +76,38 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> list[int]:
             pick = torch.searchsorted(cdf, u[rows_of][:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
             choice[rows_of] = pick.squeeze(1) if ids is None else ids.gather(1, pick).squeeze(1)
         out[idx] = choice
-    tokens = out.tolist()
-    if want_lp:
-        _record_logprobs(raw_lp, [seqs[i] for i in want_lp], [tokens[i] for i in want_lp])
-    return tokens
+    return SampledTokens(out, raw_lp, [seqs[i] for i in want_lp], want_lp)
+
+
+class SampledTokens:
+    """A step's sampled token ids on their way back from the device. On CUDA they are copied into pinned
+    host memory behind the step's kernels (non_blocking) and an event marks the copy, so the host can
+    prepare the next step while the GPU finishes this one; `tolist()` waits for the event. The logprobs
+    of the rows that asked are recorded then, from the tokens that came back."""
+
+    __slots__ = ("ids", "host", "event", "raw_lp", "lp_seqs", "lp_rows", "_tokens")
+
+    def __init__(self, ids: torch.Tensor, raw_lp: torch.Tensor | None = None, lp_seqs=(), lp_rows=()):
+        self.ids, self.raw_lp, self.lp_seqs, self.lp_rows = ids, raw_lp, list(lp_seqs), list(lp_rows)
+        self.host = self.event = self._tokens = None
+        if ids.device.type == "cuda":
+            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host.copy_(ids, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def tolist(self) -> list[int]:
+        if self._tokens is None:
+            if self.event is not None:
+                self.event.synchronize()
+            tokens = (self.host if self.host is not None else self.ids).tolist()
+            if self.lp_seqs:
+                _record_logprobs(self.raw_lp, self.lp_seqs, [tokens[i] for i in self.lp_rows])
+            self._tokens = tokens
+        return self._tokens
 
 
 NUCLEUS_WINDOW = 1024  # top-p without top-k looks at the 1024 most likely tokens; the whole vocabulary only if needed
