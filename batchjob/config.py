@@ -56,6 +56,9 @@ class JobConfig:
     kv_cache_gb: float | None = None  # None: 1 GiB on the CPU; on CUDA, sized by gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     cuda_graphs: bool = True  # CUDA + Triton kernels: decode steps replay captured CUDA graphs
+    speculative: str = "none"  # none | ngram (prompt lookup) | draft (not implemented yet)
+    num_speculative_tokens: int = 4  # tokens proposed per row and step
+    speculative_max_rows: int = 32  # no proposals in a step with more decoding rows than this
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     threads: int = 0  # 0 = torch's default (all cores)
     limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
@@ -82,6 +85,16 @@ class JobConfig:
     shard: str | None = None
     # where the values came from (not a job-file field): the job file, for messages
     job_file: str | None = None
+
+    def speculative_config(self):
+        """The engine's SpeculativeConfig, or None when speculation is off; raises ValueError when invalid."""
+        from batchjob.engine.speculative import SpeculativeConfig
+
+        if self.speculative == "none":
+            return None
+        spec = SpeculativeConfig(self.speculative, num_tokens=self.num_speculative_tokens, max_rows=self.speculative_max_rows)
+        spec.check()
+        return spec
 
     def validate(self) -> "JobConfig":
         if not self.input and not self.per_lane_inputs:
@@ -112,6 +125,10 @@ class JobConfig:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        try:
+            self.speculative_config()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _choice("admission", self.admission, ("optimistic", "reserve"))
         _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
         if self.max_wait <= 0:

@@ -34,5 +34,6 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
     ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
                         gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
-                        enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs, scheduler=sched)
+                        enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,
+                        speculative=cfg.speculative_config(), scheduler=sched)
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)

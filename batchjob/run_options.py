@@ -48,6 +48,13 @@ RUN_OPTIONS = [
     ("--kv-cache-gb", "kv_cache_gb", float, "KV cache memory in GiB (default: 1.0 on the CPU; on CUDA, what --gpu-memory-utilization leaves)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", click.FloatRange(0, 1, min_open=True),
      "CUDA: share of the GPU's memory for weights, activations and the KV cache, sized after a profiling forward at the largest step (default: 0.9)"),
+    ("--speculative", "speculative", click.Choice(["none", "ngram", "draft"]), "speculative decoding: ngram = prompt "
+     "lookup (a row proposes what followed the last match of its last tokens in its own prompt and output); the "
+     "target verifies the proposals in the normal batch, so the text is the same as without it (default: none; "
+     "draft: not implemented yet)"),
+    ("--num-speculative-tokens", "num_speculative_tokens", click.IntRange(1, 16), "tokens proposed per row and step (default: 4)"),
+    ("--speculative-max-rows", "speculative_max_rows", click.IntRange(0), "no proposals in a step with more decoding rows "
+     "than this: a full batch gains little from them (default: 32)"),
     ("--cuda-graphs/--no-cuda-graphs", "cuda_graphs", None, "CUDA with the Triton kernels: decode steps replay CUDA "
      "graphs captured at padded batch sizes (default: on)"),
     ("--admission", "admission", click.Choice(["optimistic", "reserve"]), "admit a row when prompt + a watermark fits (optimistic, relies on preemption) or prompt + max_tokens (reserve, never preempts)"),

@@ -59,6 +59,8 @@ class StatsRecorder:
         self.preempted = 0
         self.prefix_hits = 0
         self.prefix_queries = 0
+        self.spec_proposed = self.spec_accepted = 0  # speculative tokens proposed and kept
+        self.generated = 0  # tokens sampled (kept)
         self.step_s = 0.0
         self.forward_s = 0.0
         self.lanes: dict[str, LaneWaits] = {}
@@ -74,6 +76,9 @@ class StatsRecorder:
         self.preempted += st.num_preempted
         self.prefix_hits += st.prefix_hit_tokens
         self.prefix_queries += st.prefix_query_tokens
+        self.spec_proposed += st.num_proposed
+        self.spec_accepted += st.num_accepted
+        self.generated += st.num_sampled
         self.step_s += st.step_s
         self.forward_s += st.forward_s
         self.model_s += st.model_s
@@ -111,6 +116,11 @@ class StatsRecorder:
         out.update({
             "summary": True, "kernels": self.kernels, "tokens": self.tokens, "decode_tokens": self.decode_tokens,
             "prefill_tokens": self.prefill_tokens, "prefix_hit_tokens": self.prefix_hits,
+            "speculative_proposed": self.spec_proposed, "speculative_accepted": self.spec_accepted,
+            "acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4) if self.spec_proposed else None,
+            # generated tokens per row per forward (1.0 without speculation)
+            "tokens_per_row_forward": round(self.generated / (self.generated - self.spec_accepted), 4)
+            if self.generated else None,
             "outside_forward_share": round(1 - self.forward_s / self.step_s, 4) if self.step_s else None,
             # where this run's time went: the job (from after the model load), the engine's steps, the runner
             # (inputs + forward + sampling) and the model alone (forward + logits); wall-clock stamps in Unix time

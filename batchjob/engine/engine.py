@@ -13,6 +13,7 @@ from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.speculative import NgramProposer, SpeculativeConfig
 from batchjob.kernels.build import default_log
 from batchjob.models.llama import LlamaModel
 
@@ -30,6 +31,7 @@ class EngineConfig:
     # (a CPU forward has finished when it returns: nothing to overlap)
     async_output: bool | None = None
     cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculative.py); None: off
     scheduler: SchedulerConfig | None = None
 
 
@@ -50,7 +52,9 @@ class StepStats:
     step_s: float
     forward_s: float  # ModelRunner.run: inputs, forward, logits, sampling
     model_s: float = 0.0  # inside the model only (forward + logits)
-    num_sampled: int = 0  # rows that got a token (decodes and last prompt chunks): tokens generated
+    num_sampled: int = 0  # tokens generated (one per decode and last prompt chunk; 1 + accepted per speculating row)
+    num_proposed: int = 0  # speculative tokens proposed and verified in this step
+    num_accepted: int = 0  # of them, kept
 
 
 @dataclass(slots=True)
@@ -115,6 +119,10 @@ class Engine:
         self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
         # a launched step whose tokens are not applied yet (async_output: until the next step() call)
         self._pending: _Pending | None = None
+        spec = config.speculative
+        if spec is not None:
+            spec.check()
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.async_output = model.device.type == "cuda" if config.async_output is None else config.async_output
 
     def add(self, seq: Sequence) -> str | None:
@@ -154,6 +162,8 @@ class Engine:
         finished = self._collect() if self._pending is not None else []
         t_step = time.perf_counter()  # this step's own work starts here (after collecting the last one)
         sched = self.scheduler
+        if self.proposer is not None:
+            self.proposer.propose(sched.running, self.max_model_len)
         step = sched.schedule()
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
@@ -181,23 +191,43 @@ class Engine:
         tokens = pending.tokens.tolist()
         forward_s = pending.launch_s + time.perf_counter() - tw
         self.cost.observe_forward(step.num_tokens, forward_s)
-        sched.advance(step)
         finished: list[Sequence] = []
-        sampled = 0
-        for seq, tok in zip(step.seqs, tokens):
-            if tok is None:
+        ending: list[tuple[Sequence, str]] = []
+        sampled = proposed_n = accepted_n = 0
+        for i, (seq, out) in enumerate(zip(step.seqs, tokens)):
+            if out is None:
                 continue
-            sampled += 1
-            seq.token_ids.append(tok)
-            reason = self._finish_reason(seq, tok)
+            if isinstance(out, int):
+                sampled += 1
+                seq.token_ids.append(out)
+                reason = self._finish_reason(seq, out)
+            else:  # speculative: keep tokens while they equal the proposals, then the one that differs
+                draft, kept, reason = seq.draft, 0, None
+                for tok in out:
+                    seq.token_ids.append(tok)
+                    kept += 1
+                    reason = self._finish_reason(seq, tok)
+                    if reason or kept > len(draft) or tok != draft[kept - 1]:
+                        break
+                seq.draft = None
+                sampled += kept
+                step.num_new[i] = kept  # computed tokens that hold: the row's last one and the kept proposals
+                accepted = kept if kept <= len(draft) and out[kept - 1] == draft[kept - 1] else kept - 1
+                self.proposer.observe(seq, len(draft), accepted)
+                proposed_n += len(draft)
+                accepted_n += accepted
             if reason:
-                sched.finish(seq, reason)
-                finished.append(seq)
-        self._record(step, finished, sampled, time.perf_counter() - pending.t0, forward_s, pending.model_s)
+                ending.append((seq, reason))
+        sched.advance(step)
+        for seq, reason in ending:
+            sched.finish(seq, reason)
+            finished.append(seq)
+        self._record(step, finished, sampled, time.perf_counter() - pending.t0, forward_s, pending.model_s,
+                     proposed_n, accepted_n)
         return finished
 
     def _record(self, step: Step, finished: list[Sequence], sampled: int, step_s: float, forward_s: float,
-                model_s: float) -> None:
+                model_s: float, proposed: int = 0, accepted: int = 0) -> None:
         sched = self.scheduler
         num_decode = sum(1 for n in step.num_new if n == 1)
         self.last_step = step
@@ -208,6 +238,7 @@ class Engine:
             blocks_used=self.pool.num_used, blocks_free=self.pool.num_free,
             prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
             step_s=step_s, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
+            num_proposed=proposed, num_accepted=accepted,
         )
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:

@@ -78,7 +78,10 @@ class ModelRunner:
         for i in order:
             seq, n = step.seqs[i], step.num_new[i]
             start = seq.num_computed
-            ids.extend(seq.token_ids[start:start + n])
+            chunk = seq.token_ids[start:start + n]
+            ids.extend(chunk)
+            if len(chunk) < n:  # speculative: the row's last token, then its proposals
+                ids.extend(seq.draft[:n - len(chunk)])
             rng = range(start, start + n)
             pos.extend(rng)
             table = seq.block_table
@@ -122,33 +125,53 @@ class ModelRunner:
                 setattr(meta, name, stage(name, getattr(meta, name)))
         t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
+        # rows whose tokens are all computed sample one token; a speculating row samples at its last token
+        # and at each of its k proposals (it computes k tokens past its own)
+        rows, spans, at, seqs = [], [], [], []
+        for i, (s, n) in enumerate(zip(step.seqs, step.num_new)):
+            k = s.num_computed + n - s.num_tokens
+            if k >= 0:
+                rows.append(i)
+                spans.append(k + 1)
+                at.extend(range(last[i] - k, last[i] + 1))
+                seqs.extend([s] * (k + 1))
         # the logits stay on the model's device: sampling runs there and only token ids come back
-        logits = self.model.raw_logits(hidden[torch.tensor([last[i] for i in rows], device=device)]) if rows else None
+        logits = self.model.raw_logits(hidden[torch.tensor(at, device=device)]) if rows else None
         self.model_s += time.perf_counter() - t0
         if not rows:
             return StepTokens(len(step.seqs), rows, None)
+        offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
-            sampled = sampler.sample(logits, [step.seqs[i] for i in rows], argmax=getattr(self.model.kernels, "argmax", None))
-        return StepTokens(len(step.seqs), rows, sampled)
+            sampled = sampler.sample(logits, seqs, argmax=getattr(self.model.kernels, "argmax", None), offsets=offsets)
+        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None)
 
 
 class StepTokens:
-    """A launched step's sampled token per row: `tolist()` waits for them (None for mid-prompt chunks)."""
+    """A launched step's sampled tokens per row: `tolist()` waits for them. None for mid-prompt chunks, an
+    int for a row that sampled one token, a list for a speculating row (one token per verified position)."""
 
-    __slots__ = ("num_rows", "rows", "sampled")
+    __slots__ = ("num_rows", "rows", "sampled", "spans")
 
-    def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None):
-        self.num_rows, self.rows, self.sampled = num_rows, rows, sampled
+    def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None,
+                 spans: list[int] | None = None):
+        self.num_rows, self.rows, self.sampled, self.spans = num_rows, rows, sampled, spans
 
     def __len__(self) -> int:
         return self.num_rows
 
-    def tolist(self) -> list[int | None]:
-        out: list[int | None] = [None] * self.num_rows
-        if self.sampled is not None:
-            for i, t in zip(self.rows, self.sampled.tolist()):
+    def tolist(self) -> list[int | list[int] | None]:
+        out: list = [None] * self.num_rows
+        if self.sampled is None:
+            return out
+        tokens = self.sampled.tolist()
+        if self.spans is None:
+            for i, t in zip(self.rows, tokens):
                 out[i] = t
+            return out
+        j = 0
+        for i, span in zip(self.rows, self.spans):
+            out[i] = tokens[j] if span == 1 else tokens[j:j + span]
+            j += span
         return out
 
 

@@ -32,12 +32,14 @@ def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:
     return best * width + chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> SampledTokens:
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list[int] | None = None) -> SampledTokens:
     """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
     token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows with
     `params.logprobs` set get an entry appended to `seq.logprobs` then. `argmax`: a kernel equal to
     `argmax_rows` (the model's kernel set may have a faster one). Greedy rows never wait for the device
-    here; top-p rows whose nucleus may pass the window read one flag back."""
+    here; top-p rows whose nucleus may pass the window read one flag back. `offsets`: a row of logits
+    for output position `seq.num_output + offset` (speculative verification: one row of `seqs` per
+    proposed position; such rows use no penalties, logprobs or unmet min_tokens)."""
     argmax = argmax or argmax_rows
     params = [s.params for s in seqs]
     vocab = logits.shape[-1]
@@ -68,7 +70,8 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None) -> SampledTok
         sp = [params[i] for i in sampled]
         temps = torch.tensor([p.temperature for p in sp], device=device)[:, None]
         rows = (logits if len(sampled) == len(params) else logits[idx]) / temps
-        u = torch.tensor([uniform(seqs[i].rng_key, seqs[i].num_output) for i in sampled], dtype=torch.float64, device=device)
+        off = offsets or [0] * len(seqs)
+        u = torch.tensor([uniform(seqs[i].rng_key, seqs[i].num_output + off[i]) for i in sampled], dtype=torch.float64, device=device)
         choice = torch.empty(len(sampled), dtype=torch.long, device=device)
         for rows_of, ids, weights in candidates(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]):
             cdf = weights.cumsum(dim=-1, dtype=torch.float64)

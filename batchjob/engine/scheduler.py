@@ -115,6 +115,13 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(seq, step.token_budget)
+            if seq.draft and n == 1:  # speculative proposals: only into free budget and free blocks
+                k = min(len(seq.draft), step.token_budget - 1)
+                if k > 0 and self._grow(seq, seq.num_computed + 1 + k):
+                    seq.draft = seq.draft[:k]
+                    self._schedule(step, seq, 1 + k)
+                    continue
+                seq.draft = None
             if self._make_room(seq, seq.num_computed + n, step):
                 self._schedule(step, seq, n)
 
@@ -211,6 +218,7 @@ class Scheduler:
             self.queues.charge(seq, -step.num_new[i])
             del step.seqs[i], step.num_new[i]
         self.running.remove(seq)
+        seq.draft = None
         seq.num_preemptions += 1
         step.preempted.append(seq)
         if self._swap_mode(seq):

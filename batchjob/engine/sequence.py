@@ -146,6 +146,8 @@ class Sequence:
     detokenizer: object | None = None  # rows with stop strings: an IncrementalDetokenizer (engine/detokenizer.py)
     logprobs: list | None = None  # params.logprobs set: one (token id, logprob, top [(id, logprob)]) per output token
     sampler_state: object | None = None  # the sampler's per-row cache (penalty token counts)
+    draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
+    spec_state: object | None = None  # the proposer's per-row state (engine/speculative.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

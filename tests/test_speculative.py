@@ -1,0 +1,163 @@
+"""Speculative decoding by prompt lookup: the same tokens as without it, greedy and sampled, in any
+batch, under preemption; proposals counted in the budget and the blocks; rows that cannot use it do not."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.engine.row_keys import row_key
+from batchjob.engine.scheduler import SchedulerConfig
+from batchjob.engine.sequence import SamplingParams, Sequence
+from batchjob.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
+from batchjob.models.config import ModelConfig
+from batchjob.models.llama import LlamaModel
+from tests.test_engine import VOCAB, tiny_model  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def echo_model() -> LlamaModel:
+    """A tiny random Llama with tied embeddings and small layer weights: its next token is often its
+    current one, so its text falls into loops that lookups predict (52 of 95 proposals kept here), and
+    sometimes not (the other 43 are rejected)."""
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(0)
+    w = lambda *shape, std=0.2: torch.randn(*shape, generator=g) * std  # noqa: E731
+    weights = {"model.embed_tokens.weight": w(VOCAB, 64, std=1.0), "model.norm.weight": torch.ones(64)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(64), p + "post_attention_layernorm.weight": torch.ones(64),
+            p + "self_attn.q_proj.weight": w(64, 64), p + "self_attn.k_proj.weight": w(32, 64),
+            p + "self_attn.v_proj.weight": w(32, 64), p + "self_attn.o_proj.weight": w(64, 64),
+            p + "mlp.gate_proj.weight": w(128, 64), p + "mlp.up_proj.weight": w(128, 64), p + "mlp.down_proj.weight": w(64, 128),
+        })
+    return LlamaModel(cfg, weights, torch.float32)
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase, as a text to rewrite or extract from does: lookups find matches."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
+        out.append((phrase * rng.randint(2, 6))[: rng.randint(8, 60)])
+    return out
+
+
+def run(model, ps, params, spec: SpeculativeConfig | None, num_blocks=512, **sched):
+    engine = Engine(model, [3], EngineConfig(num_blocks=num_blocks, block_size=16, speculative=spec,
+                                             scheduler=SchedulerConfig(**sched)))
+    seqs = [Sequence(i, p, params[i % len(params)], rng_key=row_key(9, i)) for i, p in enumerate(ps)]
+    for s in seqs:
+        assert engine.add(s) is None
+    steps = proposed = accepted = preempted = 0
+    while engine.has_work:
+        engine.step()
+        st = engine.last_stats
+        steps += 1
+        proposed += st.num_proposed
+        accepted += st.num_accepted
+        preempted += st.num_preempted
+    return seqs, dict(steps=steps, proposed=proposed, accepted=accepted, preempted=preempted)
+
+
+PARAMS = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=33, temperature=0.8, top_p=0.9),
+          SamplingParams(max_tokens=37, temperature=1.2, top_k=8), SamplingParams(max_tokens=30, stop_token_ids=(11,))]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_ngram_speculation_gives_the_same_tokens_greedy_and_sampled(echo_model, k):
+    ps = repetitive_prompts(12, seed=1)
+    ref, ref_stats = run(echo_model, ps, PARAMS, None, max_num_seqs=6)
+    spec, stats = run(echo_model, ps, PARAMS, SpeculativeConfig("ngram", num_tokens=k), max_num_seqs=6)
+    for a, b in zip(ref, spec):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason, a.seq_id
+    assert stats["proposed"] > 0 and 0 < stats["accepted"] < stats["proposed"]  # kept and rejected ones
+    assert stats["steps"] < ref_stats["steps"]  # accepted tokens save forwards
+    assert ref_stats["proposed"] == 0
+
+
+def test_speculation_under_preemption_and_a_tight_token_budget_keeps_the_tokens(echo_model):
+    ps = repetitive_prompts(10, seed=1)
+    ref, _ = run(echo_model, ps, PARAMS, None, max_num_seqs=8)
+    spec, stats = run(echo_model, ps, PARAMS, SpeculativeConfig("ngram", num_tokens=6), num_blocks=14,
+                      max_num_seqs=8, max_num_batched_tokens=24)
+    assert stats["preempted"] > 0 and stats["accepted"] > 0
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ref]
+
+
+def test_rows_with_penalties_logprobs_or_unmet_min_tokens_do_not_propose():
+    prop = NgramProposer(SpeculativeConfig("ngram", num_tokens=3))
+    toks = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    plain = Sequence(0, list(toks), SamplingParams(max_tokens=50))
+    pen = Sequence(1, list(toks), SamplingParams(max_tokens=50, repetition_penalty=1.2))
+    lp = Sequence(2, list(toks), SamplingParams(max_tokens=50, logprobs=1))
+    mt = Sequence(3, list(toks), SamplingParams(max_tokens=50, min_tokens=5))
+    short = Sequence(4, list(toks), SamplingParams(max_tokens=2))  # one token left after this one: nothing to guess
+    rows = [plain, pen, lp, mt, short]
+    for s in rows:
+        s.num_computed = s.num_tokens - 1
+    prop.propose(rows, max_model_len=1000)
+    assert plain.draft == [3, 4, 1]  # "1 2" last seen at 8..9: what followed it
+    assert pen.draft is lp.draft is mt.draft is None and short.draft == [3]
+    prop.propose(rows, max_model_len=11)  # the context ends one token after this one
+    assert plain.draft == [3]
+
+
+def test_a_row_whose_proposals_fail_backs_off_and_a_large_batch_does_not_propose():
+    cfg = SpeculativeConfig("ngram", num_tokens=4, max_rows=2)
+    prop = NgramProposer(cfg)
+    seq = Sequence(0, [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=100))
+    seq.num_computed = seq.num_tokens - 1
+    prop.propose([seq], 1000)
+    assert seq.draft
+    for _ in range(4):
+        prop.observe(seq, 4, 0)
+    prop.propose([seq], 1000)
+    assert seq.draft is None and seq.spec_state.skip == 3  # 4 steps without proposals, this one included
+    others = [Sequence(i, [1, 2, 1, 2], SamplingParams(max_tokens=9)) for i in range(3)]
+    for s in others:
+        s.num_computed = s.num_tokens - 1
+    prop.propose(others, 1000)
+    assert all(s.draft is None for s in others)
+
+
+def test_unknown_or_unimplemented_methods_are_clear_errors(tiny_model):  # noqa: F811
+    with pytest.raises(SpeculativeError, match="'draft' .* not implemented yet; use --speculative ngram"):
+        Engine(tiny_model, [], EngineConfig(num_blocks=8, speculative=SpeculativeConfig("draft")))
+    with pytest.raises(SpeculativeError, match="'eagle' is not one of"):
+        SpeculativeConfig("eagle").check()
+    with pytest.raises(SpeculativeError, match="num_speculative_tokens: must be in 1..16"):
+        SpeculativeConfig("ngram", num_tokens=0).check()
+
+
+def test_a_rewriting_job_on_smollm2_keeps_its_text_across_a_resume_and_accepts_most_proposals(tmp_path, smollm2_gguf_path):
+    """jobs/speculative.toml on the embedded model (bf16, the default kernels): the same text as without
+    speculation, also when the job stops after 3 rows and a rerun finishes it; most proposals are kept."""
+    import json
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+    from batchjob.io.parts import read_results
+
+    job = Path(__file__).resolve().parents[1] / "jobs" / "speculative.toml"
+
+    def run_job(out, *flags):
+        result = CliRunner().invoke(main, ["run", str(job), "--output", str(out), "--max-tokens", "48", "--no-progress", *flags])
+        assert result.exit_code == 0, result.output
+        return json.loads((out / "stats.jsonl").read_text().splitlines()[-1])
+
+    plain = tmp_path / "plain"
+    run_job(plain, "--speculative", "none")
+    spec = tmp_path / "spec"
+    run_job(spec, "--limit", "3")
+    stats = run_job(spec)  # the rest of the rows
+    assert stats["speculative_proposed"] > 0 and stats["acceptance_rate"] > 0.5 and stats["tokens_per_row_forward"] > 1.5
+    texts = [read_results(out).sort_by("row_index").column("generated_text").to_pylist() for out in (plain, spec)]
+    assert len(texts[0]) == 8 and texts[0] == texts[1]
