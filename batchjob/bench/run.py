@@ -6,13 +6,14 @@ write bench/results-<date>.json and .png."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import report
+from batchjob.bench import report, speculative
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -38,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-pipeline", action="store_true")
     ap.add_argument("--pipeline-only", action="store_true")
     ap.add_argument("--no-roofline", action="store_true")
+    ap.add_argument("--speculative-batches", default="1,4,16,64",
+                    help="batch sizes of the speculative workload (SmolLM2 rewriting texts); empty: skip it")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
     ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
@@ -50,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.pipeline_rows = "1000,10000"
         if args.resume_parts == "100,100000":
             args.resume_parts = "100,2000"
+        if args.speculative_batches == "1,4,16,64":
+            args.speculative_batches = "1,4"
     return args
 
 
@@ -198,6 +203,22 @@ def main(argv: list[str] | None = None) -> int:
                 pipe["resume_parts"] = resume.measure_parts(counts, str(Path(tiny.path).resolve()), tmp,
                                                             log=lambda m: log("  " + m))
 
+    spec_rows = None
+    if args.speculative_batches and not args.pipeline_only:
+        import subprocess
+        import tempfile
+
+        log(f"speculative (ngram) on SmolLM2 rewriting texts, batches {args.speculative_batches} ...")
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            done = subprocess.run([sys.executable, "-m", "batchjob.bench.speculative", "--batches",
+                                   args.speculative_batches, "--json", f.name], capture_output=True, text=True,
+                                  timeout=args.timeout)
+            if done.returncode == 0:
+                spec_rows = json.loads(Path(f.name).read_text())
+                log(speculative.text(spec_rows))
+            else:
+                log(f"  failed: {done.stderr[-1000:]}")
+
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
     result = {
@@ -205,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
+        "speculative": spec_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -232,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     log("pipeline (input -> engine -> Arrow sink):")
     log(report.pipeline_text(pipe))
     log("")
+    if spec_rows:
+        log("speculative decoding (ngram; off / forced at every batch / as shipped):")
+        log(speculative.text(spec_rows))
+        log("")
     log("targets (issue 7):")
     log(report.targets_text(tgts))
     log("")

@@ -73,9 +73,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--json", type=Path, help="write the rows here (default: print them)")
     args = ap.parse_args(argv)
     rows = measure([int(b) for b in args.batches.split(",")], args.max_tokens)
-    print(json.dumps(rows, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    else:
+        print(json.dumps(rows, indent=1))
     return 0
 
 
