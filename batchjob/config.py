@@ -56,6 +56,8 @@ class JobConfig:
     kv_cache_gb: float | None = None  # None: 1 GiB on the CPU; on CUDA, sized by gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     cuda_graphs: bool = True  # CUDA + Triton kernels: decode steps replay captured CUDA graphs
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8 | int4: quantized KV (kernels/kv_quant.py)
+    async_scheduling: str = "auto"  # auto (on CUDA) | on | off: schedule step N+1 while step N runs
     speculative: str = "none"  # none | ngram (prompt lookup) | draft (not implemented yet)
     num_speculative_tokens: int = 4  # tokens proposed per row and step
     speculative_max_rows: int = 32  # no proposals in a step with more decoding rows than this
@@ -86,16 +88,6 @@ class JobConfig:
     # where the values came from (not a job-file field): the job file, for messages
     job_file: str | None = None
 
-    def speculative_config(self):
-        """The engine's SpeculativeConfig, or None when speculation is off; raises ValueError when invalid."""
-        from batchjob.engine.speculative import SpeculativeConfig
-
-        if self.speculative == "none":
-            return None
-        spec = SpeculativeConfig(self.speculative, num_tokens=self.num_speculative_tokens, max_rows=self.speculative_max_rows)
-        spec.check()
-        return spec
-
     def validate(self) -> "JobConfig":
         if not self.input and not self.per_lane_inputs:
             where = f"set `input = \"PATH\"` in {self.job_file} or pass --input PATH" if self.job_file else "pass --input PATH"
@@ -125,10 +117,14 @@ class JobConfig:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        from batchjob.engine.speculative import speculative_config
+
         try:
-            self.speculative_config()
+            speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_max_rows)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        _choice("async_scheduling", self.async_scheduling, ("auto", "on", "off"))
+        _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "int8", "int4"))
         _choice("admission", self.admission, ("optimistic", "reserve"))
         _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
         if self.max_wait <= 0:

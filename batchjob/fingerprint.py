@@ -28,6 +28,8 @@ PARAM_FIELDS = ("prompt_column", "messages_column", "chat", "chat_template", "sy
 def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedModel, dtype: torch.dtype) -> dict:
     params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
     params["dtype"] = str(dtype).removeprefix("torch.")
+    if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
+        params["kv_cache_dtype"] = cfg.kv_cache_dtype
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),
           "model": loaded.identity, "params": params}
     if isinstance(source, ShardSource):

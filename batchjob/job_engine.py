@@ -8,6 +8,7 @@ from batchjob.config import JobConfig
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.lanes import Lane
 from batchjob.engine.scheduler import SchedulerConfig
+from batchjob.engine.speculative import speculative_config
 from batchjob.models.llama import LlamaModel
 from batchjob.models.loader import LoadedModel
 
@@ -19,7 +20,8 @@ def lanes_of(cfg: JobConfig) -> list[Lane]:
 
 
 def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
-    model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size)
+    model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
+                       kv_cache_dtype=cfg.kv_cache_dtype)
     if model.device.type != "cpu":
         loaded.weights.clear()  # the device holds them now: release the host copy (a CPU model shares it)
     static = cfg.scheduling == "static"
@@ -35,5 +37,7 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                         gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
                         enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,
-                        speculative=cfg.speculative_config(), scheduler=sched)
+                        async_scheduling={"auto": None, "on": True, "off": False}[cfg.async_scheduling],
+                        speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows),
+                        scheduler=sched)
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)

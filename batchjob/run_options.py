@@ -55,6 +55,11 @@ RUN_OPTIONS = [
     ("--num-speculative-tokens", "num_speculative_tokens", click.IntRange(1, 16), "tokens proposed per row and step (default: 4)"),
     ("--speculative-max-rows", "speculative_max_rows", click.IntRange(0), "no proposals in a step with more decoding rows "
      "than this: a full batch gains little from them (default: 32)"),
+    ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(["auto", "int8", "int4"]), "KV cache: auto = the compute dtype; "
+     "int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or int4 (groups of 32 along head_dim, ~3.6x); "
+     "quantized caches run on the torch reference kernels so far (default: auto)"),
+    ("--async-scheduling", "async_scheduling", click.Choice(["auto", "on", "off"]), "schedule and launch step N+1 "
+     "while step N runs on the device, then collect N (default: auto = on CUDA; the text is the same either way)"),
     ("--cuda-graphs/--no-cuda-graphs", "cuda_graphs", None, "CUDA with the Triton kernels: decode steps replay CUDA "
      "graphs captured at padded batch sizes (default: on)"),
     ("--admission", "admission", click.Choice(["optimistic", "reserve"]), "admit a row when prompt + a watermark fits (optimistic, relies on preemption) or prompt + max_tokens (reserve, never preempts)"),

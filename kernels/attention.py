@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import QuantizedKV
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -32,8 +34,12 @@ class AttentionMetadata:
     host: dict | None = None
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # k: [T, Hkv, D] into k_cache [num_blocks, block_size, Hkv, D]
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    # k: [T, Hkv, D] into k_cache [num_blocks, block_size, Hkv, D] (or a QuantizedKV, quantized on the way)
+    if isinstance(k_cache, QuantizedKV):
+        k_cache.store(k, slot_mapping)
+        v_cache.store(v, slot_mapping)
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -47,22 +53,24 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         plan = meta.plans[key] = _TorchPlan(meta, k_cache.shape[1], window, q.device)
     out = torch.empty_like(q)
     for rows, slots, mask in plan.decode_groups:
-        k = _gather(k_cache, slots)
-        v = _gather(v_cache, slots)
+        k = _gather(k_cache, slots, q.dtype)
+        v = _gather(v_cache, slots, q.dtype)
         o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o.squeeze(2)
     for gather, valid, slots, mask in plan.prefill_groups:
-        k = _gather(k_cache, slots)
-        v = _gather(v_cache, slots)
+        k = _gather(k_cache, slots, q.dtype)
+        v = _gather(v_cache, slots, q.dtype)
         qp = q[gather].transpose(1, 2)  # [n, H, Qmax, D]
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         out[gather[valid]] = o.transpose(1, 2)[valid]
     return out
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather(cache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # [S, L] slots -> [S, Hkv, L, D]; index_select on flat token rows is several times faster than
-    # advanced indexing by block on CPU
+    # advanced indexing by block on CPU; a quantized cache is dequantized to the compute dtype here
+    if isinstance(cache, QuantizedKV):
+        return cache.gather(slots, dtype)
     s, length = slots.shape
     hkv, d = cache.shape[2], cache.shape[3]
     kv = cache.view(-1, hkv * d).index_select(0, slots.view(-1))

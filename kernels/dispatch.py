@@ -66,12 +66,18 @@ class TorchKernels:
 
 
 def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int,
-                   block_size: int = 16, log=default_log):
+                   block_size: int = 16, log=default_log, kv_cache_dtype: str = "auto"):
     """The kernel set for a model and KV block size; raises KernelError when an explicit choice cannot run here."""
     device = torch.device(device)
     if choice not in CHOICES:
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
+        return TorchKernels()
+    if kv_cache_dtype != "auto":  # so far only the references read a quantized cache
+        if choice != "auto":
+            raise KernelError(f"kernels: {choice!r} does not read a {kv_cache_dtype} KV cache yet (only the torch "
+                              "references do); use --kernels auto or torch, or --kv-cache-dtype auto")
+        log(f"{kv_cache_dtype} KV cache: only the torch reference kernels read it so far; using them")
         return TorchKernels()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from . import triton_ops

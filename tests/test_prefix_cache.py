@@ -23,7 +23,8 @@ def test_prefixes_with_colliding_python_hashes_share_no_kv():
     first = Sequence(0, FIRST + [1, 2], SamplingParams(max_tokens=1))
     s.add(first)
     step = s.schedule()
-    s.advance(step)  # its first block is full and published to the prefix cache
+    s.advance(step)
+    s.publish(step)  # its first block is full and published to the prefix cache
     cached = list(first.block_table)
     s.finish(first, "length")
     second = Sequence(1, COLLIDING + [1, 2], SamplingParams(max_tokens=1))
@@ -33,6 +34,7 @@ def test_prefixes_with_colliding_python_hashes_share_no_kv():
     assert not set(second.block_table) & set(cached[:1])  # its own block, not the other prefix's KV
     # the same prefix again does hit: the cache still works
     s.advance(step)
+    s.publish(step)
     s.finish(second, "length")
     again = Sequence(2, FIRST + [3, 4], SamplingParams(max_tokens=1))
     s.add(again)

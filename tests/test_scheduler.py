@@ -33,6 +33,7 @@ def run_step(s: Scheduler, token: int = 1):
     """One iteration as the engine does it, with a fake model that always emits `token`."""
     step = s.schedule()
     s.advance(step)
+    s.publish(step)
     done = []
     for seq in step.seqs:
         if seq.num_computed == seq.num_tokens:

@@ -186,7 +186,9 @@ def graphs_case(device):
     prompts = [torch.randint(3, 512, (5 + 7 * i,), generator=g).tolist() for i in range(7)]
 
     def run(graphs: bool):
-        engine = Engine(model, [], EngineConfig(num_blocks=128, cuda_graphs=graphs,
+        # graphs with async scheduling (placeholders filled on the device into the static buffer) against
+        # the eager synchronous engine
+        engine = Engine(model, [], EngineConfig(num_blocks=128, cuda_graphs=graphs, async_scheduling=graphs,
                                                 scheduler=SchedulerConfig(max_num_seqs=8)))
         if graphs and device == "cpu":
             engine.runner.decode_graphs = DecodeGraphs(model, engine.runner.kv_caches, 16, 8, engine.max_model_len,

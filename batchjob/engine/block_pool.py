@@ -93,6 +93,17 @@ class BlockPool:
                 del self.evictable[b]
             self.ref[b] += 1
 
+    def publish(self, seq) -> None:
+        """Register `seq`'s full computed blocks not yet in the prefix cache (chained keys: engine/sequence)."""
+        bs = self.block_size
+        full = seq.num_computed // bs
+        if self.enable_caching and full > len(seq.block_hashes):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            new = block_hashes(seq.token_ids[:full * bs], bs, len(seq.block_hashes), parent)
+            for i, h in enumerate(new, start=len(seq.block_hashes)):
+                self.register(seq.block_table[i], h)
+            seq.block_hashes.extend(new)
+
     def register(self, block: int, h: bytes) -> None:
         if self.enable_caching and self.hash_of[block] is None and h not in self.by_hash:
             self.hash_of[block] = h

@@ -65,13 +65,17 @@ class DecodeGraphs:
     def fits(self, num_new: list[int]) -> bool:
         return bool(num_new) and len(num_new) <= self.sizes[-1] and all(n == 1 for n in num_new)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [n, vocab] of a decode-only step; inputs are the host tensors of ModelRunner.prepare."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            fill: tuple | None = None) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only step; inputs are the host tensors of ModelRunner.prepare, and
+        `fill` (batch positions, ids on the device) the ids of placeholders (async scheduling)."""
         n = input_ids.shape[0]
         b = padded_size(n, self.sizes)
         if self.capture and b not in self.graphs:
             self._capture(b)
         self._fill(n, b, input_ids, positions, meta)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.replays += 1
         if not self.capture:
             return self._forward(b)[:n]

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 from batchjob.engine.block_pool import BlockPool
 from batchjob.engine.cuda_graphs import DecodeGraphs
-from batchjob.engine.kv_budget import blocks_for, kv_cache_bytes, measure_cuda, profile_step
+from batchjob.engine.cost_model import CostModel
+from batchjob.engine.kv_budget import gpu_kv_blocks
 from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
-from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.sequence import PLACEHOLDER, SamplingParams, Sequence, SeqStatus
 from batchjob.engine.speculative import NgramProposer, SpeculativeConfig
 from batchjob.kernels.build import default_log
 from batchjob.models.llama import LlamaModel
@@ -29,7 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # step() returns the previous step's finished rows while this one runs on the device; None: on CUDA only
     # (a CPU forward has finished when it returns: nothing to overlap)
-    async_output: bool | None = None
+    async_scheduling: bool | None = None
     cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculative.py); None: off
     scheduler: SchedulerConfig | None = None
@@ -64,29 +65,18 @@ class _Pending:
     t0: float  # when the step's engine work began (its StepStats.step_s runs from here to its collection)
     launch_s: float  # host time to prepare and launch the forward (and sampling)
     model_s: float
+    slots: dict[int, int]  # row -> index in its token_ids of the placeholder its sampled token fills
 
 
-class CostModel:
-    """preemption=auto: recompute costs tokens / prefill rate, swap costs bytes (out and back) / copy rate.
-    Both rates are measured as the engine runs (exponential averages), starting from rough guesses."""
-
-    def __init__(self, bytes_per_block: int):
-        self.bytes_per_block = bytes_per_block
-        self.tokens_per_s = 2000.0
-        self.bytes_per_s = 4e9
-
-    def observe_forward(self, tokens: int, seconds: float) -> None:
-        if tokens >= 32 and seconds > 0:
-            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * tokens / seconds
-
-    def observe_swap(self, nbytes: int, seconds: float) -> None:
-        if nbytes and seconds > 0:
-            self.bytes_per_s = 0.8 * self.bytes_per_s + 0.2 * nbytes / seconds
-
-    def prefer_swap(self, seq: Sequence) -> bool:
-        recompute = seq.num_computed / self.tokens_per_s
-        swap = 2 * len(seq.block_table) * self.bytes_per_block / self.bytes_per_s
-        return swap < recompute
+def placeholders(step: Step, tokens) -> dict[int, int]:
+    """Append a placeholder for each row that samples one token in the launched step (its length is known
+    before its id): the scheduler can plan the next step with it, and `_collect` fills it in."""
+    slots = {}
+    for i in tokens.single_rows():
+        ids = step.seqs[i].token_ids
+        slots[i] = len(ids)
+        ids.append(PLACEHOLDER)
+    return slots
 
 
 class Engine:
@@ -117,13 +107,13 @@ class Engine:
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
         self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
-        # a launched step whose tokens are not applied yet (async_output: until the next step() call)
+        # a launched step whose tokens are not applied yet (async_scheduling: until the next step() call)
         self._pending: _Pending | None = None
         spec = config.speculative
         if spec is not None:
             spec.check()
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
-        self.async_output = model.device.type == "cuda" if config.async_output is None else config.async_output
+        self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
@@ -154,38 +144,55 @@ class Engine:
         return self.scheduler.drop_waiting()
 
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the rows that finished in it. With `async_output` (on CUDA) the step
-        is launched and the call returns the rows the previous step finished: the caller's work on them
-        (results, commits, feeding rows) runs while the GPU computes this one. `last_step`/`last_stats`
-        describe the step this call completed (None after an async call that only launched)."""
-        self.last_step = self.last_stats = None  # set again for the step this call completes
-        finished = self._collect() if self._pending is not None else []
-        t_step = time.perf_counter()  # this step's own work starts here (after collecting the last one)
+        """Run one iteration; returns the rows that finished in it. With `async_scheduling` (on CUDA) step N+1
+        is scheduled and launched while step N still runs on the GPU, and the call then collects N and
+        returns the rows N finished: the host's scheduling, input preparation and the caller's work on
+        those rows overlap the GPU. A row whose token from N is not back yet is scheduled with a
+        placeholder that the GPU fills from N's sampled ids (ModelRunner); a row that N finishes wastes
+        one token of N+1, as in vLLM's async scheduling. Steps follow one another synchronously when a
+        row in flight has penalties (they count the tokens before each position) or speculation is on.
+        `last_step`/`last_stats` describe the step this call collected (None if it collected none)."""
+        self.last_step = self.last_stats = None
+        prev, finished = self._pending, []
+        if prev is not None and not self._can_overlap(prev):
+            finished, prev = self._collect(prev), None
+        self._pending = None
+        t_step = time.perf_counter()  # this step's own work starts here
         sched = self.scheduler
-        if self.proposer is not None:
+        if self.proposer is not None:  # never with a step in flight (_can_overlap): proposals read the tokens
             self.proposer.propose(sched.running, self.max_model_len)
         step = sched.schedule()
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
             moved = self.runner.swap(step.swap_out, step.swap_in)
             self.cost.observe_swap(moved, time.perf_counter() - ts)
+        launched = None
         if step:
             tf = time.perf_counter()
             model_before = self.runner.model_s
-            tokens = self.runner.run(step)
-            self._pending = _Pending(step, tokens, t_step, time.perf_counter() - tf,
-                                     self.runner.model_s - model_before)
-            if not self.async_output:
-                finished += self._collect()
-        elif sched.num_waiting and not sched.running:
+            tokens = self.runner.run(step) if prev is None else self.runner.run(step, prev.tokens)
+            launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before,
+                                placeholders(step, tokens))
+            sched.advance(step)
+        elif prev is None and sched.num_waiting and not sched.running:
             raise RuntimeError("scheduler made no progress with an empty batch (a row cannot be admitted)")
-        elif self.last_stats is None:  # nothing ran or was collected: an empty step's stats
+        if prev is not None:
+            finished += self._collect(prev)
+        if launched is not None and not self.async_scheduling:
+            finished += self._collect(launched)
+        else:
+            self._pending = launched
+        if not step and self.last_stats is None:  # nothing ran or was collected
             self._record(step, [], 0, time.perf_counter() - t_step, 0.0, 0.0)
         return finished
 
-    def _collect(self) -> list[Sequence]:
-        """Wait for the launched step's tokens and apply them: append, finish the rows that stop."""
-        pending, self._pending = self._pending, None
+    def _can_overlap(self, pending: _Pending) -> bool:
+        return self.async_scheduling and self.proposer is None and not any(s.params.penalized for s in pending.step.seqs)
+
+    def _collect(self, pending: _Pending) -> list[Sequence]:
+        """Wait for a launched step's tokens and apply them: fill each row's placeholder (a speculating row
+        appends what it keeps), finish the rows that stop. Rows finished or preempted since the launch
+        keep their token (it was computed from their context); a finished row's is dropped."""
         step, sched = pending.step, self.scheduler
         tw = time.perf_counter()
         tokens = pending.tokens.tolist()
@@ -195,30 +202,36 @@ class Engine:
         ending: list[tuple[Sequence, str]] = []
         sampled = proposed_n = accepted_n = 0
         for i, (seq, out) in enumerate(zip(step.seqs, tokens)):
+            if seq.status is SeqStatus.FINISHED:  # finished by the step before this one, while this ran
+                continue
             if out is None:
                 continue
             if isinstance(out, int):
                 sampled += 1
-                seq.token_ids.append(out)
-                reason = self._finish_reason(seq, out)
+                at = pending.slots[i]
+                seq.token_ids[at] = out
+                reason = self._finish_reason(seq, out, at + 1)
+                if reason:
+                    del seq.token_ids[at + 1:]  # the placeholder of a step launched after this one
             else:  # speculative: keep tokens while they equal the proposals, then the one that differs
                 draft, kept, reason = seq.draft, 0, None
                 for tok in out:
                     seq.token_ids.append(tok)
                     kept += 1
-                    reason = self._finish_reason(seq, tok)
+                    reason = self._finish_reason(seq, tok, seq.num_tokens)
                     if reason or kept > len(draft) or tok != draft[kept - 1]:
                         break
                 seq.draft = None
                 sampled += kept
-                step.num_new[i] = kept  # computed tokens that hold: the row's last one and the kept proposals
+                seq.num_computed -= step.num_new[i] - kept  # what holds: its last token and the kept proposals
+                step.num_new[i] = kept
                 accepted = kept if kept <= len(draft) and out[kept - 1] == draft[kept - 1] else kept - 1
                 self.proposer.observe(seq, len(draft), accepted)
                 proposed_n += len(draft)
                 accepted_n += accepted
             if reason:
                 ending.append((seq, reason))
-        sched.advance(step)
+        sched.publish(step)
         for seq, reason in ending:
             sched.finish(seq, reason)
             finished.append(seq)
@@ -241,13 +254,14 @@ class Engine:
             num_proposed=proposed, num_accepted=accepted,
         )
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, tok: int, num_tokens: int) -> str | None:
+        """Why `seq` ends at `tok`, its `num_tokens`-th token (placeholders after it do not count)."""
         p: SamplingParams = seq.params
         # the detokenizer sees every token, so a row's text includes a (non-special) stop token, as in vLLM
         stop_string = seq.detokenizer is not None and seq.detokenizer.step(tok)
         if stop_string or (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
             return "stop"
-        if seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - seq.num_prompt >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -261,16 +275,3 @@ class Engine:
         while self.has_work:
             self.step()
         return seqs
-
-
-def gpu_kv_blocks(model: LlamaModel, config: EngineConfig, per_block: int) -> int:
-    """KV blocks for what the GPU has left after the weights and one forward at the largest step."""
-    sched = config.scheduler or SchedulerConfig()
-    max_len = min(sched.max_model_len, model.config.max_position_embeddings)
-    tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
-    step, used = profile_step(tokens, sched.max_num_seqs, config.block_size)
-    runner = ModelRunner(model, used, config.block_size)  # a KV cache just large enough for the profile
-    mem = measure_cuda(lambda: runner.run(step), model.device)
-    del runner  # its KV cache was counted in the peak: it is free again
-    nbytes = kv_cache_bytes(mem, config.gpu_memory_utilization) + used * per_block
-    return blocks_for(nbytes, per_block, min_blocks=-(-max_len // config.block_size))

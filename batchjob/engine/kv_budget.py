@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.engine.scheduler import Step
+from batchjob.engine.model_runner import ModelRunner
+from batchjob.engine.scheduler import SchedulerConfig, Step
 from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
 
 GIB = 1 << 30
@@ -83,3 +84,16 @@ def measure_cuda(run_profile, device: torch.device) -> DeviceMemory:
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
     return DeviceMemory(total=total, free=free, torch_reserved=reserved, peak_allocated=peak)
+
+
+def gpu_kv_blocks(model, config, per_block: int) -> int:
+    """KV blocks for what the GPU has left after the weights and one forward at the largest step."""
+    sched = config.scheduler or SchedulerConfig()
+    max_len = min(sched.max_model_len, model.config.max_position_embeddings)
+    tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
+    step, used = profile_step(tokens, sched.max_num_seqs, config.block_size)
+    runner = ModelRunner(model, used, config.block_size)  # a KV cache just large enough for the profile
+    mem = measure_cuda(lambda: runner.run(step), model.device)
+    del runner  # its KV cache was counted in the peak: it is free again
+    nbytes = kv_cache_bytes(mem, config.gpu_memory_utilization) + used * per_block
+    return blocks_for(nbytes, per_block, min_blocks=-(-max_len // config.block_size))

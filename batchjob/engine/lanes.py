@@ -49,6 +49,10 @@ class LaneQueues:
         """Remove `seq`, the head of its lane (as `head()` returned it), to admit it."""
         self.waiting[seq.lane].popleft()
 
+    def remove(self, seq: Sequence) -> None:
+        """Take a waiting row out wherever it is (a preempted row that finished meanwhile)."""
+        self.waiting[seq.lane].remove(seq)
+
     def charge(self, seq: Sequence, tokens: int) -> None:
         """Count tokens scheduled for (or, negative, refunded from) `seq` against its lane's share."""
         self.served[seq.lane] += tokens
@@ -87,3 +91,14 @@ def lane_key(lane: Lane, waited: float, served: float, max_wait: float, aging: f
     overdue = waited >= max_wait
     effective = lane.priority + math.floor(aging * waited)
     return (overdue, waited if overdue else 0.0, effective, -served / lane.weight)
+
+
+# which running row goes first, and which gives way (scheduler.py)
+
+def victim_order(seq: Sequence) -> tuple:
+    """Smallest is preempted first: lowest priority, then the youngest."""
+    return (seq.priority, -seq.arrival)
+
+
+def admit_order(seq: Sequence) -> tuple:
+    return (-seq.priority, seq.arrival)

@@ -13,8 +13,10 @@ import torch
 
 from batchjob.engine import sampler
 from batchjob.engine.scheduler import Step
+from batchjob.engine.sequence import PLACEHOLDER
 from batchjob.engine.staging import StagingBuffers
 from batchjob.kernels import AttentionMetadata
+from batchjob.kernels.kv_quant import QuantizedKV, bytes_per_token_head
 from batchjob.kernels.profiling import scope
 from batchjob.models.llama import LlamaModel
 
@@ -26,15 +28,23 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        k_shape, v_shape = model.kernels.kv_cache_shapes(num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(_zeros(k_shape, model.dtype, model.device), _zeros(v_shape, model.dtype, model.device))
-                          for _ in range(c.num_layers)]
-        block_elems = math.prod(k_shape[1:])  # a block's K (or V) values, whatever the layout
-        host_shape = (c.num_layers, 2, num_host_blocks, block_elems)
+        kv = model.kv_cache_dtype
+        if kv == "auto":
+            k_shape, v_shape = model.kernels.kv_cache_shapes(num_blocks, block_size, c.num_kv_heads, c.head_dim)
+            self.kv_caches = [(_zeros(k_shape, model.dtype, model.device), _zeros(v_shape, model.dtype, model.device))
+                              for _ in range(c.num_layers)]
+        else:  # quantized (kernels/kv_quant.py): codes and scales, each a paged tensor
+            bits = {"int8": 8, "int4": 4}[kv]
+            alloc = lambda shape, dtype: _zeros(shape, dtype, model.device)  # noqa: E731
+            self.kv_caches = [tuple(QuantizedKV.zeros(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                                      model.device, alloc) for _ in range(2)) for _ in range(c.num_layers)]
+        # every paged tensor of a layer (K and V, or their codes and scales), with a host copy for swaps
+        self.paged = [[t for cache in layer for t in _tensors(cache)] for layer in self.kv_caches]
         pin = model.device.type == "cuda"
         # empty, not zeros: every host block is written by a swap-out before it is read, and untouched
         # pages cost no memory or start-up time
-        self.host_cache = torch.empty(host_shape, dtype=model.dtype, pin_memory=pin) if num_host_blocks else None
+        self.host_cache = [[torch.empty((num_host_blocks, math.prod(t.shape[1:])), dtype=t.dtype, pin_memory=pin)
+                            for t in layer] for layer in self.paged] if num_host_blocks else None
         self.staging = StagingBuffers(model.device)
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
@@ -47,9 +57,9 @@ class ModelRunner:
                 continue
             src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
             dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
-            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-                for j, cache in enumerate((k_cache, v_cache)):
-                    host = self.host_cache[layer, j]
+            for layer, tensors in enumerate(self.paged):
+                for j, cache in enumerate(tensors):
+                    host = self.host_cache[layer][j]
                     blocks = cache.view(cache.shape[0], -1)
                     if to_host:
                         host[dst] = blocks[src.to(cache.device)].to("cpu")
@@ -60,8 +70,10 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        """K and V bytes of one block over all layers (codes and scales for a quantized cache)."""
         c = model.config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        per = bytes_per_token_head(model.kv_cache_dtype, c.head_dim, model.dtype)
+        return 2 * c.num_layers * block_size * c.num_kv_heads * per
 
     def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Returns input_ids, positions, the attention metadata and the batch index of each row's last token.
@@ -102,27 +114,32 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last
 
-    def run(self, step: Step) -> StepTokens:
+    def run(self, step: Step, in_flight: StepTokens | None = None) -> StepTokens:
         """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
         handle whose `tolist()` waits for them. On a GPU the host is free until then; on the CPU the forward
-        has run by the time this returns."""
+        has run by the time this returns. `in_flight`: the step launched before this one, whose tokens are
+        not back yet (async scheduling): a row whose last token is its placeholder reads the id that step
+        sampled, on the device."""
         device = self.model.device
         with scope("prepare"):
             input_ids, positions, meta, last = self.prepare(step)
+        fill = _placeholder_fill(step, last, in_flight, device) if in_flight is not None else None
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
             t0 = time.perf_counter()
-            logits = graphs.run(input_ids, positions, meta)
+            logits = graphs.run(input_ids, positions, meta, fill)
             self.model_s += time.perf_counter() - t0
             rows = list(range(len(step.seqs)))
             with scope("sampler"):
                 sampled = sampler.sample(logits, step.seqs, argmax=getattr(self.model.kernels, "argmax", None))
-            return StepTokens(len(rows), rows, sampled)
+            return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
         if device.type != "cpu":
             stage = self.staging.to_device
             input_ids, positions = stage("input_ids", input_ids), stage("positions", positions)
             for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
                 setattr(meta, name, stage(name, getattr(meta, name)))
+        if fill is not None:
+            input_ids[fill[0]] = fill[1]
         t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         # rows whose tokens are all computed sample one token; a speculating row samples at its last token
@@ -139,25 +156,55 @@ class ModelRunner:
         logits = self.model.raw_logits(hidden[torch.tensor(at, device=device)]) if rows else None
         self.model_s += time.perf_counter() - t0
         if not rows:
-            return StepTokens(len(step.seqs), rows, None)
+            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs)
         offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
             sampled = sampler.sample(logits, seqs, argmax=getattr(self.model.kernels, "argmax", None), offsets=offsets)
-        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None)
+        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs)
+
+
+def _placeholder_fill(step: Step, last: list[int], in_flight: StepTokens, device) -> tuple | None:
+    """(batch positions, ids) for the rows whose input is a placeholder: the ids `in_flight` sampled for
+    them, still on the device (None when no row waits on it)."""
+    at: list[int] = []
+    src: list[int] = []
+    index = None
+    for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
+        if seq.token_ids[seq.num_computed + n - 1] == PLACEHOLDER:
+            if index is None:
+                index = {id(s): j for j, s in enumerate(in_flight.sampled_seqs())}
+            at.append(last[i])
+            src.append(index[id(seq)])
+    if not at:
+        return None
+    ids = in_flight.sampled.ids
+    return torch.tensor(at, device=device), ids[torch.tensor(src, device=ids.device)]
 
 
 class StepTokens:
     """A launched step's sampled tokens per row: `tolist()` waits for them. None for mid-prompt chunks, an
     int for a row that sampled one token, a list for a speculating row (one token per verified position)."""
 
-    __slots__ = ("num_rows", "rows", "sampled", "spans")
+    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs")
 
     def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None,
-                 spans: list[int] | None = None):
+                 spans: list[int] | None = None, seqs: list | None = None):
         self.num_rows, self.rows, self.sampled, self.spans = num_rows, rows, sampled, spans
+        self.seqs = seqs  # the step's rows (Sequence objects), in step order
+
+    def sampled_seqs(self) -> list:
+        """The row of each sampled id, in the order of `sampled.ids` (rows of one token only)."""
+        assert self.spans is None, "a speculating step is never in flight"
+        return [self.seqs[i] for i in self.rows]
 
     def __len__(self) -> int:
         return self.num_rows
+
+    def single_rows(self) -> list[int]:
+        """The rows that sample one token (not speculating)."""
+        if self.spans is None:
+            return self.rows
+        return [i for i, span in zip(self.rows, self.spans) if span == 1]
 
     def tolist(self) -> list[int | list[int] | None]:
         out: list = [None] * self.num_rows
@@ -173,6 +220,10 @@ class StepTokens:
             out[i] = tokens[j] if span == 1 else tokens[j:j + span]
             j += span
         return out
+
+
+def _tensors(cache) -> tuple[torch.Tensor, ...]:
+    return cache.tensors() if isinstance(cache, QuantizedKV) else (cache,)
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

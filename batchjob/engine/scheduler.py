@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchjob.engine.block_pool import BlockPool, block_hashes
-from batchjob.engine.lanes import Lane, LaneQueues
-from batchjob.engine.sequence import Sequence, SeqStatus
+from batchjob.engine.lanes import Lane, LaneQueues, admit_order, victim_order
+from batchjob.engine.sequence import PLACEHOLDER, Sequence, SeqStatus
 
 __all__ = ["Lane", "Scheduler", "SchedulerConfig", "Step"]  # Lane: re-exported for callers that configure lanes
 
@@ -106,14 +106,17 @@ class Scheduler:
             self.host_pool.release(self._host_to_free)
             self._host_to_free = []
         step = Step(token_budget=cfg.max_num_batched_tokens)
-        order = sorted(self.running, key=_admit_order)
+        order = sorted(self.running, key=admit_order)
         decoding = [s for s in order if s.num_tokens - s.num_computed == 1]
         prefilling = [s for s in order if s.num_tokens - s.num_computed > 1]
+        max_len = self.max_model_len
         for seq in decoding + prefilling:
             if step.token_budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len:
+                continue  # its last token (a step in flight is sampling it) ends it: nothing to compute
             n = self._chunk(seq, step.token_budget)
             if seq.draft and n == 1:  # speculative proposals: only into free budget and free blocks
                 k = min(len(seq.draft), step.token_budget - 1)
@@ -129,8 +132,8 @@ class Scheduler:
         max_seqs = cfg.static_batch or cfg.max_num_seqs
         while admit and step.token_budget > 0:
             seq = self.queues.head()
-            if seq is None:
-                break
+            if seq is None or seq.token_ids[-1] == PLACEHOLDER:  # preempted while a step in flight samples
+                break  # its last token: it comes back (recomputed or swapped in) once that token is known
             if len(self.running) >= max_seqs and not self._evict_lower(seq, step, slots=True):
                 break
             if not self._admit(seq, step):  # may preempt rows scheduled above: their tokens come back
@@ -141,23 +144,30 @@ class Scheduler:
         return step
 
     def advance(self, step: Step) -> None:
-        """After the forward: count computed tokens and publish newly full blocks to the prefix cache."""
-        bs = self.pool.block_size
+        """At launch: the step's tokens count as computed (the next schedule() plans from there, even while
+        the step still runs on the device)."""
         for seq, n in zip(step.seqs, step.num_new):
             seq.num_computed += n
-            full = seq.num_computed // bs
-            if self.pool.enable_caching and full > len(seq.block_hashes):
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                new = block_hashes(seq.token_ids[:full * bs], bs, len(seq.block_hashes), parent)
-                for i, h in enumerate(new, start=len(seq.block_hashes)):
-                    self.pool.register(seq.block_table[i], h)
-                seq.block_hashes.extend(new)
+
+    def publish(self, step: Step) -> None:
+        """Once the step's tokens are known: its rows' newly full blocks go to the prefix cache. Rows
+        preempted or finished since the launch (async scheduling) are skipped."""
+        for seq in step.seqs:
+            if seq.status is SeqStatus.RUNNING:
+                self.pool.publish(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """`seq` is done: its blocks go back. It may have been preempted after the step that finished it
+        was launched (async scheduling): then it leaves the waiting queue and its host blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.pool.release(seq.block_table)
+        else:
+            self.queues.remove(seq)
+            if seq.status is SeqStatus.SWAPPED:
+                self.host_pool.release(seq.block_table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
-        self.pool.release(seq.block_table)
         seq.block_table = []
 
     # mechanics
@@ -187,8 +197,8 @@ class Scheduler:
         """Grow `seq` to `num_tokens`, preempting lower-priority / younger rows; else preempt `seq`."""
         while not self._grow(seq, num_tokens):
             victims = [s for s in self.running if s is not seq and s not in step.seqs]
-            victim = min(victims, key=_victim_order, default=None)
-            if victim is None or _victim_order(victim) > _victim_order(seq):
+            victim = min(victims, key=victim_order, default=None)
+            if victim is None or victim_order(victim) > victim_order(seq):
                 self._preempt(seq, step)
                 return False
             self._preempt(victim, step)
@@ -196,7 +206,7 @@ class Scheduler:
 
     def _evict_lower(self, seq: Sequence, step: Step, slots: bool = False, blocks: int = 0) -> bool:
         """Preempt running rows of lower priority than waiting `seq` until a slot / `blocks` are free."""
-        lower = sorted((s for s in self.running if s.priority < seq.priority), key=_victim_order)
+        lower = sorted((s for s in self.running if s.priority < seq.priority), key=victim_order)
         if slots:
             if not lower:
                 return False
@@ -284,14 +294,3 @@ class Scheduler:
 
     def _outstanding_reservations(self) -> int:
         return sum(max(0, s.reserved_blocks - len(s.block_table)) for s in self.running)
-
-
-# policies
-
-def _victim_order(seq: Sequence) -> tuple:
-    """Smallest is preempted first: lowest priority, then the youngest."""
-    return (seq.priority, -seq.arrival)
-
-
-def _admit_order(seq: Sequence) -> tuple:
-    return (-seq.priority, seq.arrival)

@@ -122,6 +122,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+PLACEHOLDER = -1  # a token sampled by a step still running (async scheduling): its id is not back yet
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: int

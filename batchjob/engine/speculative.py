@@ -45,6 +45,15 @@ class SpeculativeConfig:
             raise SpeculativeError(f"speculative ngram sizes: need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
 
 
+def speculative_config(method: str, num_tokens: int, max_rows: int) -> SpeculativeConfig | None:
+    """The engine's config for a job's speculative fields (None: off); raises SpeculativeError when invalid."""
+    if method == "none":
+        return None
+    spec = SpeculativeConfig(method, num_tokens=num_tokens, max_rows=max_rows)
+    spec.check()
+    return spec
+
+
 class _RowIndex:
     """Per row: the latest end of each n-gram seen so far (n in ngram_min..ngram_max), kept up to date as
     tokens arrive, so a lookup is a few dict reads whatever the row's length; and the back-off state."""

@@ -63,7 +63,7 @@ class DecoderLayer:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
-                 kernels: str = "auto", block_size: int = 16):
+                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto"):
         """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
         tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
         that cannot run here."""
@@ -73,7 +73,9 @@ class LlamaModel:
         c = config
         self.kernel_choice = kernels
         self.block_size = block_size
-        self.kernels = select_kernels(kernels, self.device, dtype, c.head_dim, c.num_heads // c.num_kv_heads, block_size)
+        self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/kv_quant.py)
+        self.kernels = select_kernels(kernels, self.device, dtype, c.head_dim, c.num_heads // c.num_kv_heads, block_size,
+                                      kv_cache_dtype=kv_cache_dtype)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = Linear(self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"])
@@ -91,7 +93,8 @@ class LlamaModel:
         """Choose the kernels again for KV blocks of `block_size` tokens, when they differ from the ones chosen."""
         if block_size != self.block_size:
             c = self.config
-            self.kernels = select_kernels(self.kernel_choice, self.device, self.dtype, c.head_dim, c.num_heads // c.num_kv_heads, block_size)
+            self.kernels = select_kernels(self.kernel_choice, self.device, self.dtype, c.head_dim, c.num_heads // c.num_kv_heads,
+                                          block_size, kv_cache_dtype=self.kv_cache_dtype)
             self.block_size = block_size
 
     @torch.inference_mode()

@@ -1,0 +1,103 @@
+"""Quality of the quantized KV cache on SmolLM2 (issue 14), against the unquantized cache with the same
+(torch reference) kernels and dtype:
+
+- greedy agreement: share of the sample prompts (jobs/data/prompts.jsonl, chat) whose first 64
+  generated tokens are identical;
+- mean absolute logit error and perplexity over a fixed text (jobs/data/perplexity.txt), teacher-forced
+  in chunks of 64 tokens, so that later chunks read the quantized K/V of the earlier ones (and every
+  chunk its own, stored before attention reads it);
+- for int4, the scale group size along head_dim (16, 32, 64 = one scale per token and head).
+
+    python -m batchjob.bench.kv_quality [--prompts 64] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 64
+
+
+def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids) - 1, vocab] (fp32) of every next token, the text fed in chunks through the paged cache."""
+    from batchjob.engine.model_runner import ModelRunner
+    from batchjob.engine.scheduler import Step
+    from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
+
+    bs = 16
+    runner = ModelRunner(model, -(-len(ids) // bs) + 1, bs)
+    seq = Sequence(0, list(ids), SamplingParams(max_tokens=1))
+    seq.block_table, seq.status = list(range(-(-len(ids) // bs))), SeqStatus.RUNNING
+    out = []
+    for start in range(0, len(ids) - 1, CHUNK):
+        n = min(CHUNK, len(ids) - 1 - start)
+        input_ids, positions, meta, _ = runner.prepare(Step([seq], [n]))
+        hidden = model.forward(input_ids, positions, meta, runner.kv_caches)
+        out.append(model.logits(hidden).float())
+        seq.num_computed += n
+    return torch.cat(out)
+
+
+def measure(num_prompts: int = 64, max_tokens: int = 64, log=print) -> dict:
+    from batchjob.api import LLM
+    from batchjob.kernels import kv_quant
+    from batchjob.models.llama import LlamaModel
+
+    prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:num_prompts]
+    text = (ROOT / "jobs/data/perplexity.txt").read_text()
+    variants = [("auto", None), ("int8", None), ("int4", 16), ("int4", 32), ("int4", 64)]
+    base_group = kv_quant.GROUP4
+    results, ref_texts, ref_logits = [], None, None
+    llm = None
+    for kv, group in variants:
+        kv_quant.GROUP4 = group or base_group  # the int4 scale layout under test (read when caches are built)
+        t0 = time.perf_counter()
+        llm = LLM("smollm2", kernels="torch", kv_cache_dtype=kv, max_num_seqs=64)
+        texts = [r.token_ids for r in llm.generate(prompts, chat=True, max_tokens=max_tokens)]
+        loaded = llm.loaded
+        model = LlamaModel(loaded.config, loaded.weights, llm.dtype, "cpu", kernels="torch", kv_cache_dtype=kv)
+        ids = loaded.tokenizer.encode(text)
+        logits = teacher_forced_logits(model, ids)
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+        row = {"kv_cache_dtype": kv, "int4_group": group, "dtype": str(llm.dtype).removeprefix("torch."),
+               "perplexity": round(math.exp(nll.item()), 4), "text_tokens": len(ids),
+               "seconds": round(time.perf_counter() - t0, 1)}
+        if ref_texts is None:
+            ref_texts, ref_logits = texts, logits
+        else:
+            row["greedy_agreement"] = round(sum(a == b for a, b in zip(texts, ref_texts)) / len(texts), 4)
+            row["mean_abs_logit_error"] = round((logits - ref_logits).abs().mean().item(), 5)
+        results.append(row)
+        log(line(row))
+    kv_quant.GROUP4 = base_group
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "rows": results}
+
+
+def line(r: dict) -> str:
+    name = r["kv_cache_dtype"] + (f" (group {r['int4_group']})" if r["int4_group"] else "")
+    more = "" if "greedy_agreement" not in r else (f", greedy agreement {r['greedy_agreement']:.1%}, mean |logit error| "
+                                                   f"{r['mean_abs_logit_error']}")
+    return f"  {name:16} perplexity {r['perplexity']}{more}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m batchjob.bench.kv_quality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    report = measure(args.prompts, args.max_tokens)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
