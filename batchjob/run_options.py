@@ -56,7 +56,7 @@ RUN_OPTIONS = [
     ("--speculative-max-rows", "speculative_max_rows", click.IntRange(0), "no proposals in a step with more decoding rows "
      "than this: a full batch gains little from them (default: 32)"),
     ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(["auto", "int8", "int4"]), "KV cache: auto = the compute dtype; "
-     "int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or int4 (groups of 32 along head_dim, ~3.6x); "
+     "int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or int4 (groups of 16 along head_dim, ~3.2x); "
      "quantized caches run on the torch reference kernels so far (default: auto)"),
     ("--async-scheduling", "async_scheduling", click.Choice(["auto", "on", "off"]), "schedule and launch step N+1 "
      "while step N runs on the device, then collect N (default: auto = on CUDA; the text is the same either way)"),

@@ -6,8 +6,9 @@ dequantized where attention reads them, with scales in a paged tensor beside the
   byte (dim 2i in the low nibble, 2i+1 in the high one), one fp16 scale per group.
 
 Bytes per token and KV head at head_dim 64 (SmolLM2): bf16 128; int8 64 + 2 = 66 (1.94x the tokens);
-int4 32 + 2 x 64/GROUP4 (GROUP4 32: 36, 3.56x). The torch reference (kernels/attention.py) reads it;
-which group size keeps quality is measured by `python -m batchjob.bench.kv_quality` (README).
+int4 32 + 2 x 64/GROUP4 = 40 (3.2x). The torch reference (kernels/attention.py) reads it. Group 16 is
+what `python -m batchjob.bench.kv_quality` measured best for int4 on SmolLM2 (perplexity +7% vs +14%
+at 32 and +32% at 64, README).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 KV_DTYPES = ("auto", "int8", "int4")
-GROUP4 = 32  # int4: values per scale along head_dim (head_dim itself when smaller)
+GROUP4 = 16  # int4: values per scale along head_dim (head_dim itself when smaller); measured best of 16/32/64
 
 
 def group4(head_dim: int) -> int:

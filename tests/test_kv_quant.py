@@ -106,3 +106,22 @@ def test_only_the_references_read_a_quantized_cache_so_far():
     assert "int8 KV cache: only the torch reference kernels read it" in logged[0]
     with pytest.raises(KernelError, match="'native' does not read a int4 KV cache yet.*--kernels auto or torch"):
         select_kernels("native", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int4")
+
+
+def test_a_job_on_an_int8_cache_resumes_and_refuses_to_continue_on_another_cache(tmp_path, tiny_model_dir):
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+    from batchjob.io.parts import read_results
+    from tests.test_job import write_jsonl
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i} of the int8 job"} for i in range(8)])
+    base = ["run", "--model", str(tiny_model_dir("llama")), "--input", str(src), "--output", str(tmp_path / "out"),
+            "--max-tokens", "6", "--dtype", "float32", "--no-progress"]
+    first = CliRunner().invoke(main, [*base, "--kv-cache-dtype", "int8", "--limit", "3"])
+    assert first.exit_code == 0, first.output
+    other = CliRunner().invoke(main, base)
+    assert other.exit_code == 1 and "params.kv_cache_dtype" in other.output
+    rest = CliRunner().invoke(main, [*base, "--kv-cache-dtype", "int8"])
+    assert rest.exit_code == 0, rest.output
+    assert sorted(read_results(tmp_path / "out").column("row_index").to_pylist()) == list(range(8))

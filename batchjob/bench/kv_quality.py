@@ -6,7 +6,9 @@
 - mean absolute logit error and perplexity over a fixed text (jobs/data/perplexity.txt), teacher-forced
   in chunks of 64 tokens, so that later chunks read the quantized K/V of the earlier ones (and every
   chunk its own, stored before attention reads it);
-- for int4, the scale group size along head_dim (16, 32, 64 = one scale per token and head).
+- for int4, the scale group size along head_dim (16, 32, 64 = one scale per token and head);
+- for scale, the noise floor: the unquantized cache on the native kernels (another summation order),
+  and int8 against the unquantized cache in fp32 (no bf16 rounding between them).
 
     python -m batchjob.bench.kv_quality [--prompts 64] [--json PATH]
 """
@@ -51,26 +53,29 @@ def measure(num_prompts: int = 64, max_tokens: int = 64, log=print) -> dict:
 
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:num_prompts]
     text = (ROOT / "jobs/data/perplexity.txt").read_text()
-    variants = [("auto", None), ("int8", None), ("int4", 16), ("int4", 32), ("int4", 64)]
+    # (KV dtype, int4 group, kernels, dtype); the first of each dtype is the reference of the ones after it
+    variants = [("auto", None, "torch", None), ("int8", None, "torch", None), ("int4", 16, "torch", None),
+                ("int4", 32, "torch", None), ("int4", 64, "torch", None), ("auto", None, "native", None),
+                ("auto", None, "torch", "float32"), ("int8", None, "torch", "float32")]
     base_group = kv_quant.GROUP4
-    results, ref_texts, ref_logits = [], None, None
-    llm = None
-    for kv, group in variants:
+    results, refs = [], {}
+    for kv, group, kernels, dtype in variants:
         kv_quant.GROUP4 = group or base_group  # the int4 scale layout under test (read when caches are built)
         t0 = time.perf_counter()
-        llm = LLM("smollm2", kernels="torch", kv_cache_dtype=kv, max_num_seqs=64)
+        llm = LLM("smollm2", kernels=kernels, kv_cache_dtype=kv, max_num_seqs=64, dtype=dtype)
         texts = [r.token_ids for r in llm.generate(prompts, chat=True, max_tokens=max_tokens)]
         loaded = llm.loaded
-        model = LlamaModel(loaded.config, loaded.weights, llm.dtype, "cpu", kernels="torch", kv_cache_dtype=kv)
+        model = LlamaModel(loaded.config, loaded.weights, llm.dtype, "cpu", kernels=kernels, kv_cache_dtype=kv)
         ids = loaded.tokenizer.encode(text)
         logits = teacher_forced_logits(model, ids)
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-        row = {"kv_cache_dtype": kv, "int4_group": group, "dtype": str(llm.dtype).removeprefix("torch."),
+        row = {"kv_cache_dtype": kv, "int4_group": group, "kernels": kernels, "dtype": str(llm.dtype).removeprefix("torch."),
                "perplexity": round(math.exp(nll.item()), 4), "text_tokens": len(ids),
                "seconds": round(time.perf_counter() - t0, 1)}
-        if ref_texts is None:
-            ref_texts, ref_logits = texts, logits
+        if row["dtype"] not in refs:
+            refs[row["dtype"]] = (texts, logits)
         else:
+            ref_texts, ref_logits = refs[row["dtype"]]
             row["greedy_agreement"] = round(sum(a == b for a, b in zip(texts, ref_texts)) / len(texts), 4)
             row["mean_abs_logit_error"] = round((logits - ref_logits).abs().mean().item(), 5)
         results.append(row)
@@ -80,10 +85,11 @@ def measure(num_prompts: int = 64, max_tokens: int = 64, log=print) -> dict:
 
 
 def line(r: dict) -> str:
-    name = r["kv_cache_dtype"] + (f" (group {r['int4_group']})" if r["int4_group"] else "")
+    name = (r["kv_cache_dtype"] + (f" (group {r['int4_group']})" if r["int4_group"] else "")
+            + ("" if r["kernels"] == "torch" else f", {r['kernels']}") + f", {r['dtype']}")
     more = "" if "greedy_agreement" not in r else (f", greedy agreement {r['greedy_agreement']:.1%}, mean |logit error| "
                                                    f"{r['mean_abs_logit_error']}")
-    return f"  {name:16} perplexity {r['perplexity']}{more}"
+    return f"  {name:28} perplexity {r['perplexity']}{more}"
 
 
 def main(argv: list[str] | None = None) -> int:
