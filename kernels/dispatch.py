@@ -73,11 +73,16 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         return TorchKernels()
-    if kv_cache_dtype != "auto":  # so far only the references read a quantized cache
-        if choice != "auto":
-            raise KernelError(f"kernels: {choice!r} does not read a {kv_cache_dtype} KV cache yet (only the torch "
-                              "references do); use --kernels auto or torch, or --kv-cache-dtype auto")
-        log(f"{kv_cache_dtype} KV cache: only the torch reference kernels read it so far; using them")
+    # a quantized cache: the references read int8 and int4, the Triton kernels int8, the native ones neither yet
+    readers = {"auto": ("native", "triton"), "int8": ("triton",), "int4": ()}[kv_cache_dtype]
+    gpu = device.type == "cuda" and "triton" in readers
+    if kv_cache_dtype != "auto" and (choice == "native" or (choice == "triton" and "triton" not in readers)):
+        raise KernelError(f"kernels: {choice!r} does not read a {kv_cache_dtype} KV cache yet (the torch references"
+                          f"{' and triton' if 'triton' in readers else ''} do); use --kernels auto or torch, or "
+                          "--kv-cache-dtype auto")
+    if kv_cache_dtype != "auto" and choice == "auto" and not gpu:
+        log(f"{kv_cache_dtype} KV cache: the {'native' if device.type == 'cpu' else 'triton'} kernels do not read "
+            "it yet; using the torch reference kernels")
         return TorchKernels()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from . import triton_ops

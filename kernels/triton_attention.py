@@ -11,6 +11,9 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency, but the CPU paths do not need it
     triton = None
 
+from .kv_quant import QuantizedKV
+from .triton_kv_quant import load_kv, store_kv_int8
+
 SPLIT = 512  # tokens per decode split; a constant, so results do not depend on batch composition
 
 
@@ -44,9 +47,9 @@ if triton is not None:
             tl.store(VC + slot * WIDTH + offs, v, mask=m)
 
     @triton.jit
-    def _decode_split_kernel(Q, K, V, OUT, LSE, BT, SEQ, QSL, scale, stride_q, stride_bt, num_kv_heads, window,
+    def _decode_split_kernel(Q, K, V, KS, VS, OUT, LSE, BT, SEQ, QSL, scale, stride_q, stride_bt, num_kv_heads, window,
                              max_splits, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+                             BLOCK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -73,9 +76,10 @@ if triton is not None:
             kpos = kb + j
             km = (kpos < end) & (kpos >= lo)
             ptr = (blk * BLOCK + j)[:, None] * width + h * D + d[None, :]
-            k = tl.load(K + ptr, mask=km[:, None] & dm[None, :], other=0.0)
-            v = tl.load(V + ptr, mask=km[:, None] & dm[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # operands in the cache dtype, fp32 sums
+            sptr = (blk * BLOCK + j) * num_kv_heads + h
+            k = load_kv(K, KS, ptr, sptr, km[:, None] & dm[None, :], km, QUANT, Q.dtype.element_ty)
+            v = load_kv(V, VS, ptr, sptr, km[:, None] & dm[None, :], km, QUANT, Q.dtype.element_ty)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # operands in the compute dtype, fp32 sums
             m, s_sum, acc = _online_softmax(tl.where(km[None, :], s, float("-inf")), v, m, s_sum, acc)
         has = s_sum > 0
         out = acc / tl.where(has, s_sum, 1.0)[:, None]
@@ -115,9 +119,9 @@ if triton is not None:
                  mask=gm[:, None] & dm[None, :])
 
     @triton.jit
-    def _prefill_kernel(Q, K, V, O, BT, SEQ, QSL, TILE_ROW, TILE_START, scale, stride_q, stride_o, stride_bt,
+    def _prefill_kernel(Q, K, V, KS, VS, O, BT, SEQ, QSL, TILE_ROW, TILE_START, scale, stride_q, stride_o, stride_bt,
                         num_heads, num_kv_heads, window, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
         tile = tl.program_id(0)
         head = tl.program_id(1)
         h = head // G
@@ -149,8 +153,9 @@ if triton is not None:
             kpos = kb + j
             ptr = (blk * BLOCK + j)[:, None] * width + h * D + d[None, :]
             kv_m = (kpos < hi)[:, None] & dm[None, :]
-            k = tl.load(K + ptr, mask=kv_m, other=0.0)
-            v = tl.load(V + ptr, mask=kv_m, other=0.0)
+            sptr = (blk * BLOCK + j) * num_kv_heads + h
+            k = load_kv(K, KS, ptr, sptr, kv_m, kpos < hi, QUANT, Q.dtype.element_ty)
+            v = load_kv(V, VS, ptr, sptr, kv_m, kpos < hi, QUANT, Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < hi)
             if window > 0:
@@ -162,6 +167,8 @@ if triton is not None:
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    if isinstance(k_cache, QuantizedKV):
+        return store_kv_int8(k, v, k_cache, v_cache, slot_mapping, pow2)
     t, hkv, d = k.shape
     if k.stride(2) != 1 or k.stride(1) != d:
         k = k.contiguous()
@@ -183,20 +190,24 @@ def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None):
     hkv = k_cache.shape[2]
     g, bt = h // hkv, meta.block_tables
     nd = meta.num_decodes
+    quant = 8 if isinstance(k_cache, QuantizedKV) else 0
+    kc, vc = (k_cache.data, v_cache.data) if quant else (k_cache, v_cache)
+    ks, vs = (k_cache.scale, v_cache.scale) if quant else (k_cache, v_cache)  # unread when not quantized
     if nd:
         gp, dp = max(16, pow2(g)), pow2(d)
         part = torch.empty((nd, hkv, plan.max_splits, gp, dp), dtype=torch.float32, device=q.device)
         lse = torch.empty((nd, hkv, plan.max_splits, gp), dtype=torch.float32, device=q.device)
         _decode_split_kernel[(nd, hkv, plan.max_splits)](
-            q, k_cache, v_cache, part, lse, bt, meta.seq_lens, meta.query_start_loc, scale, q.stride(0), bt.stride(0),
-            hkv, window or 0, plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, BLOCK=block_size, SPLIT_TOKENS=SPLIT)
+            q, kc, vc, ks, vs, part, lse, bt, meta.seq_lens, meta.query_start_loc, scale, q.stride(0), bt.stride(0),
+            hkv, window or 0, plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, BLOCK=block_size, SPLIT_TOKENS=SPLIT,
+            QUANT=quant)
         _decode_merge_kernel[(nd, hkv)](part, lse, out, meta.seq_lens, meta.query_start_loc, out.stride(0), hkv,
                                         plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, SPLIT_TOKENS=SPLIT)
     if plan.num_tiles:
         _prefill_kernel[(plan.num_tiles, h)](
-            q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc, plan.tile_row, plan.tile_start, scale,
+            q, kc, vc, ks, vs, out, bt, meta.seq_lens, meta.query_start_loc, plan.tile_row, plan.tile_start, scale,
             q.stride(0), out.stride(0), bt.stride(0), h, hkv, window or 0, G=g, D=d, D_PAD=pow2(d),
-            BLOCK_M=plan.block_m, BLOCK=block_size)
+            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant)
     return out
 
 
