@@ -57,7 +57,7 @@ RUN_OPTIONS = [
      "than this: a full batch gains little from them (default: 32)"),
     ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(["auto", "int8", "int4"]), "KV cache: auto = the compute dtype; "
      "int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or int4 (groups of 16 along head_dim, ~3.2x); "
-     "read by the torch references and (int8) the Triton kernels so far, not the native ones (default: auto)"),
+     "read by the torch references and the Triton kernels so far, not the native ones (default: auto)"),
     ("--async-scheduling", "async_scheduling", click.Choice(["auto", "on", "off"]), "schedule and launch step N+1 "
      "while step N runs on the device, then collect N (default: auto = on CUDA; the text is the same either way)"),
     ("--cuda-graphs/--no-cuda-graphs", "cuda_graphs", None, "CUDA with the Triton kernels: decode steps replay CUDA "

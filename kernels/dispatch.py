@@ -73,8 +73,11 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         return TorchKernels()
-    # a quantized cache: the references read int8 and int4, the Triton kernels int8, the native ones neither yet
-    readers = {"auto": ("native", "triton"), "int8": ("triton",), "int4": ()}[kv_cache_dtype]
+    # a quantized cache: the references read int8 and int4, the Triton kernels int8 and int4 (head_dim / 2 a
+    # power of two: its store's ranges), the native ones neither yet
+    half = head_dim // 2
+    readers = {"auto": ("native", "triton"), "int8": ("triton",),
+               "int4": ("triton",) if half & (half - 1) == 0 else ()}[kv_cache_dtype]
     gpu = device.type == "cuda" and "triton" in readers
     if kv_cache_dtype != "auto" and (choice == "native" or (choice == "triton" and "triton" not in readers)):
         raise KernelError(f"kernels: {choice!r} does not read a {kv_cache_dtype} KV cache yet (the torch references"

@@ -11,8 +11,8 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency, but the CPU paths do not need it
     triton = None
 
-from .kv_quant import QuantizedKV
-from .triton_kv_quant import load_kv, store_kv_int8
+from .kv_quant import QuantizedKV, group4
+from .triton_kv_quant import load_kv, store_kv_quantized
 
 SPLIT = 512  # tokens per decode split; a constant, so results do not depend on batch composition
 
@@ -49,7 +49,7 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(Q, K, V, KS, VS, OUT, LSE, BT, SEQ, QSL, scale, stride_q, stride_bt, num_kv_heads, window,
                              max_splits, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, QUANT: tl.constexpr):
+                             BLOCK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -69,16 +69,14 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         s_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        width = num_kv_heads * D
         for kb in range(start, end, BLOCK):
             blk = tl.load(BT + row * stride_bt + kb // BLOCK).to(tl.int64)
             j = tl.arange(0, BLOCK)
             kpos = kb + j
             km = (kpos < end) & (kpos >= lo)
-            ptr = (blk * BLOCK + j)[:, None] * width + h * D + d[None, :]
-            sptr = (blk * BLOCK + j) * num_kv_heads + h
-            k = load_kv(K, KS, ptr, sptr, km[:, None] & dm[None, :], km, QUANT, Q.dtype.element_ty)
-            v = load_kv(V, VS, ptr, sptr, km[:, None] & dm[None, :], km, QUANT, Q.dtype.element_ty)
+            slot = blk * BLOCK + j
+            k = load_kv(K, KS, slot, h, d, km[:, None] & dm[None, :], num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
+            v = load_kv(V, VS, slot, h, d, km[:, None] & dm[None, :], num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # operands in the compute dtype, fp32 sums
             m, s_sum, acc = _online_softmax(tl.where(km[None, :], s, float("-inf")), v, m, s_sum, acc)
         has = s_sum > 0
@@ -121,7 +119,7 @@ if triton is not None:
     @triton.jit
     def _prefill_kernel(Q, K, V, KS, VS, O, BT, SEQ, QSL, TILE_ROW, TILE_START, scale, stride_q, stride_o, stride_bt,
                         num_heads, num_kv_heads, window, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
         tile = tl.program_id(0)
         head = tl.program_id(1)
         h = head // G
@@ -146,16 +144,14 @@ if triton is not None:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        width = num_kv_heads * D
         for kb in range((lo // BLOCK) * BLOCK, hi, BLOCK):
             blk = tl.load(BT + row * stride_bt + kb // BLOCK).to(tl.int64)
             j = tl.arange(0, BLOCK)
             kpos = kb + j
-            ptr = (blk * BLOCK + j)[:, None] * width + h * D + d[None, :]
+            slot = blk * BLOCK + j
             kv_m = (kpos < hi)[:, None] & dm[None, :]
-            sptr = (blk * BLOCK + j) * num_kv_heads + h
-            k = load_kv(K, KS, ptr, sptr, kv_m, kpos < hi, QUANT, Q.dtype.element_ty)
-            v = load_kv(V, VS, ptr, sptr, kv_m, kpos < hi, QUANT, Q.dtype.element_ty)
+            k = load_kv(K, KS, slot, h, d, kv_m, num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
+            v = load_kv(V, VS, slot, h, d, kv_m, num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < hi)
             if window > 0:
@@ -168,7 +164,7 @@ if triton is not None:
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     if isinstance(k_cache, QuantizedKV):
-        return store_kv_int8(k, v, k_cache, v_cache, slot_mapping, pow2)
+        return store_kv_quantized(k, v, k_cache, v_cache, slot_mapping, pow2)
     t, hkv, d = k.shape
     if k.stride(2) != 1 or k.stride(1) != d:
         k = k.contiguous()
@@ -190,7 +186,8 @@ def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None):
     hkv = k_cache.shape[2]
     g, bt = h // hkv, meta.block_tables
     nd = meta.num_decodes
-    quant = 8 if isinstance(k_cache, QuantizedKV) else 0
+    quant = k_cache.bits if isinstance(k_cache, QuantizedKV) else 0
+    group = group4(d) if quant == 4 else 1
     kc, vc = (k_cache.data, v_cache.data) if quant else (k_cache, v_cache)
     ks, vs = (k_cache.scale, v_cache.scale) if quant else (k_cache, v_cache)  # unread when not quantized
     if nd:
@@ -200,14 +197,14 @@ def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None):
         _decode_split_kernel[(nd, hkv, plan.max_splits)](
             q, kc, vc, ks, vs, part, lse, bt, meta.seq_lens, meta.query_start_loc, scale, q.stride(0), bt.stride(0),
             hkv, window or 0, plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, BLOCK=block_size, SPLIT_TOKENS=SPLIT,
-            QUANT=quant)
+            QUANT=quant, GROUP=group)
         _decode_merge_kernel[(nd, hkv)](part, lse, out, meta.seq_lens, meta.query_start_loc, out.stride(0), hkv,
                                         plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, SPLIT_TOKENS=SPLIT)
     if plan.num_tiles:
         _prefill_kernel[(plan.num_tiles, h)](
             q, kc, vc, ks, vs, out, bt, meta.seq_lens, meta.query_start_loc, plan.tile_row, plan.tile_start, scale,
             q.stride(0), out.stride(0), bt.stride(0), h, hkv, window or 0, G=g, D=d, D_PAD=pow2(d),
-            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant)
+            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant, GROUP=group)
     return out
 
 

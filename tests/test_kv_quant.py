@@ -101,14 +101,14 @@ def test_the_pool_holds_more_tokens_and_swap_preemption_and_prefix_caching_keep_
 
 
 def test_which_kernels_read_a_quantized_cache_so_far():
-    """The references read int8 and int4, the Triton kernels int8 (tests/triton_cases.py), native neither."""
+    """The references read int8 and int4, the Triton kernels int8 and int4 (tests/triton_cases.py), native neither."""
     logged = []
     assert select_kernels("auto", "cpu", torch.float32, 64, 3, 16, log=logged.append, kv_cache_dtype="int8").name == "torch"
     assert "int8 KV cache: the native kernels do not read it yet; using the torch reference kernels" in logged[0]
     with pytest.raises(KernelError, match="'native' does not read a int4 KV cache yet.*--kernels auto or torch"):
         select_kernels("native", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int4")
     with pytest.raises(KernelError, match="'triton' does not read a int4 KV cache yet"):
-        select_kernels("triton", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int4")
+        select_kernels("triton", "cpu", torch.float32, 80, 3, 16, kv_cache_dtype="int4")  # head_dim / 2 = 40
 
 
 def test_a_job_on_an_int8_cache_resumes_and_refuses_to_continue_on_another_cache(tmp_path, tiny_model_dir):

@@ -85,8 +85,9 @@ def run(device: str, only: str | None = None) -> int:
     cases.append(("decode batch invariance", lambda: invariance_case(device)))
     cases.append(("decode CUDA graphs", lambda: graphs_case(device)))
     cases.append(("auto's start-up check", lambda: startup_check_case(device)))
-    for hd, g, bs in [(64, 3, 16), (128, 1, 32)]:
-        cases.append((f"int8 KV cache d{hd} g{g} b{bs}", lambda hd=hd, g=g, bs=bs: int8_case(hd, g, bs, device)))
+    for bits, hd, g, bs in [(8, 64, 3, 16), (8, 128, 1, 32), (4, 64, 3, 16), (4, 128, 1, 32)]:
+        cases.append((f"int{bits} KV cache d{hd} g{g} b{bs}",
+                      lambda b=bits, hd=hd, g=g, bs=bs: quantized_case(b, hd, g, bs, device)))
     failed = 0
     for name, fn in cases:
         if only and only not in name:
@@ -154,20 +155,21 @@ def invariance_case(device):
         assert torch.equal(kern.attention(q[r:r + 1], kc, vc, one, 0.125), batched[r:r + 1]), r
 
 
-def int8_case(head_dim, gqa, block_size, device):
-    """The int8 KV store equals QuantizedKV.store (codes and scales), and attention over the int8 cache
-    equals the torch reference reading the same cache."""
+def quantized_case(bits, head_dim, gqa, block_size, device):
+    """The int8/int4 KV store equals QuantizedKV.store (codes and scales), and attention over the quantized
+    cache equals the torch reference reading the same cache."""
     from batchjob.kernels.kv_quant import QuantizedKV
 
     kern = TritonKernels(head_dim, gqa, torch.float32, block_size)
-    q, k, v, slots, nb, meta = random_step(SPEC, 2, gqa, head_dim, block_size, torch.float32, device, seed=head_dim)
+    spec = [(0, 1), (37, 1), (600, 1), (0, 9), (33, 20)]  # SPEC's kinds of rows, shorter (two splits at most)
+    q, k, v, slots, nb, meta = random_step(spec, 2, gqa, head_dim, block_size, torch.float32, device, seed=head_dim)
     k = k * torch.linspace(0.1, 20, k.shape[0], device=k.device)[:, None, None]  # scales over a wide range
-    caches = [QuantizedKV.zeros(8, nb, block_size, 2, head_dim, device) for _ in range(2)]
-    refs = [QuantizedKV.zeros(8, nb, block_size, 2, head_dim, "cpu") for _ in range(2)]
+    caches = [QuantizedKV.zeros(bits, nb, block_size, 2, head_dim, device) for _ in range(2)]
+    refs = [QuantizedKV.zeros(bits, nb, block_size, 2, head_dim, "cpu") for _ in range(2)]
     kern.store_kv(k, v, *caches, slots)
     TorchKernels.store_kv(k.cpu(), v.cpu(), *refs, slots.cpu())
     for got, want in zip(caches, refs):
-        assert torch.equal(got.scale.cpu(), want.scale) and torch.equal(got.data.cpu(), want.data), "int8 KV store"
+        assert torch.equal(got.scale.cpu(), want.scale) and torch.equal(got.data.cpu(), want.data), f"int{bits} KV store"
     out = kern.attention(q, *caches, meta, head_dim ** -0.5)
     ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
                                  meta.slot_mapping.cpu(), meta.num_decodes)
