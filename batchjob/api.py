@@ -33,7 +33,7 @@ SAMPLING_OPTIONS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p",
                     "ignore_eos", "logprobs", "n", "seed")
 CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
-                  "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "admission", "preemption", "swap_space_gb", "max_wait",
+                  "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
                   "prefix_caching", "read_ahead", "threads")
 assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
 

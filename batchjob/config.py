@@ -61,6 +61,7 @@ class JobConfig:
     speculative: str = "none"  # none | ngram (prompt lookup) | draft (not implemented yet)
     num_speculative_tokens: int = 4  # tokens proposed per row and step
     speculative_max_rows: int = 32  # no proposals in a step with more decoding rows than this
+    draft_model: str | None = None  # speculative = "draft": a smaller model with the target's tokenizer
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     threads: int = 0  # 0 = torch's default (all cores)
     limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
@@ -120,7 +121,7 @@ class JobConfig:
         from batchjob.engine.speculative import speculative_config
 
         try:
-            speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_max_rows)
+            speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_max_rows, self.draft_model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         _choice("async_scheduling", self.async_scheduling, ("auto", "on", "off"))

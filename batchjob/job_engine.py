@@ -10,7 +10,7 @@ from batchjob.engine.lanes import Lane
 from batchjob.engine.scheduler import SchedulerConfig
 from batchjob.engine.speculative import speculative_config
 from batchjob.models.llama import LlamaModel
-from batchjob.models.loader import LoadedModel
+from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
 
 
 def lanes_of(cfg: JobConfig) -> list[Lane]:
@@ -38,6 +38,19 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
                         enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,
                         async_scheduling={"auto": None, "on": True, "off": False}[cfg.async_scheduling],
-                        speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows),
+                        speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows,
+                                                       cfg.draft_model),
                         scheduler=sched)
-    return Engine(model, loaded.tokenizer.eos_token_ids, ecfg)
+    draft = None
+    if cfg.speculative == "draft":
+        try:
+            proposer = load_model(cfg.draft_model, dtype=dtype)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model: {e}") from None
+        if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+            raise ModelLoadError(f"draft model {cfg.draft_model}: its tokenizer has {proposer.tokenizer.vocab_size:,} "
+                                 f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
+                                 "target's tokenizer (e.g. a smaller model of the same family)")
+        draft = LlamaModel(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
+                           block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype)
+    return Engine(model, loaded.tokenizer.eos_token_ids, ecfg, draft_model=draft)

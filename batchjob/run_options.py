@@ -50,8 +50,10 @@ RUN_OPTIONS = [
      "CUDA: share of the GPU's memory for weights, activations and the KV cache, sized after a profiling forward at the largest step (default: 0.9)"),
     ("--speculative", "speculative", click.Choice(["none", "ngram", "draft"]), "speculative decoding: ngram = prompt "
      "lookup (a row proposes what followed the last match of its last tokens in its own prompt and output); the "
-     "target verifies the proposals in the normal batch, so the text is the same as without it (default: none; "
-     "draft: not implemented yet)"),
+     "target verifies the proposals in the normal batch, so the text is the same as without it; draft = a smaller "
+     "model proposes (--draft-model) (default: none)"),
+    ("--draft-model", "draft_model", str, "--speculative draft: the draft model (a HF folder or .gguf file with the "
+     "target's tokenizer, e.g. a smaller model of the same family)"),
     ("--num-speculative-tokens", "num_speculative_tokens", click.IntRange(1, 16), "tokens proposed per row and step (default: 4)"),
     ("--speculative-max-rows", "speculative_max_rows", click.IntRange(0), "no proposals in a step with more decoding rows "
      "than this: a full batch gains little from them (default: 32)"),

@@ -126,8 +126,8 @@ def test_a_row_whose_proposals_fail_backs_off_and_a_large_batch_does_not_propose
     assert all(s.draft is None for s in others)
 
 
-def test_unknown_or_unimplemented_methods_are_clear_errors(tiny_model):  # noqa: F811
-    with pytest.raises(SpeculativeError, match="'draft' .* not implemented yet; use --speculative ngram"):
+def test_unknown_methods_and_a_missing_draft_model_are_clear_errors(tiny_model):  # noqa: F811
+    with pytest.raises(SpeculativeError, match="'draft' needs a draft model: --draft-model PATH"):
         Engine(tiny_model, [], EngineConfig(num_blocks=8, speculative=SpeculativeConfig("draft")))
     with pytest.raises(SpeculativeError, match="'eagle' is not one of"):
         SpeculativeConfig("eagle").check()
@@ -161,3 +161,64 @@ def test_a_rewriting_job_on_smollm2_keeps_its_text_across_a_resume_and_accepts_m
     assert stats["speculative_proposed"] > 0 and stats["acceptance_rate"] > 0.5 and stats["tokens_per_row_forward"] > 1.5
     texts = [read_results(out).sort_by("row_index").column("generated_text").to_pylist() for out in (plain, spec)]
     assert len(texts[0]) == 8 and texts[0] == texts[1]
+
+
+def run_draft(target, draft, ps, params, k=4, num_blocks=512, **sched):
+    engine = Engine(target, [3], EngineConfig(num_blocks=num_blocks, block_size=16, speculative=SpeculativeConfig(
+        "draft", num_tokens=k, draft_model="in memory"), scheduler=SchedulerConfig(**sched)), draft_model=draft)
+    seqs = [Sequence(i, p, params[i % len(params)], rng_key=row_key(9, i)) for i, p in enumerate(ps)]
+    for s in seqs:
+        assert engine.add(s) is None
+    while engine.has_work:
+        engine.step()
+    return seqs, engine.proposer
+
+
+def test_a_draft_model_gives_the_targets_tokens_and_the_target_as_its_own_draft_is_always_right(echo_model, tiny_model):  # noqa: F811
+    ps = repetitive_prompts(10, seed=3)
+    ref, _ = run(echo_model, ps, PARAMS, None, max_num_seqs=6)
+    same, prop = run_draft(echo_model, echo_model, ps, PARAMS, max_num_seqs=6)
+    assert [s.output_ids for s in same] == [s.output_ids for s in ref]
+    assert prop.proposed > 100 and prop.accepted >= 0.95 * prop.proposed  # its own draft: (almost) every proposal kept
+    other, prop = run_draft(echo_model, tiny_model, ps, PARAMS, max_num_seqs=6)  # a poor draft: the same text
+    assert [s.output_ids for s in other] == [s.output_ids for s in ref] and prop.accepted < 0.5 * prop.proposed
+
+
+def test_a_draft_model_under_preemption_keeps_the_tokens(echo_model):
+    """Short prompts growing long: rows are preempted (recomputed) while drafting, and the draft's cache
+    restarts with them."""
+    ps = [p[:12] for p in repetitive_prompts(10, seed=1)]
+    params = [SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=60, temperature=0.8, ignore_eos=True)]
+    ref, _ = run(echo_model, ps, params, None, max_num_seqs=8)
+    got, prop = run_draft(echo_model, echo_model, ps, params, k=6, num_blocks=10, max_num_seqs=8, max_num_batched_tokens=24)
+    assert [s.output_ids for s in got] == [s.output_ids for s in ref] and prop.accepted > 0.9 * prop.proposed
+    assert sum(s.num_preemptions for s in got) > 0
+
+
+def test_a_job_with_a_draft_model_keeps_its_text_and_a_draft_of_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+    from batchjob.io.parts import read_results
+    from tests.test_job import write_jsonl
+
+    model = str(tiny_model_dir("llama", max_positions=1024))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "one two three " * (1 + i % 3)} for i in range(12)])
+
+    def run_job(out, *flags):
+        return CliRunner().invoke(main, ["run", "--model", model, "--input", str(src), "--output", str(tmp_path / out),
+                                         "--max-tokens", "16", "--dtype", "float32", "--no-progress", *flags])
+
+    assert run_job("plain").exit_code == 0
+    own = run_job("draft", "--speculative", "draft", "--draft-model", model)  # the target as its own draft
+    assert own.exit_code == 0, own.output
+    stats = json.loads((tmp_path / "draft" / "stats.jsonl").read_text().splitlines()[-1])
+    assert stats["speculative_proposed"] > 0 and stats["acceptance_rate"] > 0.9
+    texts = [read_results(tmp_path / out).sort_by("row_index").column("generated_text").to_pylist() for out in ("plain", "draft")]
+    assert texts[0] == texts[1]
+    other = run_job("bad", "--speculative", "draft", "--draft-model", "smollm2")
+    assert other.exit_code == 1 and "a draft model must share the target's tokenizer" in other.output
+    missing = run_job("none", "--speculative", "draft")
+    assert missing.exit_code == 2 and "--draft-model PATH" in missing.output

@@ -14,7 +14,8 @@ from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.row_keys import sequence_key
 from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.sequence import PLACEHOLDER, SamplingParams, Sequence, SeqStatus
-from batchjob.engine.speculative import NgramProposer, SpeculativeConfig
+from batchjob.engine.draft import DraftProposer
+from batchjob.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
 from batchjob.kernels.build import default_log
 from batchjob.models.llama import LlamaModel
 
@@ -80,9 +81,14 @@ def placeholders(step: Step, tokens) -> dict[int, int]:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, eos_token_ids: list[int], config: EngineConfig | None = None):
+    def __init__(self, model: LlamaModel, eos_token_ids: list[int], config: EngineConfig | None = None,
+                 draft_model: LlamaModel | None = None):
+        """`draft_model`: the proposer of `--speculative draft` (its KV shares the pool's blocks and bytes)."""
         config = config or EngineConfig()
         per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
+        if draft_model is not None:
+            draft_model.fit_kernels(config.block_size)
+            per_block += ModelRunner.kv_bytes_per_block(draft_model, config.block_size)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // per_block)
         if not config.num_blocks and config.gpu_memory_utilization and model.device.type == "cuda":
             num_blocks = gpu_kv_blocks(model, config, per_block)
@@ -112,7 +118,13 @@ class Engine:
         spec = config.speculative
         if spec is not None:
             spec.check()
-        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec)
+        elif spec is not None and spec.method == "draft":
+            if draft_model is None:
+                raise SpeculativeError("speculative 'draft': no draft model was given to the engine")
+            self.proposer = DraftProposer(spec, draft_model, model, num_blocks, config.block_size)
         self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
 
     def add(self, seq: Sequence) -> str | None:
@@ -162,6 +174,8 @@ class Engine:
         if self.proposer is not None:  # never with a step in flight (_can_overlap): proposals read the tokens
             self.proposer.propose(sched.running, self.max_model_len)
         step = sched.schedule()
+        if self.proposer is not None:
+            self.proposer.fill(step)  # a draft model proposes into what the scheduler granted
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
             moved = self.runner.swap(step.swap_out, step.swap_in)

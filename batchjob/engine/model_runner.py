@@ -78,41 +78,20 @@ class ModelRunner:
     def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Returns input_ids, positions, the attention metadata and the batch index of each row's last token.
         Rows are laid out decodes first (one token each), then prompt chunks, as the kernels expect."""
-        bs = self.block_size
         order = sorted(range(len(step.seqs)), key=lambda i: step.num_new[i] != 1)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        last: list[int] = [0] * len(step.seqs)
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows = []
         for i in order:
             seq, n = step.seqs[i], step.num_new[i]
             start = seq.num_computed
             chunk = seq.token_ids[start:start + n]
-            ids.extend(chunk)
             if len(chunk) < n:  # speculative: the row's last token, then its proposals
-                ids.extend(seq.draft[:n - len(chunk)])
-            rng = range(start, start + n)
-            pos.extend(rng)
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            last[i] = len(ids) - 1
-            qsl.append(len(ids))
-            seq_lens.append(start + n)
-            tables.append(table[:-(-(start + n) // bs)])
-        width = max(map(len, tables), default=0)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(len(tables), width)
-        meta = AttentionMetadata(
-            block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32), slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decodes=sum(1 for n in step.num_new if n == 1),
-            # on a GPU, kernels plan from these host lists instead of reading the device tensors back (a sync)
-            host={"query_start_loc": qsl, "seq_lens": seq_lens, "block_tables": block_tables}
-            if self.model.device.type != "cpu" else None,
-        )
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, last
+                chunk = chunk + seq.draft[:n - len(chunk)]
+            rows.append((chunk, start, seq.block_table))
+        input_ids, positions, meta, ends = flatten(rows, self.block_size, self.model.device.type != "cpu")
+        last = [0] * len(step.seqs)
+        for i, end in zip(order, ends):
+            last[i] = end
+        return input_ids, positions, meta, last
 
     def run(self, step: Step, in_flight: StepTokens | None = None) -> StepTokens:
         """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
@@ -161,6 +140,37 @@ class ModelRunner:
         with scope("sampler"):
             sampled = sampler.sample(logits, seqs, argmax=getattr(self.model.kernels, "argmax", None), offsets=offsets)
         return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs)
+
+
+def flatten(rows: list[tuple[list[int], int, list[int]]], bs: int, host_copies: bool):
+    """(tokens, first position, block table) per row, rows of one token first -> input_ids, positions, the
+    attention metadata and the batch index of each row's last token."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    ends: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    for chunk, start, table in rows:
+        ids.extend(chunk)
+        rng = range(start, start + len(chunk))
+        pos.extend(rng)
+        slots.extend(table[p // bs] * bs + p % bs for p in rng)
+        ends.append(len(ids) - 1)
+        qsl.append(len(ids))
+        seq_lens.append(start + len(chunk))
+        tables.append(table[:-(-(start + len(chunk)) // bs)])
+    width = max(map(len, tables), default=0)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(len(tables), width)
+    meta = AttentionMetadata(
+        block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decodes=sum(1 for chunk, _, _ in rows if len(chunk) == 1),
+        # on a GPU, kernels plan from these host lists instead of reading the device tensors back (a sync)
+        host={"query_start_loc": qsl, "seq_lens": seq_lens, "block_tables": block_tables} if host_copies else None,
+    )
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, ends
 
 
 def _placeholder_fill(step: Step, last: list[int], in_flight: StepTokens, device) -> tuple | None:

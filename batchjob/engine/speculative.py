@@ -27,7 +27,7 @@ class SpeculativeError(ValueError):
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str = "none"  # none | ngram | draft (not implemented yet)
+    method: str = "none"  # none | ngram (prompt lookup) | draft (a draft model: engine/draft.py)
     num_tokens: int = 4  # k: tokens proposed per row and step
     ngram_max: int = 4  # the longest suffix looked up
     ngram_min: int = 2  # the shortest
@@ -37,19 +37,20 @@ class SpeculativeConfig:
     def check(self) -> None:
         if self.method not in METHODS:
             raise SpeculativeError(f"speculative: {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.method == "draft":
-            raise SpeculativeError("speculative: 'draft' (a draft model) is not implemented yet; use --speculative ngram")
+        if self.method == "draft" and not self.draft_model:
+            raise SpeculativeError("speculative: 'draft' needs a draft model: --draft-model PATH (a smaller model "
+                                   "with the target's tokenizer)")
         if not 1 <= self.num_tokens <= 16:
             raise SpeculativeError(f"num_speculative_tokens: must be in 1..16, got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SpeculativeError(f"speculative ngram sizes: need 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
 
 
-def speculative_config(method: str, num_tokens: int, max_rows: int) -> SpeculativeConfig | None:
+def speculative_config(method: str, num_tokens: int, max_rows: int, draft_model: str | None = None) -> SpeculativeConfig | None:
     """The engine's config for a job's speculative fields (None: off); raises SpeculativeError when invalid."""
     if method == "none":
         return None
-    spec = SpeculativeConfig(method, num_tokens=num_tokens, max_rows=max_rows)
+    spec = SpeculativeConfig(method, num_tokens=num_tokens, max_rows=max_rows, draft_model=draft_model)
     spec.check()
     return spec
 
@@ -58,7 +59,7 @@ class _RowIndex:
     """Per row: the latest end of each n-gram seen so far (n in ngram_min..ngram_max), kept up to date as
     tokens arrive, so a lookup is a few dict reads whatever the row's length; and the back-off state."""
 
-    __slots__ = ("ends", "indexed", "proposed", "accepted", "skip", "backoff")
+    __slots__ = ("ends", "indexed", "proposed", "accepted", "skip", "backoff", "computed", "preemptions")
 
     def __init__(self):
         self.ends: dict[tuple, int] = {}
@@ -66,6 +67,8 @@ class _RowIndex:
         self.proposed = self.accepted = 0  # since the last back-off decision
         self.skip = 0  # steps left without proposing
         self.backoff = 4
+        self.computed = 0  # a draft model: positions whose K/V its cache holds (engine/draft.py)
+        self.preemptions = -1  # ... as of the row's preemption count then
 
 
 class NgramProposer:
@@ -97,6 +100,9 @@ class NgramProposer:
             room = min(cfg.num_tokens, seq.params.max_tokens - seq.num_output - 1, max_model_len - seq.num_tokens)
             if room > 0:
                 seq.draft = self._lookup(seq.token_ids, state, room) or None
+
+    def fill(self, step) -> None:
+        """After scheduling: proposals that need the step (a draft model's) are made here; lookups need none."""
 
     def _lookup(self, tokens: list[int], state: _RowIndex, k: int) -> list[int]:
         cfg, ends, n_tokens = self.config, state.ends, len(tokens)
