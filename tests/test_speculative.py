@@ -222,3 +222,27 @@ def test_a_job_with_a_draft_model_keeps_its_text_and_a_draft_of_another_vocabula
     assert other.exit_code == 1 and "a draft model must share the target's tokenizer" in other.output
     missing = run_job("none", "--speculative", "draft")
     assert missing.exit_code == 2 and "--draft-model PATH" in missing.output
+
+
+def test_blocks_taken_by_rejected_proposals_go_back_to_the_pool(tiny_model):  # noqa: F811
+    """A poor proposer (a random draft): after each verification a row holds only the blocks its tokens need."""
+    engine = Engine(tiny_model, [], EngineConfig(num_blocks=64, block_size=16, speculative=SpeculativeConfig(
+        "draft", num_tokens=16, draft_model="in memory")), draft_model=copy_model(tiny_model))
+    seq = Sequence(0, list(range(1, 15)), SamplingParams(max_tokens=40), rng_key=row_key(0, 0))
+    engine.add(seq)
+    held = []
+    while engine.has_work:
+        engine.step()
+        if seq.block_table:
+            held.append(len(seq.block_table) - engine.pool.blocks_for(seq.num_tokens))
+    assert engine.proposer.proposed > engine.proposer.accepted and held and max(held) == 0
+
+
+def copy_model(model):
+    """Another model object on the same weights whose proposals the target mostly rejects: its layers
+    reversed."""
+    import copy
+
+    other = copy.copy(model)
+    other.layers = list(reversed(model.layers))
+    return other

@@ -65,6 +65,13 @@ class BlockPool:
             out.append(b)
         return out
 
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Release the blocks of `table` past the ones `num_tokens` tokens need (rejected proposals' KV)."""
+        keep = self.blocks_for(num_tokens)
+        if len(table) > keep:
+            self.release(table[keep:])
+            del table[keep:]
+
     def release(self, blocks: list[int]) -> None:
         # freed in reverse so a row's tail blocks are evicted before its shared head blocks
         for b in reversed(blocks):

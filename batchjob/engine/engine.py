@@ -239,6 +239,7 @@ class Engine:
                 sampled += kept
                 seq.num_computed -= step.num_new[i] - kept  # what holds: its last token and the kept proposals
                 step.num_new[i] = kept
+                self.pool.shrink(seq.block_table, seq.num_tokens)  # blocks that held only rejected ones
                 accepted = kept if kept <= len(draft) and out[kept - 1] == draft[kept - 1] else kept - 1
                 self.proposer.observe(seq, len(draft), accepted)
                 proposed_n += len(draft)
