@@ -29,8 +29,8 @@ class EngineConfig:
     swap_space_bytes: int = 0  # host pool for preemption=swap|auto
     num_host_blocks: int = 0  # 0 = derive from swap_space_bytes
     enable_prefix_caching: bool = True
-    # step() returns the previous step's finished rows while this one runs on the device; None: on CUDA only
-    # (a CPU forward has finished when it returns: nothing to overlap)
+    # schedule and launch step N+1 before collecting step N (Engine.step); None: on CUDA only (a CPU forward
+    # has finished when it returns: nothing to overlap)
     async_scheduling: bool | None = None
     cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculative.py); None: off
