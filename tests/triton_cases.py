@@ -83,6 +83,8 @@ def run(device: str, only: str | None = None) -> int:
         cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))
         cases.append((f"silu_mul {str(dt)[6:]}", lambda dt=dt: silu_case(dt, device)))
     cases.append(("decode batch invariance", lambda: invariance_case(device)))
+    for bits in (8, 4):
+        cases.append((f"decode batch invariance, int{bits} KV cache", lambda b=bits: invariance_case(device, b)))
     cases.append(("decode CUDA graphs", lambda: graphs_case(device)))
     cases.append(("auto's start-up check", lambda: startup_check_case(device)))
     for bits, hd, g, bs in [(8, 64, 3, 16), (8, 128, 1, 32), (4, 64, 3, 16), (4, 128, 1, 32)]:
@@ -138,14 +140,20 @@ def silu_case(dtype, device):
     torch.testing.assert_close(kern.silu_mul(gu.to(device)).cpu(), TorchKernels.silu_mul(gu), **tol)
 
 
-def invariance_case(device):
-    """A decode row's output is bitwise the same alone and in a shuffled batch (fixed 512-token splits)."""
+def invariance_case(device, bits=0):
+    """A decode row's output is bitwise the same alone and in a shuffled batch (fixed 512-token splits),
+    over a plain cache and over int8/int4 ones."""
+    from batchjob.kernels.kv_quant import QuantizedKV
+
     kern = TritonKernels(64, 3, torch.float32, 16)
     rng = random.Random(0)
-    spec = [(rng.randint(0, 1200), 1) for _ in range(6)]
+    spec = [(rng.randint(0, 1200 if not bits else 700), 1) for _ in range(6)]  # quantized: slower under the interpreter
     q, k, v, slots, nb, meta = random_step(spec, 2, 3, 64, 16, torch.float32, device)
     shape, _ = kern.kv_cache_shapes(nb, 16, 2, 64)
-    kc, vc = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    if bits:
+        kc, vc = (QuantizedKV.zeros(bits, nb, 16, 2, 64, device) for _ in range(2))
+    else:
+        kc, vc = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     kern.store_kv(k, v, kc, vc, slots)
     batched = kern.attention(q, kc, vc, meta, 0.125)
     for r in (0, 3, 5):
