@@ -128,3 +128,25 @@ def test_a_job_on_an_int8_cache_resumes_and_refuses_to_continue_on_another_cache
     rest = CliRunner().invoke(main, [*base, "--kv-cache-dtype", "int8"])
     assert rest.exit_code == 0, rest.output
     assert sorted(read_results(tmp_path / "out").column("row_index").to_pylist()) == list(range(8))
+
+
+def test_a_greedy_job_on_an_int8_cache_agrees_with_the_unquantized_one_on_95_percent_of_rows(tmp_path, tiny_model_dir):
+    """Over 8 tokens. A random tiny model's logits are nearly flat, so longer texts drift apart by chance
+    (16 tokens: 56 of 60 rows agreed here); SmolLM2's figures are bench/kv_quality.py's."""
+    from click.testing import CliRunner
+
+    from batchjob.cli import main
+    from batchjob.io.parts import read_results
+    from tests.test_job import write_jsonl
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}: " + "alpha beta gamma " * (i % 5)} for i in range(200)])
+    texts = {}
+    for kv in ("auto", "int8"):
+        out = tmp_path / kv
+        done = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir("llama")), "--input", str(src), "--output",
+                                         str(out), "--max-tokens", "8", "--dtype", "float32", "--kernels", "torch",
+                                         "--kv-cache-dtype", kv, "--no-progress"])
+        assert done.exit_code == 0, done.output
+        texts[kv] = read_results(out).sort_by("row_index").column("generated_text").to_pylist()
+    same = sum(a == b for a, b in zip(texts["auto"], texts["int8"]))
+    assert same >= 0.95 * 200, same

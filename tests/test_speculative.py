@@ -246,3 +246,56 @@ def copy_model(model):
     other = copy.copy(model)
     other.layers = list(reversed(model.layers))
     return other
+
+
+def small_vocab_model(seed: int, vocab: int = 16) -> LlamaModel:
+    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *shape: torch.randn(*shape, generator=g) * 0.5  # noqa: E731
+    p = "model.layers.0."
+    weights = {"model.embed_tokens.weight": w(vocab, 32), "model.norm.weight": torch.ones(32), "lm_head.weight": w(vocab, 32),
+               p + "input_layernorm.weight": torch.ones(32), p + "post_attention_layernorm.weight": torch.ones(32),
+               p + "self_attn.q_proj.weight": w(32, 32), p + "self_attn.k_proj.weight": w(16, 32),
+               p + "self_attn.v_proj.weight": w(16, 32), p + "self_attn.o_proj.weight": w(32, 32),
+               p + "mlp.gate_proj.weight": w(64, 32), p + "mlp.up_proj.weight": w(64, 32), p + "mlp.down_proj.weight": w(32, 64)}
+    return LlamaModel(cfg, weights, torch.float32)
+
+
+def test_speculative_sampling_follows_the_target_distribution_on_a_small_vocabulary():
+    """4,000 rows of one prompt, temperature 1, the second token verified against another model's
+    proposal: its frequencies against the target's own marginal p(t2) = sum over t1 of p(t1) p(t2 | t1)
+    (a chi-square test), and the proposals were mostly rejected, so verification did the work."""
+    target, draft = small_vocab_model(1), small_vocab_model(2)
+    prompt = [1, 2, 3]
+    params = SamplingParams(max_tokens=3, temperature=1.0)  # the second token is the first one verified
+    engine = Engine(target, [], EngineConfig(num_blocks=4096, block_size=16, speculative=SpeculativeConfig(
+        "draft", num_tokens=1, max_rows=1 << 20, draft_model="in memory"), scheduler=SchedulerConfig(max_num_seqs=128)),
+        draft_model=draft)
+    seqs = [Sequence(i, list(prompt), params, rng_key=row_key(5, i)) for i in range(4000)]
+    for s in seqs:
+        engine.add(s)
+    while engine.has_work:
+        engine.step()
+    assert engine.proposer.proposed > 3000 and engine.proposer.accepted < 0.9 * engine.proposer.proposed
+    with torch.no_grad():
+        first = torch.softmax(_next_logits(target, prompt), -1)
+        second = torch.stack([torch.softmax(_next_logits(target, prompt + [t]), -1) for t in range(16)])
+    expected = (first[:, None] * second).sum(0) * len(seqs)
+    counts = torch.bincount(torch.tensor([s.output_ids[1] for s in seqs]), minlength=16).double()
+    keep = expected >= 5
+    chi2 = (((counts - expected) ** 2) / expected)[keep].sum().item()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)  # ~4 sigma of a chi-square with dof degrees
+
+
+def _next_logits(model, ids):
+    engine = Engine(model, [], EngineConfig(num_blocks=8, block_size=16))
+    seq = Sequence(0, list(ids), SamplingParams(max_tokens=1, logprobs=16), rng_key=0)
+    engine.add(seq)
+    while engine.has_work:
+        engine.step()
+    lp = torch.full((16,), float("-inf"))
+    for tok, value in seq.logprobs[0][2]:
+        lp[tok] = value
+    return lp
