@@ -63,17 +63,24 @@ def test_staging_buffers_are_kept_grown_by_doubling_and_skipped_on_the_cpu():
     stage = StagingBuffers(torch.device("meta"), pin=False)
     out = stage.to_device("ids", torch.arange(10))
     assert out.device.type == "meta" and out.shape == (10,)
-    first = stage.buffers["ids"]
+    first = stage.buffers[(0, "ids")]
     assert first.numel() == MIN_CAPACITY and first.device.type == "cpu"
     stage.to_device("ids", torch.arange(200))
-    assert stage.buffers["ids"] is first  # fits: the same buffer, no new allocation
+    assert stage.buffers[(0, "ids")] is first  # fits: the same buffer, no new allocation
     stage.to_device("ids", torch.arange(MIN_CAPACITY + 1))
-    assert stage.buffers["ids"].numel() == 2 * MIN_CAPACITY  # grown by doubling
+    assert stage.buffers[(0, "ids")].numel() == 2 * MIN_CAPACITY  # grown by doubling
     stage.to_device("ids", torch.arange(5000))
-    assert stage.buffers["ids"].numel() == 5000  # or to the need when that is more
+    assert stage.buffers[(0, "ids")].numel() == 5000  # or to the need when that is more
     tables = stage.to_device("block_tables", torch.zeros((3, 7), dtype=torch.int32))
-    assert tables.shape == (3, 7) and stage.buffers["block_tables"].dtype == torch.int32
-    assert list(stage.buffers["ids"][:4]) == [0, 1, 2, 3]  # the host copy holds the values sent
+    assert tables.shape == (3, 7) and stage.buffers[(0, "block_tables")].dtype == torch.int32
+    assert list(stage.buffers[(0, "ids")][:4]) == [0, 1, 2, 3]  # the host copy holds the values sent
+    # the next step writes the other set: the one the step in flight reads is left alone
+    stage.next_step()
+    stage.to_device("ids", torch.arange(7, 17))
+    assert list(stage.buffers[(0, "ids")][:4]) == [0, 1, 2, 3] and list(stage.buffers[(1, "ids")][:2]) == [7, 8]
+    stage.next_step()
+    stage.to_device("ids", torch.arange(3))
+    assert list(stage.buffers[(0, "ids")][:3]) == [0, 1, 2]  # two steps later: the first set again
 
 
 def test_gpu_memory_utilization_is_validated_and_kv_cache_gb_defaults_to_auto(tmp_path):

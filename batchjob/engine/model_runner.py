@@ -100,9 +100,15 @@ class ModelRunner:
         not back yet (async scheduling): a row whose last token is its placeholder reads the id that step
         sampled, on the device."""
         device = self.model.device
+        self.staging.next_step()
         with scope("prepare"):
             input_ids, positions, meta, last = self.prepare(step)
-        fill = _placeholder_fill(step, last, in_flight, device) if in_flight is not None else None
+        if device.type != "cpu":
+            stage = self.staging.to_device
+            input_ids, positions = stage("input_ids", input_ids), stage("positions", positions)
+            for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
+                setattr(meta, name, stage(name, getattr(meta, name)))
+        fill = _placeholder_fill(step, last, in_flight, self.staging) if in_flight is not None else None
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
             t0 = time.perf_counter()
@@ -112,11 +118,6 @@ class ModelRunner:
             with scope("sampler"):
                 sampled = sampler.sample(logits, step.seqs, argmax=getattr(self.model.kernels, "argmax", None))
             return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
-        if device.type != "cpu":
-            stage = self.staging.to_device
-            input_ids, positions = stage("input_ids", input_ids), stage("positions", positions)
-            for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
-                setattr(meta, name, stage(name, getattr(meta, name)))
         if fill is not None:
             input_ids[fill[0]] = fill[1]
         t0 = time.perf_counter()
@@ -132,7 +133,7 @@ class ModelRunner:
                 at.extend(range(last[i] - k, last[i] + 1))
                 seqs.extend([s] * (k + 1))
         # the logits stay on the model's device: sampling runs there and only token ids come back
-        logits = self.model.raw_logits(hidden[torch.tensor(at, device=device)]) if rows else None
+        logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
         self.model_s += time.perf_counter() - t0
         if not rows:
             return StepTokens(len(step.seqs), rows, None, seqs=step.seqs)
@@ -173,7 +174,7 @@ def flatten(rows: list[tuple[list[int], int, list[int]]], bs: int, host_copies: 
     return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, ends
 
 
-def _placeholder_fill(step: Step, last: list[int], in_flight: StepTokens, device) -> tuple | None:
+def _placeholder_fill(step: Step, last: list[int], in_flight: StepTokens, staging: StagingBuffers) -> tuple | None:
     """(batch positions, ids) for the rows whose input is a placeholder: the ids `in_flight` sampled for
     them, still on the device (None when no row waits on it)."""
     at: list[int] = []
@@ -188,7 +189,7 @@ def _placeholder_fill(step: Step, last: list[int], in_flight: StepTokens, device
     if not at:
         return None
     ids = in_flight.sampled.ids
-    return torch.tensor(at, device=device), ids[torch.tensor(src, device=ids.device)]
+    return staging.to_device("fill_at", torch.tensor(at)), ids[staging.to_device("fill_src", torch.tensor(src))]
 
 
 class StepTokens:
