@@ -164,7 +164,7 @@ if triton is not None:
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     if isinstance(k_cache, QuantizedKV):
-        return store_kv_quantized(k, v, k_cache, v_cache, slot_mapping, pow2)
+        return store_kv_quantized(k, v, k_cache, v_cache, slot_mapping)
     t, hkv, d = k.shape
     if k.stride(2) != 1 or k.stride(1) != d:
         k = k.contiguous()

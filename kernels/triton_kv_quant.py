@@ -83,31 +83,25 @@ if triton is not None:
         return tl.reshape(tl.minimum(tl.maximum(r, -7.0), 7.0) + 8.0, (H_PAD, D // 2)).to(tl.int32)
 
     @triton.jit
-    def _store_kv_int4_kernel(K, V, KC, VC, KS, VS, SLOTS, stride_k, stride_v, HKV: tl.constexpr, D: tl.constexpr,
-                              H_PAD: tl.constexpr, GROUP: tl.constexpr):
+    def _store_kv_quantized_kernel(K, V, KC, VC, KS, VS, SLOTS, stride_k, stride_v, BITS: tl.constexpr,
+                                   HKV: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                                   GROUP: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t).to(tl.int64)
         if slot >= 0:
-            _quantize_row4(K, KC, KS, t * stride_k, slot, HKV, D, H_PAD, GROUP)
-            _quantize_row4(V, VC, VS, t * stride_v, slot, HKV, D, H_PAD, GROUP)
-
-    @triton.jit
-    def _store_kv_int8_kernel(K, V, KC, VC, KS, VS, SLOTS, stride_k, stride_v, HKV: tl.constexpr, D: tl.constexpr,
-                              H_PAD: tl.constexpr, D_PAD: tl.constexpr):
-        t = tl.program_id(0)
-        slot = tl.load(SLOTS + t).to(tl.int64)
-        if slot >= 0:
-            _quantize_row(K, KC, KS, t * stride_k, slot, HKV, D, H_PAD, D_PAD)
-            _quantize_row(V, VC, VS, t * stride_v, slot, HKV, D, H_PAD, D_PAD)
+            if BITS == 8:
+                _quantize_row(K, KC, KS, t * stride_k, slot, HKV, D, H_PAD, D_PAD)
+                _quantize_row(V, VC, VS, t * stride_v, slot, HKV, D, H_PAD, D_PAD)
+            else:
+                _quantize_row4(K, KC, KS, t * stride_k, slot, HKV, D, H_PAD, GROUP)
+                _quantize_row4(V, VC, VS, t * stride_v, slot, HKV, D, H_PAD, GROUP)
 
 
-def store_kv_quantized(k, v, k_cache, v_cache, slot_mapping, pow2) -> None:
+def store_kv_quantized(k, v, k_cache, v_cache, slot_mapping) -> None:
     t, hkv, d = k.shape
     k, v = k.contiguous(), v.contiguous()
-    if not t:
-        return
-    args = (k, v, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, slot_mapping, k.stride(0), v.stride(0))
-    if k_cache.bits == 8:
-        _store_kv_int8_kernel[(t,)](*args, HKV=hkv, D=d, H_PAD=pow2(hkv), D_PAD=pow2(d))
-    else:
-        _store_kv_int4_kernel[(t,)](*args, HKV=hkv, D=d, H_PAD=pow2(hkv), GROUP=group4(d))
+    if t:
+        _store_kv_quantized_kernel[(t,)](
+            k, v, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, slot_mapping, k.stride(0), v.stride(0),
+            BITS=k_cache.bits, HKV=hkv, D=d, H_PAD=triton.next_power_of_2(hkv), D_PAD=triton.next_power_of_2(d),
+            GROUP=group4(d) if k_cache.bits == 4 else 1)
