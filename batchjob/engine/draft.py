@@ -57,14 +57,12 @@ class DraftProposer(NgramProposer):
                 s.spec_state.computed = s.num_tokens + j
 
     def _forward(self, rows, sample: bool = False) -> torch.Tensor | None:
-        model = self.model
+        model, runner = self.model, self.runner
         input_ids, positions, meta, ends = flatten(rows, self.block_size, model.device.type != "cpu")
-        if model.device.type != "cpu":
-            input_ids, positions = input_ids.to(model.device), positions.to(model.device)
-            for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
-                setattr(meta, name, getattr(meta, name).to(model.device))
-        hidden = model.forward(input_ids, positions, meta, self.runner.kv_caches)
-        return model.raw_logits(hidden[torch.tensor(ends, device=model.device)]) if sample else None
+        runner.staging.next_step()
+        input_ids, positions = runner.to_device(input_ids, positions, meta)
+        hidden = model.forward(input_ids, positions, meta, runner.kv_caches)
+        return model.raw_logits(hidden[runner.staging.to_device("logit_rows", torch.tensor(ends))]) if sample else None
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         super().observe(seq, proposed, accepted)

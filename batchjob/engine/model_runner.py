@@ -93,6 +93,15 @@ class ModelRunner:
             last[i] = end
         return input_ids, positions, meta, last
 
+    def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """A step's inputs and metadata (in place) through the staging buffers onto the model's device."""
+        if self.model.device.type == "cpu":
+            return input_ids, positions
+        stage = self.staging.to_device
+        for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
+            setattr(meta, name, stage(name, getattr(meta, name)))
+        return stage("input_ids", input_ids), stage("positions", positions)
+
     def run(self, step: Step, in_flight: StepTokens | None = None) -> StepTokens:
         """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
         handle whose `tolist()` waits for them. On a GPU the host is free until then; on the CPU the forward
@@ -103,11 +112,7 @@ class ModelRunner:
         self.staging.next_step()
         with scope("prepare"):
             input_ids, positions, meta, last = self.prepare(step)
-        if device.type != "cpu":
-            stage = self.staging.to_device
-            input_ids, positions = stage("input_ids", input_ids), stage("positions", positions)
-            for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
-                setattr(meta, name, stage(name, getattr(meta, name)))
+        input_ids, positions = self.to_device(input_ids, positions, meta)
         fill = _placeholder_fill(step, last, in_flight, self.staging) if in_flight is not None else None
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
