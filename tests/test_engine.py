@@ -16,26 +16,34 @@ from batchjob.models.llama import LlamaModel
 VOCAB = 512
 
 
+def random_llama(cfg: ModelConfig, seed: int = 0, std: float = 0.2, embed_std: float = 1.0) -> LlamaModel:
+    """A Llama of `cfg` with N(0, std) weights (the embeddings N(0, embed_std)) from `seed`, norms at 1; an
+    lm_head unless the embeddings are tied. The draw order is fixed, so a seed always gives one model."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, std=std):
+        return torch.randn(*shape, generator=g) * std
+
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    weights = {"model.embed_tokens.weight": w(cfg.vocab_size, h, std=embed_std), "model.norm.weight": torch.ones(h)}
+    if not cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = w(cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
+            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h), p + "mlp.down_proj.weight": w(h, inter),
+        })
+    return LlamaModel(cfg, weights, torch.float32)
+
+
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaModel:
     torch.manual_seed(0)
-    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape, std=0.2):
-        return torch.randn(*shape, generator=g) * std
-
-    weights = {"model.embed_tokens.weight": w(VOCAB, 64, std=1.0), "model.norm.weight": torch.ones(64), "lm_head.weight": w(VOCAB, 64)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        weights.update({
-            p + "input_layernorm.weight": torch.ones(64), p + "post_attention_layernorm.weight": torch.ones(64),
-            p + "self_attn.q_proj.weight": w(64, 64), p + "self_attn.k_proj.weight": w(32, 64),
-            p + "self_attn.v_proj.weight": w(32, 64), p + "self_attn.o_proj.weight": w(64, 64),
-            p + "mlp.gate_proj.weight": w(128, 64), p + "mlp.up_proj.weight": w(128, 64), p + "mlp.down_proj.weight": w(64, 128),
-        })
-    return LlamaModel(cfg, weights, torch.float32)
+    return random_llama(ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024))
 
 
 def make_engine(model, *, num_blocks=512, block_size=8, eos=(), **sched) -> Engine:

@@ -14,7 +14,7 @@ from batchjob.engine.sequence import SamplingParams, Sequence
 from batchjob.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
 from batchjob.models.config import ModelConfig
 from batchjob.models.llama import LlamaModel
-from tests.test_engine import VOCAB, tiny_model  # noqa: F401
+from tests.test_engine import VOCAB, random_llama, tiny_model  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +22,9 @@ def echo_model() -> LlamaModel:
     """A tiny random Llama with tied embeddings and small layer weights: its next token is often its
     current one, so its text falls into loops that lookups predict (52 of 95 proposals kept here), and
     sometimes not (the other 43 are rejected)."""
-    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
-    g = torch.Generator().manual_seed(0)
-    w = lambda *shape, std=0.2: torch.randn(*shape, generator=g) * std  # noqa: E731
-    weights = {"model.embed_tokens.weight": w(VOCAB, 64, std=1.0), "model.norm.weight": torch.ones(64)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        weights.update({
-            p + "input_layernorm.weight": torch.ones(64), p + "post_attention_layernorm.weight": torch.ones(64),
-            p + "self_attn.q_proj.weight": w(64, 64), p + "self_attn.k_proj.weight": w(32, 64),
-            p + "self_attn.v_proj.weight": w(32, 64), p + "self_attn.o_proj.weight": w(64, 64),
-            p + "mlp.gate_proj.weight": w(128, 64), p + "mlp.up_proj.weight": w(128, 64), p + "mlp.down_proj.weight": w(64, 128),
-        })
-    return LlamaModel(cfg, weights, torch.float32)
+    return random_llama(ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+                                    tie_word_embeddings=True))
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -249,17 +238,9 @@ def copy_model(model):
 
 
 def small_vocab_model(seed: int, vocab: int = 16) -> LlamaModel:
-    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
-    g = torch.Generator().manual_seed(seed)
-    w = lambda *shape: torch.randn(*shape, generator=g) * 0.5  # noqa: E731
-    p = "model.layers.0."
-    weights = {"model.embed_tokens.weight": w(vocab, 32), "model.norm.weight": torch.ones(32), "lm_head.weight": w(vocab, 32),
-               p + "input_layernorm.weight": torch.ones(32), p + "post_attention_layernorm.weight": torch.ones(32),
-               p + "self_attn.q_proj.weight": w(32, 32), p + "self_attn.k_proj.weight": w(16, 32),
-               p + "self_attn.v_proj.weight": w(16, 32), p + "self_attn.o_proj.weight": w(32, 32),
-               p + "mlp.gate_proj.weight": w(64, 32), p + "mlp.up_proj.weight": w(64, 32), p + "mlp.down_proj.weight": w(32, 64)}
-    return LlamaModel(cfg, weights, torch.float32)
+    return random_llama(ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64),
+                        seed=seed, std=0.5, embed_std=0.5)
 
 
 def test_speculative_sampling_follows_the_target_distribution_on_a_small_vocabulary():
