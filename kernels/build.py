@@ -99,7 +99,7 @@ def build(source: str, defines: dict[str, int], log=None, built: list[str] | Non
     check_cpu()
     cxx = compiler()
     src = CSRC / source
-    text = src.read_bytes()
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # with the headers it includes
     args = FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     model, flags = cpu_identity()
     key = hashlib.sha256(b"\0".join([

@@ -11,6 +11,8 @@
 // torch does), F.silu(gate) * up (to a few ulps: another exp). Tested by tests/test_native_kernels.py.
 // Every row is computed alone, in a fixed order: results do not depend on the batch or thread count.
 
+#include "simd_math.h"
+
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -53,14 +55,6 @@ struct IO<uint16_t> {  // bf16
 };
 
 inline __mmask16 tail(int n, int i) { return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u); }
-
-inline float hsum(__m512 v) {
-  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  b = _mm_add_ss(b, _mm_movehdup_ps(b));
-  return _mm_cvtss_f32(b);
-}
 
 // residual (if given) += x, then out = weight * (residual / rms(residual)), per row of n values.
 template <typename T>
@@ -121,21 +115,10 @@ void rotary(T* x, int64_t stride, int tokens, int heads, int d, const T* cos, co
   }
 }
 
-// e^x for any x, ~1 ulp: 2^(x log2 e) split into integer and fraction, Taylor to degree 7 on [-0.5, 0.5].
+// e^x for any x, ~1 ulp: exp2 of x log2 e, clamped to [-126, 127].
 inline __m512 exp_ps(__m512 x) {
-  __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(127.0f));
-  const __m512 yi = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, yi);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, yi);
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  return exp2_ps(_mm512_min_ps(y, _mm512_set1_ps(127.0f)));
 }
 
 // gate_up [tokens, 2n] (gate | up) -> out [tokens, n] = silu(gate) * up, silu rounded to T first as

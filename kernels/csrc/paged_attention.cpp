@@ -20,110 +20,9 @@
 //   fp32 K [blocks, kv_heads, D, block_size];  V [blocks, kv_heads, block_size, D]
 // Compiled per model with -DHEAD_DIM=D -DGQA=G (kernels/native.py).
 
-#include <immintrin.h>
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-
-#include <type_traits>
-#include <vector>
-
-#ifndef HEAD_DIM
-#error "compile with -DHEAD_DIM=<head_dim>"
-#endif
-#ifndef GQA
-#error "compile with -DGQA=<query heads per KV head>"
-#endif
+#include "attention_common.h"
 
 namespace {
-
-constexpr int D = HEAD_DIM;
-constexpr int G = GQA;
-constexpr int TILE = 16;                              // keys per tile (one zmm of fp32 scores)
-constexpr int MAX_ROWS = 64;                          // query rows (tokens x heads of a KV head) per work item
-constexpr int QTILE = MAX_ROWS / G > 0 ? MAX_ROWS / G : 1;  // query tokens per work item
-constexpr int NACC = D / 16;                          // fp32 accumulator vectors per query row
-constexpr int RB = 16 / NACC >= 4 ? 4 : (16 / NACC >= 1 ? 16 / NACC : 1);  // query rows computed together
-static_assert(D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
-static_assert(G >= 1 && G <= 16, "GQA group must be 1..16");
-
-// exp2 for x <= 0, to ~1 ulp: 2^round(x) * e^(f ln2), f in [-0.5, 0.5], Taylor to degree 7.
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));  // lanes below are masked to 0 by the callers
-  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, xi);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, xi);
-}
-
-// Sum of 16 lanes in a fixed tree (the order is part of the result).
-inline float hsum(__m512 v) {
-  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  b = _mm_add_ss(b, _mm_movehdup_ps(b));
-  return _mm_cvtss_f32(b);
-}
-
-
-struct Args {
-  const void* q;
-  void* out;
-  const void* k_cache;
-  const void* v_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  int64_t q_token_stride;  // elements between consecutive tokens of q
-  int max_blocks, num_heads, num_kv_heads, block_size, window;
-  float scale_log2;  // softmax scale * log2(e): scores are taken in base 2
-};
-
-// One query row: its query vector, its keys [lo, hi) (causal end, sliding-window start), its running
-// softmax max m and sum l, and its D fp32 accumulators.
-struct Row {
-  const void* q;
-  float* acc;
-  float m, l;
-  int lo, hi;
-};
-
-inline __mmask16 key_mask(int t0, const Row& r) {
-  if (r.lo <= t0 && r.hi >= t0 + TILE) return 0xffff;  // off the diagonal: every key is visible
-  const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(t0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  return _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(r.lo)) & _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(r.hi));
-}
-
-// Online-softmax update of n rows (n <= RB) from their raw scores: p (masked lanes 0) and the factor
-// each row's accumulators must be scaled by. Every step is lane-wise or per row: a row's numbers do not
-// depend on the rows beside it.
-template <int N>
-inline void softmax_rows(__m512* s, Row* const* rows, int t0, float scale_log2, float* alpha) {
-  alignas(64) float diff[16] = {0};
-  bool first[N];
-  for (int r = 0; r < N; ++r) {
-    const __mmask16 valid = key_mask(t0, *rows[r]);
-    const __m512 x = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(s[r], _mm512_set1_ps(scale_log2)));
-    const float m_new = fmaxf(rows[r]->m, _mm512_reduce_max_ps(x));
-    s[r] = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
-    first[r] = rows[r]->m == -INFINITY;
-    diff[r] = first[r] ? 0.0f : rows[r]->m - m_new;
-    rows[r]->m = m_new;
-  }
-  _mm512_store_ps(diff, exp2_ps(_mm512_load_ps(diff)));
-  for (int r = 0; r < N; ++r) {
-    alpha[r] = first[r] ? 1.0f : diff[r];  // a first tile finds acc = 0 and l = 0
-    rows[r]->l = (first[r] ? 0.0f : rows[r]->l * alpha[r]) + hsum(s[r]);
-  }
-}
 
 // ---- fp32 caches ----------------------------------------------------------------------------------
 struct F32 {
@@ -236,18 +135,11 @@ inline void attend_rows(const void* k, int bs, const void* v, int n, int t0, Row
   }
 }
 
-inline void prefetch_l2(const void* p, int bytes) {
-  for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
-}
-
 // One work item: query tokens [tb, te) of row `row` (positions p0 + (t - qs)), KV head h.
 template <typename K>
 void run_item(const Args& A, int row, int h, int tb, int te) {
   using T = typename K::T;
   const int bs = A.block_size;
-  const int qs = A.query_start_loc[row];
-  const int p0 = A.seq_lens[row] - (A.query_start_loc[row + 1] - qs);
-  const int nrows = (te - tb) * G;
   const int32_t* table = A.block_tables + (int64_t)row * A.max_blocks;
   const int64_t head_elems = (int64_t)bs * D;  // K or V elements of one (block, KV head)
   const T* kc = (const T*)A.k_cache;
@@ -255,20 +147,10 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
 
   alignas(64) float acc[MAX_ROWS][D];
   Row rows[MAX_ROWS];
-  int klo = 1 << 30, khi = 0;
-  for (int r = 0; r < nrows; ++r) {
-    const int t = tb + r / G, head = h * G + r % G, pos = p0 + (t - qs);
-    Row& w = rows[r];
-    w.q = (const T*)A.q + t * A.q_token_stride + (int64_t)head * D;
-    w.acc = acc[r];
-    w.m = -INFINITY;
-    w.l = 0.0f;
-    w.hi = pos + 1;
-    w.lo = A.window > 0 && pos + 1 > A.window ? pos + 1 - A.window : 0;
-    klo = w.lo < klo ? w.lo : klo;
-    khi = w.hi > khi ? w.hi : khi;
-    memset(acc[r], 0, sizeof(float) * D);
-  }
+  int klo, khi;
+  const int nrows = init_rows(A, row, h, tb, te, rows, acc, &klo, &khi, [&](int, int t, int head) {
+    return (const void*)((const T*)A.q + t * A.q_token_stride + (int64_t)head * D);
+  });
   // K and V of this KV head in the block holding key t0, and the tile's offset inside it
   auto k_block = [&](int t0) { return kc + ((int64_t)table[t0 / bs] * A.num_kv_heads + h) * head_elems; };
   auto v_block = [&](int t0) { return vc + ((int64_t)table[t0 / bs] * A.num_kv_heads + h) * head_elems; };
@@ -300,21 +182,7 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
 
 template <typename K>
 void run(const Args& A, int num_rows, int num_threads) {
-  // work items (row, first token), longest queries first so that big prefill items do not finish last
-  std::vector<int> item_row, item_tok;
-  for (int row = num_rows - 1; row >= 0; --row)
-    for (int t = A.query_start_loc[row]; t < A.query_start_loc[row + 1]; t += QTILE) {
-      item_row.push_back(row);
-      item_tok.push_back(t);
-    }
-  const int n_items = (int)item_row.size() * A.num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int it = 0; it < n_items; ++it) {
-    const int i = it / A.num_kv_heads, h = it % A.num_kv_heads;
-    const int row = item_row[i], tb = item_tok[i];
-    const int qe = A.query_start_loc[row + 1];
-    run_item<K>(A, row, h, tb, tb + QTILE < qe ? tb + QTILE : qe);
-  }
+  for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<K>(A, row, h, tb, te); });
 }
 
 // Write each new token's K and V into its cache slot, in the layouts above.
