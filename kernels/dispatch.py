@@ -3,7 +3,8 @@
 - torch: the references (kernels/attention.py and friends), on any device.
 - native: the compiled CPU kernels (kernels/csrc/, built at first use by kernels/build.py).
 - triton: the Triton kernels (kernels/triton_ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
-- auto: native on CPUs where it builds, else torch with one log line saying why; on CUDA triton when
+- auto: native on CPUs where it builds (for an int8/int4 KV cache: with AVX512-VNNI), else torch with
+  one log line saying why; on CUDA triton when
   its start-up check against the references passes on this GPU (kernels/triton_check.py), else torch
   with one log line saying why.
 """
@@ -73,26 +74,20 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         return TorchKernels()
-    # a quantized cache: the references read int8 and int4, the Triton kernels int8 and int4 (head_dim / 2 a
-    # power of two: its store's ranges), the native ones neither yet
+    # a quantized cache: the references, the native kernels (AVX512-VNNI) and the Triton ones read int8 and
+    # int4; Triton's int4 store needs head_dim / 2 a power of two (its ranges)
     half = head_dim // 2
-    readers = {"auto": ("native", "triton"), "int8": ("triton",),
-               "int4": ("triton",) if half & (half - 1) == 0 else ()}[kv_cache_dtype]
-    gpu = device.type == "cuda" and "triton" in readers
-    if kv_cache_dtype != "auto" and (choice == "native" or (choice == "triton" and "triton" not in readers)):
-        raise KernelError(f"kernels: {choice!r} does not read a {kv_cache_dtype} KV cache yet (the torch references"
-                          f"{' and triton' if 'triton' in readers else ''} do); use --kernels auto or torch, or "
-                          "--kv-cache-dtype auto")
-    if kv_cache_dtype != "auto" and choice == "auto" and not gpu:
-        log(f"{kv_cache_dtype} KV cache: the {'native' if device.type == 'cpu' else 'triton'} kernels do not read "
-            "it yet; using the torch reference kernels")
-        return TorchKernels()
+    if kv_cache_dtype == "int4" and choice == "triton" and half & (half - 1):
+        raise KernelError(f"kernels: 'triton' does not read a int4 KV cache with head_dim {head_dim} yet (the torch "
+                          "references and native do); use --kernels auto or torch, or --kv-cache-dtype int8")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from . import triton_ops
 
         why = triton_ops.available(device)
         if why is None:
             try:
+                if kv_cache_dtype == "int4" and half & (half - 1):
+                    raise ValueError(f"the Triton int4 KV store needs head_dim / 2 a power of two, not {half}")
                 kern = triton_ops.TritonKernels(head_dim, gqa, dtype, block_size)
                 if choice == "auto":  # on trust only after agreeing with the references on this GPU
                     from .triton_check import check
@@ -115,7 +110,7 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
     from .native import NativeKernels
 
     try:
-        return NativeKernels(head_dim, gqa, dtype, block_size, log=log)
+        return NativeKernels(head_dim, gqa, dtype, block_size, log=log, kv_cache_dtype=kv_cache_dtype)
     except BuildError as e:
         if choice == "native":
             raise KernelError(f"kernels: 'native' cannot run here: {e}; use --kernels auto or torch") from None

@@ -6,7 +6,9 @@ dequantized where attention reads them, with scales in a paged tensor beside the
   byte (dim 2i in the low nibble, 2i+1 in the high one), one fp16 scale per group.
 
 Bytes per token and KV head at head_dim 64 (SmolLM2): bf16 128; int8 64 + 2 = 66 (1.94x the tokens);
-int4 32 + 2 x 64/GROUP4 = 40 (3.2x). The torch reference (kernels/attention.py) reads it. Group 16 is
+int4 32 + 2 x 64/GROUP4 = 40 (3.2x). The torch reference (kernels/attention.py) and the Triton kernels
+read `QuantizedKV`; the native CPU kernels keep the same codes and scales in their own layout
+(kernels/native.py `PackedKV`, kernels/csrc/paged_attention_quant.cpp). Group 16 is
 what `python -m batchjob.bench.kv_quality` measured best for int4 on SmolLM2 (perplexity +7% vs +14%
 at 32 and +32% at 64, README).
 """

@@ -4,16 +4,20 @@ seconds (no torch headers to parse) and a call costs ~10 us.
 `NativeKernels(head_dim, gqa, dtype, block_size)` compiles the sources specialised to the model's
 head_dim and GQA group at first use (kernels/build.py) and raises BuildError when that cannot work here
 (a dtype, head_dim or block size without a kernel, no C++ compiler, a CPU without AVX-512); the caller
-then falls back to the torch references.
+then falls back to the torch references. With `kv_cache_dtype` int8 or int4 it also builds
+paged_attention_quant.cpp (AVX512-VNNI) and kv_quant_store.cpp, whose caches are `PackedKV` pairs in
+their layouts (kernels/csrc/kv_quant_layout.h).
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionMetadata
 from .build import BuildError, build_all, cpu_identity
+from .kv_quant import group4
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -24,10 +28,24 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if "avx512_bf16" in flags else (torch.float32,)
 
 
+@dataclass(slots=True)
+class PackedKV:
+    """One layer's int8/int4 K (or V) cache in paged_attention_quant.cpp's layout: `codes` uint8/int8
+    [blocks, kv_heads, ...], `scales` fp16 [blocks, kv_heads, groups, block_size]. Block-major, like every
+    paged tensor: swap and prefix caching move whole blocks of both."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codes, self.scales
+
+
 class NativeKernels:
     name = "native"
 
-    def __init__(self, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int, log=None):
+    def __init__(self, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int, log=None,
+                 kv_cache_dtype: str = "auto"):
         if dtype not in supported_dtypes():
             raise BuildError(f"no native kernel for {str(dtype).removeprefix('torch.')} on this CPU "
                              f"(fp32, and bf16 with AVX512-BF16)")
@@ -35,8 +53,15 @@ class NativeKernels:
             raise BuildError(f"no native kernel for head_dim {head_dim} (multiples of 16 up to 256)")
         if block_size % 16:
             raise BuildError(f"no native kernel for block_size {block_size} (multiples of 16)")
-        lib, fused = (_load(path) for path in build_all([("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}),
-                                                          ("fused.cpp", {})], log=log))
+        specs = [("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}), ("fused.cpp", {})]
+        if kv_cache_dtype != "auto":
+            if "avx512_vnni" not in cpu_identity()[1]:
+                raise BuildError(f"no native kernel for a {kv_cache_dtype} KV cache on this CPU (it needs AVX512-VNNI)")
+            if group4(head_dim) % 16:
+                raise BuildError(f"no native kernel for int4 groups of {group4(head_dim)} (multiples of 16)")
+            shape = {"HEAD_DIM": head_dim, "GQA": gqa, "GROUP": group4(head_dim)}
+            specs += [("paged_attention_quant.cpp", shape), ("kv_quant_store.cpp", shape)]
+        lib, fused, *quant = (_load(path) for path in build_all(specs, log=log))
         fn = lib.bj_paged_attention
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I]
@@ -49,6 +74,12 @@ class NativeKernels:
         self._rotary = _fn(fused.bj_rotary, [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I])
         self._silu_mul = _fn(fused.bj_silu_mul, [_P, _P, _I, _I, _I, _I])
         self._argmax = _fn(fused.bj_argmax_rows, [_P, _I, _I, _P, _I, _I])
+        if quant:
+            attention, store = quant
+            self._attention_quant = _fn(attention.bj_paged_attention_quant, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _P, _P,
+                                                                             _I, _I, _I, _I, _I, _F, _I, _I, _I])
+            self._store_quant = _fn(store.bj_store_kv_quant, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I])
+            self._load_quant = _fn(store.bj_load_kv_quant, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P])
         self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
         self.dtype_code = _DTYPE_CODES[dtype]
 
@@ -59,10 +90,40 @@ class NativeKernels:
             return (num_blocks, num_kv_heads, head_dim // 2, block_size, 2), (num_blocks, num_kv_heads, block_size // 2, head_dim, 2)
         return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
 
+    def quantized_kv_caches(self, bits: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                            alloc) -> tuple[PackedKV, PackedKV]:
+        """A layer's int8/int4 K and V caches in paged_attention_quant.cpp's layouts; `alloc(shape, dtype)`."""
+        groups = 1 if bits == 8 else head_dim // group4(head_dim)
+        scales = (num_blocks, num_kv_heads, groups, block_size)
+        if bits == 8:
+            k = alloc((num_blocks, num_kv_heads, head_dim // 4, block_size, 4), torch.uint8)
+            v = alloc((num_blocks, num_kv_heads, block_size // 2, head_dim, 2), torch.int8)
+        else:
+            k = alloc((num_blocks, num_kv_heads, head_dim // 8, block_size, 4), torch.uint8)
+            v = alloc((num_blocks, num_kv_heads, block_size // 4, head_dim, 2), torch.uint8)
+        return PackedKV(k, alloc(scales, torch.float16), bits), PackedKV(v, alloc(scales, torch.float16), bits)
+
+    def load_kv(self, k_cache: PackedKV, v_cache: PackedKV, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized K and V of `slots` as fp32 [n, kv_heads, D] (the inverse of store_kv, for tests)."""
+        slots = slots.to(torch.int64).contiguous()
+        hkv = k_cache.codes.shape[1]
+        k = torch.empty((len(slots), hkv, self.head_dim))
+        v = torch.empty_like(k)
+        _check(self._load_quant(k_cache.codes.data_ptr(), v_cache.codes.data_ptr(), k_cache.scales.data_ptr(),
+                                v_cache.scales.data_ptr(), slots.data_ptr(), len(slots), hkv, k_cache.scales.shape[3],
+                                k_cache.bits, k.data_ptr(), v.data_ptr()), "KV load")
+        return k, v
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """k, v: [T, Hkv, D] (rows may be strided) into their slots of the caches."""
         k, v = _rows_contiguous(k), _rows_contiguous(v)
+        if isinstance(k_cache, PackedKV):
+            _check(self._store_quant(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.codes.data_ptr(),
+                                     v_cache.codes.data_ptr(), k_cache.scales.data_ptr(), v_cache.scales.data_ptr(),
+                                     slot_mapping.data_ptr(), k.shape[0], k.shape[1], k_cache.scales.shape[3],
+                                     k_cache.bits, self.dtype_code, torch.get_num_threads()), "quantizing KV store")
+            return
         rc = self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             slot_mapping.data_ptr(), k.shape[0], k.shape[1], k_cache.shape[3], self.dtype_code,
                             torch.get_num_threads())
@@ -129,6 +190,14 @@ class NativeKernels:
         q = _rows_contiguous(q)
         out = torch.empty((t, h, d), dtype=q.dtype)
         bt = meta.block_tables
+        if isinstance(k_cache, PackedKV):
+            _check(self._attention_quant(
+                q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.codes.data_ptr(), v_cache.codes.data_ptr(),
+                k_cache.scales.data_ptr(), v_cache.scales.data_ptr(), bt.data_ptr(), bt.shape[1],
+                meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.shape[0], h,
+                k_cache.codes.shape[1], k_cache.scales.shape[3], window or 0, scale, k_cache.bits, self.dtype_code,
+                torch.get_num_threads()), "paged attention over a quantized cache")
+            return out
         rc = self._attention(
             q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             bt.data_ptr(), bt.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),

@@ -13,8 +13,12 @@ from batchjob.engine.model_runner import ModelRunner
 from batchjob.engine.scheduler import SchedulerConfig
 from batchjob.engine.sequence import SamplingParams, Sequence
 from batchjob.kernels import AttentionMetadata, KernelError, paged_attention_torch, select_kernels, store_kv
+from batchjob.kernels.build import cpu_identity
 from batchjob.kernels.kv_quant import GROUP4, QuantizedKV, dequantize, quantize
+from batchjob.kernels.native import PackedKV
 from tests.test_engine import prompts, tiny_model  # noqa: F401
+
+HAS_VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_identity()[1]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -70,7 +74,8 @@ def _quantized(model, kv):
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
-def test_the_pool_holds_more_tokens_and_swap_preemption_and_prefix_caching_keep_the_text(tiny_model, kv):  # noqa: F811
+@pytest.mark.parametrize("block_size", [8, 16])  # 8: the torch references' QuantizedKV; 16: native PackedKV where it builds
+def test_the_pool_holds_more_tokens_and_swap_preemption_and_prefix_caching_keep_the_text(tiny_model, kv, block_size):  # noqa: F811
     model = _quantized(tiny_model, kv)
     bf16 = 2 * 2 * 2 * 16 * 2  # per token: K and V, 2 layers, 2 KV heads, head_dim 16, 2 bytes
     per_token = ModelRunner.kv_bytes_per_block(model, 16) / 16
@@ -82,7 +87,7 @@ def test_the_pool_holds_more_tokens_and_swap_preemption_and_prefix_caching_keep_
     params = SamplingParams(max_tokens=20, temperature=0.7)
 
     def run(**cfg):
-        engine = Engine(model, [], EngineConfig(block_size=8, **cfg))
+        engine = Engine(model, [], EngineConfig(block_size=block_size, **cfg))
         seqs = [Sequence(i, p, params, rng_key=i) for i, p in enumerate(ps)]
         for s in seqs:
             assert engine.add(s) is None
@@ -90,7 +95,9 @@ def test_the_pool_holds_more_tokens_and_swap_preemption_and_prefix_caching_keep_
         while engine.has_work:
             engine.step()
             swaps += len(engine.last_step.swap_out) if engine.last_step else 0
-        assert isinstance(engine.runner.kv_caches[0][0], QuantizedKV)
+        cache = engine.runner.kv_caches[0][0]
+        assert isinstance(cache, PackedKV if engine.runner.model.kernels.name == "native" else QuantizedKV)
+        assert block_size == 8 or engine.runner.model.kernels.name == "native" or not HAS_VNNI
         return [s.output_ids for s in seqs], swaps
 
     roomy, _ = run(num_blocks=512)
@@ -100,14 +107,13 @@ def test_the_pool_holds_more_tokens_and_swap_preemption_and_prefix_caching_keep_
     assert uncached == roomy
 
 
-def test_which_kernels_read_a_quantized_cache_so_far():
-    """The references read int8 and int4, the Triton kernels int8 and int4 (tests/triton_cases.py), native neither."""
-    logged = []
-    assert select_kernels("auto", "cpu", torch.float32, 64, 3, 16, log=logged.append, kv_cache_dtype="int8").name == "torch"
-    assert "int8 KV cache: the native kernels do not read it yet; using the torch reference kernels" in logged[0]
-    with pytest.raises(KernelError, match="'native' does not read a int4 KV cache yet.*--kernels auto or torch"):
-        select_kernels("native", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int4")
-    with pytest.raises(KernelError, match="'triton' does not read a int4 KV cache yet"):
+def test_which_kernels_read_a_quantized_cache():
+    """The references, native (tests/test_native_kv_quant.py) and Triton (tests/triton_cases.py) read int8
+    and int4; Triton's int4 store needs head_dim / 2 a power of two."""
+    assert select_kernels("torch", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int8").name == "torch"
+    if HAS_VNNI:
+        assert select_kernels("auto", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int4").name == "native"
+    with pytest.raises(KernelError, match="'triton' does not read a int4 KV cache with head_dim 80 yet"):
         select_kernels("triton", "cpu", torch.float32, 80, 3, 16, kv_cache_dtype="int4")  # head_dim / 2 = 40
 
 
@@ -130,7 +136,8 @@ def test_a_job_on_an_int8_cache_resumes_and_refuses_to_continue_on_another_cache
     assert sorted(read_results(tmp_path / "out").column("row_index").to_pylist()) == list(range(8))
 
 
-def test_a_greedy_job_on_an_int8_cache_agrees_with_the_unquantized_one_on_95_percent_of_rows(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("native", marks=pytest.mark.skipif(not HAS_VNNI, reason="AVX512-VNNI"))])
+def test_a_greedy_job_on_an_int8_cache_agrees_with_the_unquantized_one_on_95_percent_of_rows(tmp_path, tiny_model_dir, kernels):
     """Over 8 tokens. A random tiny model's logits are nearly flat, so longer texts drift apart by chance
     (16 tokens: 56 of 60 rows agreed here); SmolLM2's figures are bench/kv_quality.py's."""
     from click.testing import CliRunner
@@ -144,9 +151,10 @@ def test_a_greedy_job_on_an_int8_cache_agrees_with_the_unquantized_one_on_95_per
     for kv in ("auto", "int8"):
         out = tmp_path / kv
         done = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir("llama")), "--input", str(src), "--output",
-                                         str(out), "--max-tokens", "8", "--dtype", "float32", "--kernels", "torch",
+                                         str(out), "--max-tokens", "8", "--dtype", "float32", "--kernels", kernels,
                                          "--kv-cache-dtype", kv, "--no-progress"])
         assert done.exit_code == 0, done.output
         texts[kv] = read_results(out).sort_by("row_index").column("generated_text").to_pylist()
     same = sum(a == b for a, b in zip(texts["auto"], texts["int8"]))
+    print(f"{kernels}: {same} of 200 rows agree")
     assert same >= 0.95 * 200, same

@@ -52,17 +52,24 @@ def attend(kernels, rows: list[Row], block_size: int, window=None, dtype=None, s
     """Every row's attention output for its new tokens: K/V stored through the backend's own store_kv
     (each backend lays its cache out its own way) into shuffled blocks, rows in the given order
     (decodes first, as the model runner lays them out)."""
-    assert all(r.new == 1 for r in rows[:sum(r.new == 1 for r in rows)]), "decodes first"
     dtype = dtype or rows[0].q.dtype
     kv_heads, head_dim = rows[0].k.shape[1:]
+    num_blocks, slots, meta = paged_step(rows, block_size, seed)
+    ks, vs = kernels.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    kc, vc = torch.zeros(ks, dtype=dtype), torch.zeros(vs, dtype=dtype)
+    for r, s in zip(rows, slots):
+        kernels.store_kv(r.k.to(dtype), r.v.to(dtype), kc, vc, s)
+    out = kernels.attention(torch.cat([r.q for r in rows]).to(dtype), kc, vc, meta, head_dim ** -0.5, window)
+    return list(out.split([r.new for r in rows]))
+
+
+def paged_step(rows: list[Row], block_size: int, seed: int = 0) -> tuple[int, list[torch.Tensor], AttentionMetadata]:
+    """A step over `rows` in shuffled blocks: the pool's block count, each row's context slots, the metadata."""
+    assert all(r.new == 1 for r in rows[:sum(r.new == 1 for r in rows)]), "decodes first"
     need = [-(-(r.cached + r.new) // block_size) for r in rows]
     perm = torch.randperm(sum(need) + 2, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(rows))]
-    ks, vs = kernels.kv_cache_shapes(len(perm), block_size, kv_heads, head_dim)
-    kc, vc = torch.zeros(ks, dtype=dtype), torch.zeros(vs, dtype=dtype)
     slot = lambda t, p: t[p // block_size] * block_size + p % block_size  # noqa: E731
-    for r, t in zip(rows, tables):
-        kernels.store_kv(r.k.to(dtype), r.v.to(dtype), kc, vc, torch.tensor([slot(t, p) for p in range(r.cached + r.new)]))
     bt = torch.zeros(len(rows), max(need), dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -73,8 +80,8 @@ def attend(kernels, rows: list[Row], block_size: int, window=None, dtype=None, s
         bt, torch.tensor([r.cached + r.new for r in rows], dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
         torch.tensor([slot(t, p) for r, t in zip(rows, tables) for p in range(r.cached, r.cached + r.new)]),
         sum(r.new == 1 for r in rows))
-    out = kernels.attention(torch.cat([r.q for r in rows]).to(dtype), kc, vc, meta, head_dim ** -0.5, window)
-    return list(out.split([r.new for r in rows]))
+    slots = [torch.tensor([slot(t, p) for p in range(r.cached + r.new)]) for r, t in zip(rows, tables)]
+    return len(perm), slots, meta
 
 
 def reference(rows, block_size, window=None) -> list[torch.Tensor]:

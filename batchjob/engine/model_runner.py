@@ -33,11 +33,14 @@ class ModelRunner:
             k_shape, v_shape = model.kernels.kv_cache_shapes(num_blocks, block_size, c.num_kv_heads, c.head_dim)
             self.kv_caches = [(_zeros(k_shape, model.dtype, model.device), _zeros(v_shape, model.dtype, model.device))
                               for _ in range(c.num_layers)]
-        else:  # quantized (kernels/kv_quant.py): codes and scales, each a paged tensor
+        else:  # quantized (kernels/kv_quant.py): codes and scales, each a paged tensor, in the kernels' layout
             bits = {"int8": 8, "int4": 4}[kv]
             alloc = lambda shape, dtype: _zeros(shape, dtype, model.device)  # noqa: E731
-            self.kv_caches = [tuple(QuantizedKV.zeros(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                                      model.device, alloc) for _ in range(2)) for _ in range(c.num_layers)]
+            own = getattr(model.kernels, "quantized_kv_caches", None)  # the native kernels lay theirs out their way
+            make = (lambda: own(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim, alloc)) if own else (
+                lambda: tuple(QuantizedKV.zeros(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.device,
+                                                alloc) for _ in range(2)))
+            self.kv_caches = [make() for _ in range(c.num_layers)]
         # every paged tensor of a layer (K and V, or their codes and scales), with a host copy for swaps
         self.paged = [[t for cache in layer for t in _tensors(cache)] for layer in self.kv_caches]
         pin = model.device.type == "cuda"
@@ -239,7 +242,7 @@ class StepTokens:
 
 
 def _tensors(cache) -> tuple[torch.Tensor, ...]:
-    return cache.tensors() if isinstance(cache, QuantizedKV) else (cache,)
+    return cache.tensors() if hasattr(cache, "tensors") else (cache,)  # QuantizedKV or native.PackedKV
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
