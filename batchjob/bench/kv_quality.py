@@ -7,6 +7,8 @@
   in chunks of 64 tokens, so that later chunks read the quantized K/V of the earlier ones (and every
   chunk its own, stored before attention reads it);
 - for int4, the scale group size along head_dim (16, 32, 64 = one scale per token and head);
+- the native kernels' int8/int4 (AVX512-VNNI: the query quantized to int8 for Q.K, P to 15 bits for P.V)
+  against the same reference;
 - for scale, the noise floor: the unquantized cache on the native kernels (another summation order),
   and int8 against the unquantized cache in fp32 (no bf16 rounding between them).
 
@@ -46,7 +48,7 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def measure(num_prompts: int = 64, max_tokens: int = 64, log=print) -> dict:
+def measure(num_prompts: int = 64, max_tokens: int = 64, log=print, only: list[str] | None = None) -> dict:
     from batchjob.api import LLM
     from batchjob.kernels import kv_quant
     from batchjob.models.llama import LlamaModel
@@ -56,7 +58,10 @@ def measure(num_prompts: int = 64, max_tokens: int = 64, log=print) -> dict:
     # (KV dtype, int4 group, kernels, dtype); the first of each dtype is the reference of the ones after it
     variants = [("auto", None, "torch", None), ("int8", None, "torch", None), ("int4", 16, "torch", None),
                 ("int4", 32, "torch", None), ("int4", 64, "torch", None), ("auto", None, "native", None),
-                ("auto", None, "torch", "float32"), ("int8", None, "torch", "float32")]
+                ("int8", None, "native", None), ("int4", 16, "native", None),
+                ("auto", None, "torch", "float32"), ("int8", None, "torch", "float32"), ("int8", None, "native", "float32")]
+    if only:  # a subset (the first of each dtype stays: it is the reference)
+        variants = [v for v in variants if v[0] == "auto" and v[2] == "torch" or f"{v[0]}/{v[2]}" in only]
     base_group = kv_quant.GROUP4
     results, refs = [], {}
     for kv, group, kernels, dtype in variants:
@@ -98,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", nargs="*", help="variants as KV/KERNELS, e.g. int8/native (the references always run)")
     args = ap.parse_args(argv)
-    report = measure(args.prompts, args.max_tokens)
+    report = measure(args.prompts, args.max_tokens, only=args.only)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import report, speculative
+from batchjob.bench import kv_speed, report, speculative
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-roofline", action="store_true")
     ap.add_argument("--speculative-batches", default="1,4,16,64",
                     help="batch sizes of the speculative workload (SmolLM2 rewriting texts); empty: skip it")
+    ap.add_argument("--no-kv-speed", action="store_true", help="skip the quantized-KV speed runs (bench/kv_speed.py)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
     ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
@@ -219,6 +220,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log(f"  failed: {done.stderr[-1000:]}")
 
+    kv_rows = None
+    if not args.no_kv_speed and not args.pipeline_only:
+        import subprocess
+        import tempfile
+
+        log("quantized KV cache (native kernels): attention per layer and a SmolLM2 job, auto / int8 / int4 ...")
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, "-m", "batchjob.bench.kv_speed", "--json", f.name]
+            if args.quick:
+                cmd += ["--rows", "16", "--max-tokens", "16"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            if done.returncode == 0:
+                kv_rows = json.loads(Path(f.name).read_text())
+                log(kv_speed.text(kv_rows))
+            else:
+                log(f"  failed: {done.stderr[-1000:]}")
+
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
     result = {
@@ -226,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
-        "speculative": spec_rows,
+        "speculative": spec_rows, "kv_speed": kv_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -257,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     if spec_rows:
         log("speculative decoding (ngram; off / forced at every batch / as shipped):")
         log(speculative.text(spec_rows))
+        log("")
+    if kv_rows:
+        log("quantized KV cache (native kernels; auto = bf16):")
+        log(kv_speed.text(kv_rows))
         log("")
     log("targets (issue 7):")
     log(report.targets_text(tgts))

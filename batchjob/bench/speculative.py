@@ -2,9 +2,10 @@
 greedy, 96 tokens), where prompt lookup should help, at several batch sizes, with speculation off,
 forced on at every batch size (speculative_max_rows large) and as shipped (default max rows). Reports
 generated tokens/s, speed-up over off, acceptance rate, tokens per row forward, and whether the text
-matched the run without speculation.
+matched the run without speculation. `--draft-layers N` adds a draft-model run: SmolLM2's first N layers
+as the draft (bench/draft_model.py; no smaller model of the family ships here).
 
-    python -m batchjob.bench.speculative [--batches 1,4,16,64] [--max-tokens 96]
+    python -m batchjob.bench.speculative [--batches 1,4,16,64] [--max-tokens 96] [--draft-layers N]
 """
 from __future__ import annotations
 
@@ -74,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--json", type=Path, help="write the rows here (default: print them)")
+    ap.add_argument("--draft-layers", type=int, default=0, help="also run a draft model: SmolLM2's first N layers")
+    ap.add_argument("--cache-dir", type=Path, default=ROOT / "bench/cache", help="where the draft model is built")
     args = ap.parse_args(argv)
+    if args.draft_layers:
+        from batchjob.bench.draft_model import truncated_smollm2
+
+        folder = truncated_smollm2(args.draft_layers, args.cache_dir / f"smollm2-first-{args.draft_layers}-layers")
+        MODES["draft"] = dict(speculative="draft", draft_model=str(folder), speculative_max_rows=1 << 20)
     rows = measure([int(b) for b in args.batches.split(",")], args.max_tokens)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
