@@ -6,7 +6,8 @@
   128 tokens), chat, greedy, generated tokens/s (the dtypes taking turns, best of 2), and how many tokens
   the pool holds per GiB.
 
-    python -m batchjob.bench.kv_speed [--rows 64] [--max-tokens 64] [--json PATH]
+    python -m batchjob.bench.kv_speed [--rows 64] [--max-tokens 64] [--workloads chat,long,long-decode] [--no-attention]
+                                    [--json PATH]
 """
 from __future__ import annotations
 
@@ -83,22 +84,26 @@ def workload(name: str, rows: int) -> list[str]:
     return [f"Document {i}.\n\n{text}\n\n{ASKS[i % len(ASKS)]}" for i in range(rows)]
 
 
-def jobs(rows: int, max_tokens: int, rounds: int = 2, log=print) -> list[dict]:
-    """Generated tokens/s of SmolLM2 on each workload (`rows` prompts; long: twice `max_tokens`) per KV dtype,
-    the best of `rounds`, the dtypes taking turns in every round."""
+def jobs(rows: int, max_tokens: int, rounds: int = 2, workloads=("chat", "long"), log=print) -> list[dict]:
+    """Generated tokens/s of SmolLM2 on each workload per KV dtype, the best of `rounds`, the dtypes taking
+    turns in every round: chat (`rows` prompts, `max_tokens`), long (`rows`, twice that), long-decode (half
+    the rows of long, 8 x `max_tokens` each past EOS: contexts ~550 to ~1050)."""
     from batchjob.api import LLM
     from batchjob.engine.model_runner import ModelRunner
 
     llms = {kv: LLM("smollm2", kv_cache_dtype=kv, max_num_seqs=rows, prefix_caching=False) for kv in KV}
     out = []
-    for name, tokens_cap in (("chat", max_tokens), ("long", 2 * max_tokens)):
-        prompts = workload(name, rows)
+    plan = [("chat", rows, max_tokens, rounds, False), ("long", rows, 2 * max_tokens, rounds, False),
+            ("long-decode", rows // 2, 8 * max_tokens, rounds, True)]
+    for name, n, tokens_cap, reps, past_eos in (p for p in plan if p[0] in workloads):
+        prompts = workload("chat" if name == "chat" else "long", n)
         best = {kv: float("inf") for kv in KV}
         done = {}
-        for rnd in range(rounds + 1):  # round 0 warms up (kernels compiled, first-call costs paid)
+        for rnd in range(reps + 1):  # round 0 warms up (kernels compiled, first-call costs paid)
             for kv, llm in llms.items():
                 t0 = time.perf_counter()
-                results = llm.generate(prompts if rnd else prompts[:2], chat=True, max_tokens=tokens_cap if rnd else 4)
+                results = llm.generate(prompts if rnd else prompts[:2], chat=True, max_tokens=tokens_cap if rnd else 4,
+                                       ignore_eos=past_eos)
                 if rnd:
                     best[kv] = min(best[kv], time.perf_counter() - t0)
                     done[kv] = results
@@ -106,8 +111,8 @@ def jobs(rows: int, max_tokens: int, rounds: int = 2, log=print) -> list[dict]:
             model = llm.engine.runner.model
             results = done[kv]
             tokens = sum(r.completion_tokens for r in results)
-            j = {"workload": name, "kv_cache_dtype": kv, "kernels": model.kernels.name, "rows": rows,
-                 "max_tokens": tokens_cap, "mean_context": round(sum(r.prompt_tokens + r.completion_tokens for r in results) / rows),
+            j = {"workload": name, "kv_cache_dtype": kv, "kernels": model.kernels.name, "rows": n,
+                 "max_tokens": tokens_cap, "mean_context": round(sum(r.prompt_tokens + r.completion_tokens for r in results) / n),
                  "tokens": tokens, "seconds": round(best[kv], 2), "tokens_s": round(tokens / best[kv], 1),
                  "kv_tokens_per_gib": int(2 ** 30 / (ModelRunner.kv_bytes_per_block(model, 16) / 16))}
             out.append(j)
@@ -116,14 +121,14 @@ def jobs(rows: int, max_tokens: int, rounds: int = 2, log=print) -> list[dict]:
     return out
 
 
-def measure(rows: int = 64, max_tokens: int = 64, log=print) -> dict:
-    attention = []
-    for r, lo, hi in CASES:
+def measure(rows: int = 64, max_tokens: int = 64, workloads=("chat", "long"), attention: bool = True, log=print) -> dict:
+    cases, attention = (CASES if attention else []), []
+    for r, lo, hi in cases:
         ms = {kv: round(v, 4) for kv, v in attention_ms(r, lo, hi).items()}
         attention.append({"rows": r, "context": [lo, hi], "ms_per_layer": ms})
         log(f"  attention, {r:3} rows, context {lo}-{hi}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
             + f"  (int8 x{ms['auto'] / ms['int8']:.2f}, int4 x{ms['auto'] / ms['int4']:.2f})")
-    return {"threads": torch.get_num_threads(), "attention": attention, "jobs": jobs(rows, max_tokens, log=log)}
+    return {"threads": torch.get_num_threads(), "attention": attention, "jobs": jobs(rows, max_tokens, workloads=workloads, log=log)}
 
 
 def text(report: dict) -> str:
@@ -145,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, help="write the report here (default: print it)")
+    ap.add_argument("--workloads", default="chat,long", help="jobs among chat,long,long-decode (long-decode: minutes)")
+    ap.add_argument("--no-attention", action="store_true", help="skip the attention timings")
     args = ap.parse_args(argv)
-    report = measure(args.rows, args.max_tokens)
+    report = measure(args.rows, args.max_tokens, workloads=args.workloads.split(","), attention=not args.no_attention)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     else:
