@@ -76,6 +76,13 @@ class QuantizedKV:
         return x.view(s, length, hkv, self.head_dim).transpose(1, 2)
 
 
+def quantized_kv_caches(bits: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                        alloc) -> tuple[QuantizedKV, QuantizedKV]:
+    """A layer's K and V caches in this layout (the references' and Triton's); `alloc(shape, dtype)`. The
+    native kernels have their own (kernels/native.py `NativeKernels.quantized_kv_caches`)."""
+    return tuple(QuantizedKV.zeros(bits, num_blocks, block_size, kv_heads, head_dim, None, alloc) for _ in range(2))
+
+
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes, fp16 scales [..., groups]): symmetric absmax, rounded to nearest."""
     xf = x.float()

@@ -62,14 +62,8 @@ class NativeKernels:
             shape = {"HEAD_DIM": head_dim, "GQA": gqa, "GROUP": group4(head_dim)}
             specs += [("paged_attention_quant.cpp", shape), ("kv_quant_store.cpp", shape)]
         lib, fused, *quant = (_load(path) for path in build_all(specs, log=log))
-        fn = lib.bj_paged_attention
-        fn.restype = _I
-        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I]
-        self._attention = fn
-        fn = lib.bj_store_kv
-        fn.restype = _I
-        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I]
-        self._store_kv = fn
+        self._attention = _fn(lib.bj_paged_attention, [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I])
+        self._store_kv = _fn(lib.bj_store_kv, [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I])
         self._add_rms_norm = _fn(fused.bj_add_rms_norm, [_P, _I64, _P, _P, _P, _I, _I, _F, _I, _I])
         self._rotary = _fn(fused.bj_rotary, [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I])
         self._silu_mul = _fn(fused.bj_silu_mul, [_P, _P, _I, _I, _I, _I])
@@ -124,11 +118,9 @@ class NativeKernels:
                                      slot_mapping.data_ptr(), k.shape[0], k.shape[1], k_cache.scales.shape[3],
                                      k_cache.bits, self.dtype_code, torch.get_num_threads()), "quantizing KV store")
             return
-        rc = self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                            slot_mapping.data_ptr(), k.shape[0], k.shape[1], k_cache.shape[3], self.dtype_code,
-                            torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"native KV store refused its arguments (code {rc})")
+        _check(self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                              slot_mapping.data_ptr(), k.shape[0], k.shape[1], k_cache.shape[3], self.dtype_code,
+                              torch.get_num_threads()), "KV store")
 
     # elementwise ops (kernels/csrc/fused.cpp); the references are TorchKernels' methods of the same name
 
@@ -198,14 +190,11 @@ class NativeKernels:
                 k_cache.codes.shape[1], k_cache.scales.shape[3], window or 0, scale, k_cache.bits, self.dtype_code,
                 torch.get_num_threads()), "paged attention over a quantized cache")
             return out
-        rc = self._attention(
+        _check(self._attention(
             q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             bt.data_ptr(), bt.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
             meta.seq_lens.shape[0], h, k_cache.shape[1], k_cache.shape[3], window or 0, scale, self.dtype_code,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"native paged attention refused its arguments (code {rc})")
+            torch.get_num_threads()), "paged attention")
         return out
 
 

@@ -16,7 +16,7 @@ from batchjob.engine.scheduler import Step
 from batchjob.engine.sequence import PLACEHOLDER
 from batchjob.engine.staging import StagingBuffers
 from batchjob.kernels import AttentionMetadata
-from batchjob.kernels.kv_quant import QuantizedKV, bytes_per_token_head
+from batchjob.kernels.kv_quant import bytes_per_token_head, quantized_kv_caches
 from batchjob.kernels.profiling import scope
 from batchjob.models.llama import LlamaModel
 
@@ -36,11 +36,9 @@ class ModelRunner:
         else:  # quantized (kernels/kv_quant.py): codes and scales, each a paged tensor, in the kernels' layout
             bits = {"int8": 8, "int4": 4}[kv]
             alloc = lambda shape, dtype: _zeros(shape, dtype, model.device)  # noqa: E731
-            own = getattr(model.kernels, "quantized_kv_caches", None)  # the native kernels lay theirs out their way
-            make = (lambda: own(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim, alloc)) if own else (
-                lambda: tuple(QuantizedKV.zeros(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.device,
-                                                alloc) for _ in range(2)))
-            self.kv_caches = [make() for _ in range(c.num_layers)]
+            make = getattr(model.kernels, "quantized_kv_caches", quantized_kv_caches)  # native lays its own out
+            self.kv_caches = [make(bits, num_blocks, block_size, c.num_kv_heads, c.head_dim, alloc)
+                              for _ in range(c.num_layers)]
         # every paged tensor of a layer (K and V, or their codes and scales), with a host copy for swaps
         self.paged = [[t for cache in layer for t in _tensors(cache)] for layer in self.kv_caches]
         pin = model.device.type == "cuda"

@@ -111,6 +111,19 @@ inline void softmax_rows(__m512* s, Row* const* rows, int t0, float scale_log2, 
   }
 }
 
+// A row's output: its D accumulators / l, as fp32, or (with AVX512-BF16) rounded to bf16.
+inline void store_row(const float* acc, float inv_l, float* out) {
+  const __m512 s = _mm512_set1_ps(inv_l);
+  for (int i = 0; i < NACC; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_load_ps(acc + 16 * i), s));
+}
+#ifdef __AVX512BF16__
+inline void store_row(const float* acc, float inv_l, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(inv_l);
+  for (int i = 0; i < NACC; ++i)
+    _mm256_storeu_si256((__m256i*)(out + 16 * i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + 16 * i), s)));
+}
+#endif
+
 inline void prefetch_l2(const void* p, int bytes) {
   for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
 }

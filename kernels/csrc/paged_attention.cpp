@@ -62,11 +62,6 @@ struct F32 {
     for (int r = 0; r < N; ++r)
       for (int i = 0; i < NACC; ++i) _mm512_store_ps(rows[r]->acc + 16 * i, acc[r][i]);
   }
-
-  static void store(const float* acc, float inv_l, float* out) {
-    const __m512 s = _mm512_set1_ps(inv_l);
-    for (int i = 0; i < NACC; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_load_ps(acc + 16 * i), s));
-  }
 };
 
 #ifdef __AVX512BF16__
@@ -111,12 +106,6 @@ struct BF16 {
       }
     for (int r = 0; r < N; ++r)
       for (int i = 0; i < NACC; ++i) _mm512_store_ps(rows[r]->acc + 16 * i, acc[r][i]);
-  }
-
-  static void store(const float* acc, float inv_l, uint16_t* out) {
-    const __m512 s = _mm512_set1_ps(inv_l);
-    for (int i = 0; i < NACC; ++i)
-      _mm256_storeu_si256((__m256i*)(out + 16 * i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + 16 * i), s)));
   }
 };
 #endif
@@ -176,7 +165,7 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
   T* out = (T*)A.out;
   for (int r = 0; r < nrows; ++r) {
     const int t = tb + r / G, head = h * G + r % G;
-    K::store(acc[r], 1.0f / rows[r].l, out + ((int64_t)t * A.num_heads + head) * D);
+    store_row(acc[r], 1.0f / rows[r].l, out + ((int64_t)t * A.num_heads + head) * D);
   }
 }
 

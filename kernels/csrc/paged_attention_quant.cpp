@@ -183,9 +183,13 @@ struct Quant {
     for (int r = 0; r < N; ++r) {
       const __mmask16 seen = key_mask(t0, *rows[r]);
       for (int g = 0; g < NG; ++g) {
-        __m512 factor = t.p_to_int[g];
-        unit[r][g] = t.unit[g];
-        if (seen != 0xffff) p_factors(_mm512_maskz_mov_ps(seen, t.vscale[g]), &factor, &unit[r][g]);
+        __m512 factor;
+        if (seen == 0xffff) {  // the tile's own factors (set: some row sees the whole tile)
+          factor = t.p_to_int[g];
+          unit[r][g] = t.unit[g];
+        } else {
+          p_factors(_mm512_maskz_mov_ps(seen, t.vscale[g]), &factor, &unit[r][g]);
+        }
         _mm256_store_si256((__m256i*)pw[r][g], _mm512_cvtepi32_epi16(_mm512_cvt_roundps_epi32(
             _mm512_mul_ps(s[r], factor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
       }
@@ -291,16 +295,7 @@ void run_item(const Args& A, const Scales& S, int row, int h, int tb, int te) {
   T* out = (T*)A.out;
   for (int r = 0; r < nrows; ++r) {
     const int t = tb + r / G, head = h * G + r % G;
-    const __m512 inv = _mm512_set1_ps(1.0f / rows[r].l);
-    T* o = out + ((int64_t)t * A.num_heads + head) * D;
-    for (int i = 0; i < NACC; ++i) {
-      const __m512 y = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * i), inv);
-      if constexpr (std::is_same<T, float>::value) {
-        _mm512_storeu_ps(o + 16 * i, y);
-      } else {
-        _mm256_storeu_si256((__m256i*)(o + 16 * i), (__m256i)_mm512_cvtneps_pbh(y));
-      }
-    }
+    store_row(acc[r], 1.0f / rows[r].l, out + ((int64_t)t * A.num_heads + head) * D);
   }
 }
 
@@ -327,11 +322,19 @@ int bj_paged_attention_quant(const void* q, int64_t q_token_stride, void* out, c
   using I4 = std::integral_constant<int, 4>;
   using F = std::common_type<float>;
   using H = std::common_type<uint16_t>;
-  if (bits == 8 && dtype == 0) go(I8{}, F{});
-  else if (bits == 8 && dtype == 1) go(I8{}, H{});
-  else if (bits == 4 && dtype == 0) go(I4{}, F{});
-  else if (bits == 4 && dtype == 1) go(I4{}, H{});
-  else return -1;
+  if (bits == 8 && dtype == 0) {
+    go(I8{}, F{});
+  } else if (bits == 4 && dtype == 0) {
+    go(I4{}, F{});
+#ifdef __AVX512BF16__
+  } else if (bits == 8 && dtype == 1) {
+    go(I8{}, H{});
+  } else if (bits == 4 && dtype == 1) {
+    go(I4{}, H{});
+#endif
+  } else {
+    return -1;
+  }
   return 0;
 }
 
