@@ -2,9 +2,10 @@
 
 - attention alone: ms per layer call, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, bf16),
   decode rows over random contexts, 30 distinct layers' caches (DRAM-resident, as in a real step);
-- jobs: SmolLM2 on the sample prompts (short, 64 tokens) and on questions about a ~500-token text (long,
-  128 tokens), chat, greedy, generated tokens/s (the dtypes taking turns, best of 2), and how many tokens
-  the pool holds per GiB.
+- jobs: SmolLM2 on the sample prompts (chat: short, 64 tokens), on questions about a ~500-token text
+  (long: 128 tokens) and, with `--workloads ...,long-decode`, on half as many of those for 512 tokens
+  past EOS; greedy, generated tokens/s (the dtypes taking turns, best of 2), and how many tokens the pool
+  holds per GiB.
 
     python -m batchjob.bench.kv_speed [--rows 64] [--max-tokens 64] [--workloads chat,long,long-decode] [--no-attention]
                                     [--json PATH]
@@ -116,32 +117,35 @@ def jobs(rows: int, max_tokens: int, rounds: int = 2, workloads=("chat", "long")
                  "tokens": tokens, "seconds": round(best[kv], 2), "tokens_s": round(tokens / best[kv], 1),
                  "kv_tokens_per_gib": int(2 ** 30 / (ModelRunner.kv_bytes_per_block(model, 16) / 16))}
             out.append(j)
-            log(f"  job {name} (mean context {j['mean_context']}), {kv} ({j['kernels']}): {j['tokens_s']:.1f} tok/s, "
-                f"{j['kv_tokens_per_gib']:,} KV tokens per GiB")
+            log(job_line(j))
     return out
 
 
-def measure(rows: int = 64, max_tokens: int = 64, workloads=("chat", "long"), attention: bool = True, log=print) -> dict:
-    cases, attention = (CASES if attention else []), []
-    for r, lo, hi in cases:
-        ms = {kv: round(v, 4) for kv, v in attention_ms(r, lo, hi).items()}
-        attention.append({"rows": r, "context": [lo, hi], "ms_per_layer": ms})
-        log(f"  attention, {r:3} rows, context {lo}-{hi}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
-            + f"  (int8 x{ms['auto'] / ms['int8']:.2f}, int4 x{ms['auto'] / ms['int4']:.2f})")
-    return {"threads": torch.get_num_threads(), "attention": attention, "jobs": jobs(rows, max_tokens, workloads=workloads, log=log)}
+def measure(rows: int = 64, max_tokens: int = 64, workloads=("chat", "long"), with_attention: bool = True,
+            log=print) -> dict:
+    attention = []
+    for r, lo, hi in CASES if with_attention else []:
+        a = {"rows": r, "context": [lo, hi], "ms_per_layer": {kv: round(v, 4) for kv, v in attention_ms(r, lo, hi).items()}}
+        attention.append(a)
+        log(attention_line(a))
+    return {"threads": torch.get_num_threads(), "attention": attention,
+            "jobs": jobs(rows, max_tokens, workloads=workloads, log=log)}
+
+
+def attention_line(a: dict) -> str:
+    ms = a["ms_per_layer"]
+    return (f"  attention {a['rows']:3} rows, context {a['context'][0]}-{a['context'][1]}: "
+            + "  ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+            + f"  int8 x{ms['auto'] / ms['int8']:.2f}  int4 x{ms['auto'] / ms['int4']:.2f}")
+
+
+def job_line(j: dict) -> str:
+    return (f"  job {j['workload']:11} (mean context {j['mean_context']:4}) {j['kv_cache_dtype']:4} ({j['kernels']}): "
+            f"{j['tokens_s']:.1f} tok/s, {j['kv_tokens_per_gib']:,} KV tokens/GiB")
 
 
 def text(report: dict) -> str:
-    lines = []
-    for a in report["attention"]:
-        ms = a["ms_per_layer"]
-        lines.append(f"  attention {a['rows']:3} rows, context {a['context'][0]}-{a['context'][1]}: "
-                     + "  ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
-                     + f"  int8 x{ms['auto'] / ms['int8']:.2f}  int4 x{ms['auto'] / ms['int4']:.2f}")
-    for j in report["jobs"]:
-        lines.append(f"  job {j['workload']:7} (mean context {j['mean_context']:4}) {j['kv_cache_dtype']:4} ({j['kernels']}): "
-                     f"{j['tokens_s']:.1f} tok/s, {j['kv_tokens_per_gib']:,} KV tokens/GiB")
-    return "\n".join(lines)
+    return "\n".join([attention_line(a) for a in report["attention"]] + [job_line(j) for j in report["jobs"]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="chat,long", help="jobs among chat,long,long-decode (long-decode: minutes)")
     ap.add_argument("--no-attention", action="store_true", help="skip the attention timings")
     args = ap.parse_args(argv)
-    report = measure(args.rows, args.max_tokens, workloads=args.workloads.split(","), attention=not args.no_attention)
+    report = measure(args.rows, args.max_tokens, workloads=args.workloads.split(","), with_attention=not args.no_attention)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     else:

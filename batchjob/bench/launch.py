@@ -37,6 +37,20 @@ def _collect(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[l
     return results, None
 
 
+def run_json_module(module: str, args: list[str], timeout: float) -> tuple[object | None, str | None]:
+    """`python -m module *args --json FILE` in its own process: what it wrote to FILE, or None and why."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        try:
+            proc = subprocess.run([sys.executable, "-m", module, *args, "--json", f.name], capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"timed out after {timeout:.0f} s"
+        if proc.returncode != 0:
+            tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
+            return None, f"exit {proc.returncode}: " + " | ".join(tail)[-600:]
+        return json.loads(Path(f.name).read_text()), None
+
+
 def run_system(system: str, spec: ModelSpec, workloads: list[str], rows: int = 0, timeout: float = 3600,
                threads: int = 0) -> tuple[list[dict], str | None]:
     model = str(Path(spec.path).resolve())

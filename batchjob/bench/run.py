@@ -6,7 +6,6 @@ write bench/results-<date>.json and .png."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -204,38 +203,17 @@ def main(argv: list[str] | None = None) -> int:
                 pipe["resume_parts"] = resume.measure_parts(counts, str(Path(tiny.path).resolve()), tmp,
                                                             log=lambda m: log("  " + m))
 
-    spec_rows = None
+    spec_rows = kv_rows = None
     if args.speculative_batches and not args.pipeline_only:
-        import subprocess
-        import tempfile
-
         log(f"speculative (ngram) on SmolLM2 rewriting texts, batches {args.speculative_batches} ...")
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            done = subprocess.run([sys.executable, "-m", "batchjob.bench.speculative", "--batches",
-                                   args.speculative_batches, "--json", f.name], capture_output=True, text=True,
-                                  timeout=args.timeout)
-            if done.returncode == 0:
-                spec_rows = json.loads(Path(f.name).read_text())
-                log(speculative.text(spec_rows))
-            else:
-                log(f"  failed: {done.stderr[-1000:]}")
-
-    kv_rows = None
+        spec_rows, err = launch.run_json_module("batchjob.bench.speculative", ["--batches", args.speculative_batches],
+                                                args.timeout)
+        log(speculative.text(spec_rows) if err is None else f"  failed: {err}")
     if not args.no_kv_speed and not args.pipeline_only:
-        import subprocess
-        import tempfile
-
-        log("quantized KV cache (native kernels): attention per layer and a SmolLM2 job, auto / int8 / int4 ...")
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, "-m", "batchjob.bench.kv_speed", "--json", f.name]
-            if args.quick:
-                cmd += ["--rows", "16", "--max-tokens", "16"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            if done.returncode == 0:
-                kv_rows = json.loads(Path(f.name).read_text())
-                log(kv_speed.text(kv_rows))
-            else:
-                log(f"  failed: {done.stderr[-1000:]}")
+        log("quantized KV cache (native kernels): attention per layer and SmolLM2 jobs, auto / int8 / int4 ...")
+        kv_rows, err = launch.run_json_module("batchjob.bench.kv_speed",
+                                              ["--rows", "16", "--max-tokens", "16"] if args.quick else [], args.timeout)
+        log(kv_speed.text(kv_rows) if err is None else f"  failed: {err}")
 
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
