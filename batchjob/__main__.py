@@ -1,5 +1,5 @@
 """`python -m batchjob ...`: the same command line as `batchjob ...`."""
-from batchjob.cli import main
+from batchjob.cli.main import main
 
 if __name__ == "__main__":
     main(prog_name="batchjob")

@@ -12,19 +12,18 @@ from typing import Any
 
 import torch
 
-from batchjob.config import FIELDS, SECTIONS, ConfigError, JobConfig, load_job
+from batchjob.job.config import FIELDS, SECTIONS, ConfigError, JobConfig, load_job
 from batchjob.device import choose_device, choose_dtype
-from batchjob.engine.detokenizer import IncrementalDetokenizer
+from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.engine import Engine
-from batchjob.engine.row_keys import sequence_key
-from batchjob.engine.sequence import Sequence
-from batchjob.job import run_job
-from batchjob.job_engine import build_engine
+from batchjob.job.run import run_job
+from batchjob.job.engine_setup import build_engine
 from batchjob.models.loader import load_model, resolve_model_path
-from batchjob.prompts import prompt_records
-from batchjob.requests import PromptBuilder, RowError, row_sampling
-from batchjob.results import OutputColumns, PendingRow, TokenText
-from batchjob.summary import JobSummary
+from batchjob.job.prompt_records import prompt_records
+from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
+from batchjob.job.results import Completion, OutputColumns, PendingRow
+from batchjob.job.rows_in_flight import RowsInFlight
+from batchjob.job.summary import JobSummary
 
 # generate()'s keywords, named as in a job file (and vLLM); `seed` is the job seed: row i's random stream
 # comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's, as in a job)
@@ -43,19 +42,8 @@ ALL_COLUMNS = OutputColumns(logprobs=True, completions=True)  # a Result always 
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """One of a prompt's n completions (n > 1), as in the output's `completions` column, plus its token ids."""
-    index: int
-    text: str
-    finish_reason: str
-    completion_tokens: int
-    logprobs: list[dict] | None
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class Result:
-    """One prompt's result: the fields of an output row (README, "Output"); `text` is `generated_text`."""
+    """One prompt's result: the fields of an output row (docs/guide/output-and-resume.md); `text` is `generated_text`."""
     text: str
     finish_reason: str  # stop | length | error
     prompt_tokens: int
@@ -85,8 +73,6 @@ class LLM:
         self.loaded = load_model(model, dtype=self.dtype)
         self.tokenizer = self.loaded.tokenizer
         self._engine: Engine | None = build_engine(self.config, self.loaded, self.device, self.dtype)
-        self._token_text = TokenText(self.tokenizer)
-        self._next_seq = 0
         self._lock = threading.Lock()
 
     @property
@@ -122,17 +108,18 @@ class LLM:
                 raise
 
     def _generate(self, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
-        """RowFeed.feed's loop: rows enter the engine with the read-ahead a job uses, keys from (seed, row)."""
-        engine, tokenizer = self.engine, self.tokenizer
+        """The job's loop in memory: rows enter the engine with the read-ahead a job uses, their random streams
+        from (seed, row), and leave through the same RowsInFlight as a job's rows."""
+        engine = self.engine
         base = cfg.sampling_defaults()
         results: list[Result | None] = [None] * len(records)
-        pending: dict[int, tuple[int, int, PendingRow, list]] = {}  # seq_id -> (row, completion, its row, its seqs)
+        rows: RowsInFlight[int] = RowsInFlight(engine, self.tokenizer)
         read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
-        rows = iter(enumerate(records))
+        todo = iter(enumerate(records))
         exhausted = False
         while True:
             while not exhausted and engine.num_waiting() < read_ahead:
-                item = next(rows, None)
+                item = next(todo, None)
                 if item is None:
                     exhausted = True
                     break
@@ -146,36 +133,23 @@ class LLM:
                 except RowError as e:
                     results[index] = failed(str(e))
                     continue
-                row, seqs = PendingRow(params.n, ALL_COLUMNS), [None] * params.n
-                for c in range(params.n):  # n completions: n Sequences, each with its own random stream
-                    detok = IncrementalDetokenizer(tokenizer, ids, params.stop, min_tokens=params.min_tokens,
-                                                   include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
-                    seq = Sequence(self._next_seq, ids, params, rng_key=sequence_key(params, cfg.seed, index, c), detokenizer=detok)
-                    self._next_seq += 1
-                    err = engine.add(seq)
-                    if err:  # the prompt never fits: the same for every completion
-                        results[index] = failed(err, prompt_tokens=len(ids))
-                        break
-                    pending[seq.seq_id] = (index, c, row, seqs)
-                    seqs[c] = seq
+                err = rows.add(index, ids, params, ALL_COLUMNS, seed=cfg.seed, row_index=index)
+                if err:
+                    results[index] = failed(err, prompt_tokens=len(ids))
             if not engine.has_work:
                 break
             for seq in engine.step():
-                index, c, row, seqs = pending.pop(seq.seq_id)
-                if row.add(c, seq, tokenizer, self._token_text):  # the row's last completion
-                    results[index] = result_of(row, seqs)
+                done = rows.finished(seq)
+                if done is not None:
+                    results[done.key] = result_of(done.row, done.seqs)
         return results  # every row has its Result once the engine is idle
 
 
 def result_of(row: PendingRow, seqs: list[Sequence]) -> Result:
     fields = row.fields()
-    completions = None
-    if row.n > 1:
-        completions = tuple(Completion(c.index, c.text, c.finish_reason, c.completion_tokens, c.logprobs,
-                                       tuple(s.output_ids)) for c, s in zip(row.done, seqs))
     return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
                   completion_tokens=fields["completion_tokens"], logprobs=fields["extra"].get("logprobs"),
-                  completions=completions, token_ids=tuple(seqs[0].output_ids))
+                  completions=tuple(row.done) if row.n > 1 else None, token_ids=tuple(seqs[0].output_ids))
 
 
 # the cache behind generate()
@@ -215,7 +189,7 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
     """Run `prompts` in memory: a string, a list of token ids, a chat conversation (a list of {role,
     content}) or a dict of those fields plus per-prompt sampling parameters (a job's input row), or a list
     of any of these. Returns one Result per prompt, in order. `options`: the job file's sampling, chat
-    and engine fields (README); the engine for (model, engine fields) is loaded once and cached."""
+    and engine fields (docs/guide/python-api.md); the engine for (model, engine fields) is loaded once and cached."""
     _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}

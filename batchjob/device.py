@@ -10,7 +10,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def choose_device(requested: str | None) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
-        from batchjob.config import ConfigError
+        from batchjob.job.config import ConfigError
 
         raise ConfigError("device: cuda was asked for but this machine has no CUDA device torch can use; "
                           "pass --device cpu (or leave it out)")

@@ -1,69 +1,25 @@
 """The one place that chooses the kernels a model runs with: `--kernels auto|torch|native|triton`.
 
-- torch: the references (kernels/attention.py and friends), on any device.
-- native: the compiled CPU kernels (kernels/csrc/, built at first use by kernels/build.py).
-- triton: the Triton kernels (kernels/triton_ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
+- torch: the references (kernels/reference/attention.py and friends), on any device.
+- native: the compiled CPU kernels (kernels/native/csrc/, built at first use by kernels/native/build.py).
+- triton: the Triton kernels (kernels/triton/ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
 - auto: native on CPUs where it builds (for an int8/int4 KV cache: with AVX512-VNNI), else torch with
   one log line saying why; on CUDA triton when
-  its start-up check against the references passes on this GPU (kernels/triton_check.py), else torch
+  its start-up check against the references passes on this GPU (kernels/triton/check.py), else torch
   with one log line saying why.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .attention import paged_attention_torch, store_kv
-from .norm import rms_norm
-from .rotary import apply_rotary
-from .build import BuildError, default_log
+from batchjob.kernels.native.build import BuildError, default_log
+from batchjob.kernels.reference.kernel_set import TorchKernels
 
 CHOICES = ("auto", "torch", "native", "triton")
 
 
 class KernelError(RuntimeError):
     """The kernels asked for cannot run here; the message names the flag and what to do."""
-
-
-class TorchKernels:
-    """The references: caches [blocks, block_size, kv_heads, head_dim], SDPA over the gathered context."""
-    name = "torch"
-
-    @staticmethod
-    def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return shape, shape
-
-    @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping):
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    @staticmethod
-    def attention(q, k_cache, v_cache, meta, scale, window=None):
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
-
-    @staticmethod
-    def rms_norm(x, weight, eps):
-        return rms_norm(x, weight, eps)
-
-    @staticmethod
-    def add_rms_norm(x, residual, weight, eps):
-        """residual += x (in place), then RMSNorm of it."""
-        residual.add_(x)
-        return rms_norm(residual, weight, eps)
-
-    @staticmethod
-    def prepare_rotary(rope, positions):
-        return rope.table(positions)  # cos and sin rows of this step, shared by every layer
-
-    @staticmethod
-    def rotary(q, k, prepared):
-        return apply_rotary(q, k, *prepared)
-
-    @staticmethod
-    def silu_mul(gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
 
 def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int,
@@ -81,7 +37,7 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
         raise KernelError(f"kernels: 'triton' does not read a int4 KV cache with head_dim {head_dim} yet (the torch "
                           "references and native do); use --kernels auto or torch, or --kv-cache-dtype int8")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        from . import triton_ops
+        from batchjob.kernels.triton import ops as triton_ops
 
         why = triton_ops.available(device)
         if why is None:
@@ -90,7 +46,7 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
                     raise ValueError(f"the Triton int4 KV store needs head_dim / 2 a power of two, not {half}")
                 kern = triton_ops.TritonKernels(head_dim, gqa, dtype, block_size)
                 if choice == "auto":  # on trust only after agreeing with the references on this GPU
-                    from .triton_check import check
+                    from batchjob.kernels.triton.check import check
 
                     why = check(kern, device)
                 if why is None:
@@ -107,7 +63,7 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
         return TorchKernels()
     if device.type != "cpu":
         raise KernelError(f"kernels: 'native' runs on the CPU, not on {device.type}; use --kernels auto or torch")
-    from .native import NativeKernels
+    from batchjob.kernels.native.ops import NativeKernels
 
     try:
         return NativeKernels(head_dim, gqa, dtype, block_size, log=log, kv_cache_dtype=kv_cache_dtype)

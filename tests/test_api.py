@@ -15,10 +15,10 @@ from click.testing import CliRunner
 
 import batchjob
 from batchjob import api
-from batchjob.cli import main
-from batchjob.config import ConfigError, load_job
-from batchjob.engine.sequence import SamplingParams
-from batchjob.job_engine import build_engine
+from batchjob.cli.main import main
+from batchjob.job.config import ConfigError, load_job
+from batchjob.engine.core.sequence import SamplingParams
+from batchjob.job.engine_setup import build_engine
 from batchjob.models.loader import load_model
 
 PROMPTS = ["The quick brown fox", "Batch inference reads rows", "def square(x: int) -> int:", "Hello & welcome"]

@@ -1,5 +1,6 @@
-"""The package's shape (issue 15): no import cycle among batchjob's modules, the I/O layer imports
-nothing above it, and no source file over 300 lines. Static: reads the sources, imports nothing."""
+"""The package's shape, as layer rules: no import cycle, each layer imports only the layers below it, the
+engine's core is pure Python, kernels are leaf code, at most six modules sit directly in batchjob/. Static:
+reads the sources, imports nothing."""
 from __future__ import annotations
 
 import ast
@@ -7,8 +8,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"batchjob": "batchjob", "kernels": "batchjob.kernels"}  # folder -> import name (pyproject package-dir)
-MAX_LINES = 300
-IO_MAY_IMPORT = ("batchjob.io", "batchjob.models.config")  # the I/O layer: formats and files, no engine or job
+TOP_LEVEL = {"batchjob", "batchjob.__main__", "batchjob.version", "batchjob.errors", "batchjob.api", "batchjob.device"}
+
+# what each layer may import of ours, besides itself (a prefix matches a package and everything in it)
+LAYERS = {
+    "batchjob.kernels": (),
+    "batchjob.models": ("batchjob.kernels", "batchjob.errors"),
+    "batchjob.engine": ("batchjob.models", "batchjob.kernels", "batchjob.errors"),
+    "batchjob.io": ("batchjob.errors", "batchjob.version"),
+    "batchjob.cluster": ("batchjob.io", "batchjob.errors"),
+    "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
+                     "batchjob.device", "batchjob.errors", "batchjob.version"),
+    "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
+                     "batchjob.cluster", "batchjob.errors", "batchjob.version", "batchjob.bench"),
+    "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
+                       "batchjob.io", "batchjob.cluster", "batchjob.device", "batchjob.errors", "batchjob.version"),
+}
+ENGINE_CORE = "batchjob.engine.core"  # scheduler, lanes, block pool, sequences: plain Python, no tensors
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def _modules() -> dict[str, Path]:
@@ -91,13 +111,49 @@ def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_io_imports_nothing_outside_io():
-    leaks = {name: sorted(d for d in deps if not d.startswith(IO_MAY_IMPORT))
-             for name, deps in _graph().items() if name.startswith("batchjob.io")}
-    assert {k: v for k, v in leaks.items() if v} == {}
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = _graph()
+    leaks = {}
+    for layer, allowed in LAYERS.items():
+        for name, deps in graph.items():
+            if _under(name, layer):
+                bad = sorted(d for d in deps if not _under(d, layer) and not any(_under(d, a) for a in allowed))
+                if bad:
+                    leaks[name] = bad
+    assert leaks == {}
 
 
-def test_no_source_file_over_300_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules().values()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}
+def test_every_module_belongs_to_a_layer_or_the_top_level():
+    stray = sorted(n for n in _modules() if n not in TOP_LEVEL and not any(_under(n, layer) for layer in LAYERS))
+    assert stray == []
+
+
+def test_at_most_six_modules_sit_directly_in_batchjob():
+    direct = [p.name for p in (ROOT / "batchjob").glob("*.py")]
+    assert len(direct) <= 6, direct
+
+
+def test_the_engine_core_imports_no_torch_or_numpy():
+    heavy = {}
+    for name, path in _modules().items():
+        if _under(name, ENGINE_CORE):
+            found = sorted(m for m in _third_party(path) if m.split(".")[0] in ("torch", "numpy", "triton"))
+            if found:
+                heavy[name] = found
+    assert heavy == {}
+
+
+def test_the_bench_calls_the_library_not_the_command_line():
+    graph = _graph()
+    assert {n: sorted(d for d in deps if _under(d, "batchjob.cli"))
+            for n, deps in graph.items() if _under(n, "batchjob.bench") and any(_under(d, "batchjob.cli") for d in deps)} == {}
+
+
+def _third_party(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found

@@ -23,9 +23,9 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
     from batchjob.bench.workloads import make
     from batchjob.device import choose_dtype
     from batchjob.engine.engine import Engine, EngineConfig
-    from batchjob.engine.row_keys import row_key
-    from batchjob.engine.scheduler import SchedulerConfig
-    from batchjob.engine.sequence import SamplingParams, Sequence
+    from batchjob.engine.sample.row_keys import row_key
+    from batchjob.engine.core.scheduler import SchedulerConfig
+    from batchjob.engine.core.sequence import SamplingParams, Sequence
     from batchjob.models.llama import LlamaModel
     from batchjob.models.loader import load_model
 

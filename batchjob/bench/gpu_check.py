@@ -60,7 +60,7 @@ def decode_attention(device: torch.device, rows: int, ctx: int, kv_heads: int, g
                      block_size: int = 16, repeat: int = 10) -> dict:
     """Triton paged decode attention: K/V bytes read per second."""
     from batchjob.kernels import AttentionMetadata
-    from batchjob.kernels.triton_ops import TritonKernels
+    from batchjob.kernels.triton.ops import TritonKernels
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kern = TritonKernels(head_dim, gqa, dtype, block_size)
@@ -107,9 +107,9 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
                       cuda_graphs: bool = True, async_scheduling: bool | None = None) -> dict:
     """tokens/s of decode steps with `rows` rows, and the step time over the weights + KV roofline."""
     from batchjob.engine.engine import Engine, EngineConfig
-    from batchjob.engine.row_keys import row_key
-    from batchjob.engine.scheduler import SchedulerConfig
-    from batchjob.engine.sequence import SamplingParams, Sequence
+    from batchjob.engine.sample.row_keys import row_key
+    from batchjob.engine.core.scheduler import SchedulerConfig
+    from batchjob.engine.core.sequence import SamplingParams, Sequence
     from batchjob.models.llama import LlamaModel
 
     model = LlamaModel(cfg, weights, dtype, str(device), kernels=kernels)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         if not smoke:
-            done = subprocess.run([sys.executable, "-m", "tests.triton_cases", "--device", "cuda"], cwd=ROOT,
+            done = subprocess.run([sys.executable, "-m", "tests.kernels.triton_cases", "--device", "cuda"], cwd=ROOT,
                                   capture_output=True, text=True)
             report["kernels"] = done.stdout.strip().splitlines()[-1:] or [done.stderr[-500:]]
             if done.returncode:

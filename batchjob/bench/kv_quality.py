@@ -30,9 +30,10 @@ CHUNK = 64
 
 def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids) - 1, vocab] (fp32) of every next token, the text fed in chunks through the paged cache."""
-    from batchjob.engine.model_runner import ModelRunner
-    from batchjob.engine.scheduler import Step
-    from batchjob.engine.sequence import SamplingParams, Sequence, SeqStatus
+    from batchjob.engine.worker.input_batch import step_inputs
+    from batchjob.engine.worker.model_runner import ModelRunner
+    from batchjob.engine.core.scheduler import Step
+    from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 
     bs = 16
     runner = ModelRunner(model, -(-len(ids) // bs) + 1, bs)
@@ -41,8 +42,9 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     out = []
     for start in range(0, len(ids) - 1, CHUNK):
         n = min(CHUNK, len(ids) - 1 - start)
-        input_ids, positions, meta, _ = runner.prepare(Step([seq], [n]))
-        hidden = model.forward(input_ids, positions, meta, runner.kv_caches)
+        inputs = step_inputs(Step([seq], [n]), bs, False)
+        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
+        hidden = model.forward(input_ids, positions, meta, runner.kv.layers)
         out.append(model.logits(hidden).float())
         seq.num_computed += n
     return torch.cat(out)
@@ -50,7 +52,7 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
 
 def measure(num_prompts: int = 64, max_tokens: int = 64, log=print, only: list[str] | None = None) -> dict:
     from batchjob.api import LLM
-    from batchjob.kernels import kv_quant
+    from batchjob.kernels.reference import kv_quant
     from batchjob.models.llama import LlamaModel
 
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:num_prompts]

@@ -90,7 +90,7 @@ def jobs(rows: int, max_tokens: int, rounds: int = 2, workloads=("chat", "long")
     turns in every round: chat (`rows` prompts, `max_tokens`), long (`rows`, twice that), long-decode (half
     the rows of long, 8 x `max_tokens` each past EOS: contexts ~550 to ~1050)."""
     from batchjob.api import LLM
-    from batchjob.engine.model_runner import ModelRunner
+    from batchjob.engine.worker.kv_cache import KVCache
 
     llms = {kv: LLM("smollm2", kv_cache_dtype=kv, max_num_seqs=rows, prefix_caching=False) for kv in KV}
     out = []
@@ -115,7 +115,7 @@ def jobs(rows: int, max_tokens: int, rounds: int = 2, workloads=("chat", "long")
             j = {"workload": name, "kv_cache_dtype": kv, "kernels": model.kernels.name, "rows": n,
                  "max_tokens": tokens_cap, "mean_context": round(sum(r.prompt_tokens + r.completion_tokens for r in results) / n),
                  "tokens": tokens, "seconds": round(best[kv], 2), "tokens_s": round(tokens / best[kv], 1),
-                 "kv_tokens_per_gib": int(2 ** 30 / (ModelRunner.kv_bytes_per_block(model, 16) / 16))}
+                 "kv_tokens_per_gib": int(2 ** 30 / (KVCache.bytes_per_block(model, 16) / 16))}
             out.append(j)
             log(job_line(j))
     return out

@@ -45,7 +45,7 @@ def _flags(job: dict) -> list[str]:
 def build(folder: Path, model: str, committed: int, part_rows: int = 1000) -> dict:
     """The real job over committed + EXTRA input rows, run with --limit committed: the output then holds
     exactly `committed` rows, and a rerun without the limit continues (as after a stop at that point)."""
-    import batchjob
+    from batchjob.api import run
 
     src = folder / "in.jsonl"
     with open(src, "w") as f:
@@ -56,7 +56,7 @@ def build(folder: Path, model: str, committed: int, part_rows: int = 1000) -> di
         os.fsync = lambda fd: None  # the fixture only: its parts are complete files either way
     t0 = time.perf_counter()
     try:
-        batchjob.run(_job(folder, model, part_rows), limit=committed)
+        run(_job(folder, model, part_rows), limit=committed)
     finally:
         os.fsync = fsync
     return {"build_s": round(time.perf_counter() - t0, 1)}

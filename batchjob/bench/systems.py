@@ -50,7 +50,7 @@ class BatchjobRunner:
         self.static = static
     def _engine(self):
         from batchjob.engine.engine import Engine, EngineConfig
-        from batchjob.engine.scheduler import SchedulerConfig
+        from batchjob.engine.core.scheduler import SchedulerConfig
 
         sched = SchedulerConfig()  # the CLI's defaults: max_num_seqs 128, max_num_batched_tokens 2048
         if self.static:
@@ -60,8 +60,8 @@ class BatchjobRunner:
         return Engine(self.model, self.eos, EngineConfig(scheduler=sched))
 
     def run(self, workload: Workload) -> RunResult:
-        from batchjob.engine.row_keys import row_key
-        from batchjob.engine.sequence import SamplingParams, Sequence
+        from batchjob.engine.sample.row_keys import row_key
+        from batchjob.engine.core.sequence import SamplingParams, Sequence
 
         engine = self._engine()
         seqs = [Sequence(i, list(r.prompt), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), rng_key=row_key(0, i))

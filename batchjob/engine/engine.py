@@ -6,17 +6,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from batchjob.engine.block_pool import BlockPool
-from batchjob.engine.cuda_graphs import DecodeGraphs
-from batchjob.engine.cost_model import CostModel
-from batchjob.engine.kv_budget import gpu_kv_blocks
-from batchjob.engine.model_runner import ModelRunner
-from batchjob.engine.row_keys import sequence_key
-from batchjob.engine.scheduler import Scheduler, SchedulerConfig, Step
-from batchjob.engine.sequence import PLACEHOLDER, SamplingParams, Sequence, SeqStatus
-from batchjob.engine.draft import DraftProposer
-from batchjob.engine.speculative import NgramProposer, SpeculativeConfig, SpeculativeError
-from batchjob.kernels.build import default_log
+from batchjob.engine.core.block_pool import BlockPool
+from batchjob.engine.worker.cuda_graphs import DecodeGraphs
+from batchjob.engine.core.cost_model import CostModel
+from batchjob.engine.worker.kv_budget import gpu_kv_blocks
+from batchjob.engine.worker.kv_cache import KVCache
+from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
+from batchjob.engine.sample.row_keys import sequence_key
+from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
+from batchjob.engine.core.output import OutputProcessor
+from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.spec_decode.draft import DraftProposer
+from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
+from batchjob.engine.spec_decode.ngram import NgramProposer
+from batchjob.kernels.native.build import default_log
 from batchjob.models.llama import LlamaModel
 
 
@@ -33,7 +36,7 @@ class EngineConfig:
     # has finished when it returns: nothing to overlap)
     async_scheduling: bool | None = None
     cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
-    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/speculative.py); None: off
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec_decode/ngram.py); None: off
     scheduler: SchedulerConfig | None = None
 
 
@@ -62,22 +65,17 @@ class StepStats:
 @dataclass(slots=True)
 class _Pending:
     step: Step
-    tokens: object  # model_runner.StepTokens
+    tokens: StepTokens
     t0: float  # when the step's engine work began (its StepStats.step_s runs from here to its collection)
     launch_s: float  # host time to prepare and launch the forward (and sampling)
     model_s: float
-    slots: dict[int, int]  # row -> index in its token_ids of the placeholder its sampled token fills
 
 
-def placeholders(step: Step, tokens) -> dict[int, int]:
-    """Append a placeholder for each row that samples one token in the launched step (its length is known
-    before its id): the scheduler can plan the next step with it, and `_collect` fills it in."""
-    slots = {}
+def add_placeholders(step: Step, tokens: StepTokens) -> None:
+    """Each row that samples one token in the launched step counts a placeholder: its length is known
+    before its id, so the scheduler can plan the next step with it; the step's output fills it in."""
     for i in tokens.single_rows():
-        ids = step.seqs[i].token_ids
-        slots[i] = len(ids)
-        ids.append(PLACEHOLDER)
-    return slots
+        step.seqs[i].num_placeholders += 1
 
 
 class Engine:
@@ -85,10 +83,10 @@ class Engine:
                  draft_model: LlamaModel | None = None):
         """`draft_model`: the proposer of `--speculative draft` (its KV shares the pool's blocks and bytes)."""
         config = config or EngineConfig()
-        per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
+        per_block = KVCache.bytes_per_block(model, config.block_size)
         if draft_model is not None:
             draft_model.fit_kernels(config.block_size)
-            per_block += ModelRunner.kv_bytes_per_block(draft_model, config.block_size)
+            per_block += KVCache.bytes_per_block(draft_model, config.block_size)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // per_block)
         if not config.num_blocks and config.gpu_memory_utilization and model.device.type == "cuda":
             num_blocks = gpu_kv_blocks(model, config, per_block)
@@ -108,7 +106,7 @@ class Engine:
                 default_log(f"CUDA graphs need the Triton kernels (the {model.kernels.name} kernels plan each step "
                             "on the host); decode steps run eagerly")
             else:
-                self.runner.decode_graphs = DecodeGraphs(model, self.runner.kv_caches, config.block_size,
+                self.runner.decode_graphs = DecodeGraphs(model, self.runner.kv.layers, config.block_size,
                                                          self.scheduler.config.max_num_seqs, self.max_model_len)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
@@ -126,6 +124,7 @@ class Engine:
                 raise SpeculativeError("speculative 'draft': no draft model was given to the engine")
             self.proposer = DraftProposer(spec, draft_model, model, num_blocks, config.block_size)
         self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        self.outputs = OutputProcessor(self.scheduler, self.pool, self.eos, self.max_model_len, self.proposer)
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
@@ -178,15 +177,15 @@ class Engine:
             self.proposer.fill(step)  # a draft model proposes into what the scheduler granted
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
-            moved = self.runner.swap(step.swap_out, step.swap_in)
+            moved = self.runner.kv.swap(step.swap_out, step.swap_in)
             self.cost.observe_swap(moved, time.perf_counter() - ts)
         launched = None
         if step:
             tf = time.perf_counter()
             model_before = self.runner.model_s
             tokens = self.runner.run(step) if prev is None else self.runner.run(step, prev.tokens)
-            launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before,
-                                placeholders(step, tokens))
+            launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before)
+            add_placeholders(step, tokens)
             sched.advance(step)
         elif prev is None and sched.num_waiting and not sched.running:
             raise RuntimeError("scheduler made no progress with an empty batch (a row cannot be admitted)")
@@ -204,55 +203,16 @@ class Engine:
         return self.async_scheduling and self.proposer is None and not any(s.params.penalized for s in pending.step.seqs)
 
     def _collect(self, pending: _Pending) -> list[Sequence]:
-        """Wait for a launched step's tokens and apply them: fill each row's placeholder (a speculating row
-        appends what it keeps), finish the rows that stop. Rows finished or preempted since the launch
-        keep their token (it was computed from their context); a finished row's is dropped."""
-        step, sched = pending.step, self.scheduler
+        """Wait for a launched step's tokens and apply them to its rows (engine/core/output.py)."""
+        step = pending.step
         tw = time.perf_counter()
         tokens = pending.tokens.tolist()
         forward_s = pending.launch_s + time.perf_counter() - tw
         self.cost.observe_forward(step.num_tokens, forward_s)
-        finished: list[Sequence] = []
-        ending: list[tuple[Sequence, str]] = []
-        sampled = proposed_n = accepted_n = 0
-        for i, (seq, out) in enumerate(zip(step.seqs, tokens)):
-            if seq.status is SeqStatus.FINISHED:  # finished by the step before this one, while this ran
-                continue
-            if out is None:
-                continue
-            if isinstance(out, int):
-                sampled += 1
-                at = pending.slots[i]
-                seq.token_ids[at] = out
-                reason = self._finish_reason(seq, out, at + 1)
-                if reason:
-                    del seq.token_ids[at + 1:]  # the placeholder of a step launched after this one
-            else:  # speculative: keep tokens while they equal the proposals, then the one that differs
-                draft, kept, reason = seq.draft, 0, None
-                for tok in out:
-                    seq.token_ids.append(tok)
-                    kept += 1
-                    reason = self._finish_reason(seq, tok, seq.num_tokens)
-                    if reason or kept > len(draft) or tok != draft[kept - 1]:
-                        break
-                seq.draft = None
-                sampled += kept
-                seq.num_computed -= step.num_new[i] - kept  # what holds: its last token and the kept proposals
-                step.num_new[i] = kept
-                self.pool.shrink(seq.block_table, seq.num_tokens)  # blocks that held only rejected ones
-                accepted = kept if kept <= len(draft) and out[kept - 1] == draft[kept - 1] else kept - 1
-                self.proposer.observe(seq, len(draft), accepted)
-                proposed_n += len(draft)
-                accepted_n += accepted
-            if reason:
-                ending.append((seq, reason))
-        sched.publish(step)
-        for seq, reason in ending:
-            sched.finish(seq, reason)
-            finished.append(seq)
-        self._record(step, finished, sampled, time.perf_counter() - pending.t0, forward_s, pending.model_s,
-                     proposed_n, accepted_n)
-        return finished
+        applied = self.outputs.apply(step, tokens)
+        self._record(step, applied.finished, applied.num_sampled, time.perf_counter() - pending.t0, forward_s,
+                     pending.model_s, applied.num_proposed, applied.num_accepted)
+        return applied.finished
 
     def _record(self, step: Step, finished: list[Sequence], sampled: int, step_s: float, forward_s: float,
                 model_s: float, proposed: int = 0, accepted: int = 0) -> None:
@@ -268,17 +228,6 @@ class Engine:
             step_s=step_s, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
             num_proposed=proposed, num_accepted=accepted,
         )
-
-    def _finish_reason(self, seq: Sequence, tok: int, num_tokens: int) -> str | None:
-        """Why `seq` ends at `tok`, its `num_tokens`-th token (placeholders after it do not count)."""
-        p: SamplingParams = seq.params
-        # the detokenizer sees every token, so a row's text includes a (non-special) stop token, as in vLLM
-        stop_string = seq.detokenizer is not None and seq.detokenizer.step(tok)
-        if stop_string or (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
-            return "stop"
-        if num_tokens - seq.num_prompt >= p.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seed: int = 0) -> list[Sequence]:
         """Convenience for tests and benchmarks: run prompts to completion, return sequences in input order."""

@@ -44,7 +44,7 @@ def export(out: str | Path, to: str | Path, *, partial: bool = False, chunk_rows
             raise ExportError(f"{folder} holds {done.count()} rows, but the job has not read its input to the end, so "
                               "the number of input rows is unknown; rerun the job to finish it, or pass --partial")
         if missing:
-            raise ExportError(f"{folder} lacks {missing.count()} of {total} rows: {describe(missing)}; rerun the job "
+            raise ExportError(f"{folder} lacks {missing.count()} of {total} rows: {missing.describe()}; rerun the job "
                               "to finish it, or pass --partial to export the committed rows only")
     rows = write_merged(folder, manifest.parts, to, kind, chunk_rows=chunk_rows)
     return ExportSummary(rows, missing, total, to)
@@ -59,13 +59,6 @@ def missing_rows(manifest: Manifest) -> RowRanges | None:
     start = shard.get("start", 0) if isinstance(shard, dict) else 0
     end = start + manifest.total_rows
     return RowRanges((max(s, start), e) for s, e in manifest.done_rows().missing(end).ranges() if e > start)
-
-
-def describe(rows: RowRanges, most: int = 5) -> str:
-    """'3, 10-19 and 4 more ranges' (inclusive, as people count rows)."""
-    spans = rows.ranges()
-    shown = ", ".join(f"{s}-{e - 1}" if e - s > 1 else str(s) for s, e in spans[:most])
-    return shown + (f" and {len(spans) - most} more ranges" if len(spans) > most else "")
 
 
 def _one_folder(out: Path) -> Path:

@@ -4,7 +4,7 @@ request files, `export.py` writes response files).
 
 In: a line {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}
 becomes a record {custom_id, endpoint, messages | prompt, sampling}; the body's fields map to the
-sampling parameters (README, "OpenAI Batch JSONL").
+sampling parameters (docs/guide/openai-batch.md).
 Out: one response line per result row (the Arrow output's columns), in input order.
 """
 from __future__ import annotations

@@ -68,6 +68,12 @@ class RowRanges:
     def num_ranges(self) -> int:
         return len(self._starts)
 
+    def describe(self, most: int = 5) -> str:
+        """'3, 10-19 and 4 more ranges' (inclusive, as people count rows)."""
+        spans = self.ranges()
+        shown = ", ".join(f"{s}-{e - 1}" if e - s > 1 else str(s) for s, e in spans[:most])
+        return shown + (f" and {len(spans) - most} more ranges" if len(spans) > most else "")
+
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends))
 

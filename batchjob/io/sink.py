@@ -23,7 +23,7 @@ from pathlib import Path
 
 from batchjob.io.commit_log import CommitLog
 from batchjob.io.manifest import MANIFEST, VERSION, Manifest
-from batchjob.io.part_writer import OutputError, PartWriter, output_error
+from batchjob.io.part_writer import PartWriter, output_error
 from batchjob.io.parts import FINISH_REASONS, PART_FORMATS, RESULT_SCHEMA
 from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import SinkError, check_same_job, load_manifest, recover

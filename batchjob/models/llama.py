@@ -73,7 +73,7 @@ class LlamaModel:
         c = config
         self.kernel_choice = kernels
         self.block_size = block_size
-        self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/kv_quant.py)
+        self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/reference/kv_quant.py)
         self.kernels = select_kernels(kernels, self.device, dtype, c.head_dim, c.num_heads // c.num_kv_heads, block_size,
                                       kv_cache_dtype=kv_cache_dtype)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}

@@ -1,0 +1,256 @@
+"""The `batchjob` command line: `run` (its flags: run_options.py), `status`, `export`, `verify`,
+`slurm submit` and `bench`; an expected error is one line on stderr and an exit code."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from batchjob.errors import EXIT_USAGE, ConfigError
+from batchjob.job.config import load_job
+from batchjob.cli.run_options import run_options
+
+
+@click.group()
+@click.version_option(package_name="batchjob")
+def main() -> None:
+    """batchjob: offline batch LLM inference with checkpoint-resume."""
+
+
+@main.command("run")
+@click.option("--restart", is_flag=True, help="delete the output folder's committed results (parts, manifest, stats) "
+              "and start over, e.g. after changing the input, model or parameters")
+@run_options
+def run_cmd(job: str | None, restart: bool, **overrides) -> None:
+    """Run JOB (a TOML file whose keys are the option names below, with underscores; optional
+    [sampling] and [engine] tables). Flags override the file. Re-running the same command
+    on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed,
+    75 stopped by a signal (rerun to continue), 130 stopped at once by a second Ctrl-C."""
+    from batchjob.io.recovery import SinkError
+    from batchjob.io.sources import SourceError
+    from batchjob.engine.worker.kv_budget import KvBudgetError
+    from batchjob.kernels import KernelError
+    from batchjob.models.config import UnsupportedModelError
+    from batchjob.models.loader import ModelLoadError
+    from batchjob.errors import EXIT_RESUMABLE
+    from batchjob.job.error_budget import TooManyErrors
+
+    try:
+        cfg = load_job(job, overrides)
+    except ConfigError as e:
+        _fail(e, EXIT_USAGE)
+    try:
+        from batchjob.job.run import run_job
+
+        summary = run_job(cfg, restart=restart)
+    except ConfigError as e:
+        _fail(e, EXIT_USAGE)
+    except (SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError, KvBudgetError) as e:
+        _fail(e, 1)
+    except KeyboardInterrupt:
+        click.echo("batchjob: interrupted: stopped at once; committed rows are kept, the rows in flight run again "
+                   "when you rerun the same command", err=True)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - a bug: one line for the operator, the traceback kept in a file
+        _internal_error(e, cfg.output)
+    click.echo(summary.line())
+    if summary.stopped:
+        click.echo(f"batchjob: stopped by {summary.stopped}; everything finished is committed — rerun the same "
+                   f"command to continue (`batchjob status {summary.output}` shows progress)", err=True)
+        sys.exit(EXIT_RESUMABLE)
+
+
+
+
+def _fail(e: Exception, code: int) -> None:
+    click.echo(f"batchjob: error: {e}", err=True)
+    sys.exit(code)
+
+
+def _internal_error(e: Exception, output: str | None) -> None:
+    """An exception nobody expected: one line on stderr, the traceback in a file it names (exit 1)."""
+    import os
+    import tempfile
+    import traceback
+    from pathlib import Path
+
+    if os.environ.get("BATCHJOB_DEBUG"):
+        raise e
+    text = "".join(traceback.format_exception(e))
+    folder = Path(output) if output and Path(output).is_dir() else Path(tempfile.gettempdir())
+    try:
+        log = folder / "batchjob-error.log"
+        with open(log, "a") as f:
+            f.write(text + "\n")
+        where = f"the traceback is in {log}"
+    except OSError:
+        where = "set BATCHJOB_DEBUG=1 to see the traceback"
+    first = str(e).splitlines()[0] if str(e) else ""
+    click.echo(f"batchjob: error: internal error: {type(e).__name__}: {first} ({where}; please report it)", err=True)
+    sys.exit(1)
+
+
+# `status` and `export` of sharded output folders (OUT/job.json + OUT/shard-K-of-N/); the single-folder
+# cases belong to issue 4's status/export and are dispatched to from here once they exist.
+@main.command("status")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def status_cmd(out: str, as_json: bool) -> None:
+    """Progress of the output folder OUT: rows done / total per shard and for the whole job, whether
+    each shard is running, and its Slurm task's state when squeue is available."""
+    import json
+
+    from batchjob.io.manifest import ManifestError
+    from batchjob.cli.status_view import format_sharded_status, format_status
+    from batchjob.cluster.sharded_output import ShardError, is_planned_or_submitted, sharded_status
+    from batchjob.io.folder_status import status
+
+    if not is_planned_or_submitted(out):  # one output folder (and its per-lane folders)
+        try:
+            progress = status(out)
+        except ManifestError as e:
+            click.echo(f"batchjob: error: {e}", err=True)
+            sys.exit(1)
+        click.echo(json.dumps(progress, indent=1) if as_json else format_status(progress))
+        return
+    try:  # every shard (its folder as above, its rows, its Slurm task) and the whole job
+        st = sharded_status(out)
+    except (ShardError, ManifestError) as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(st, indent=1) if as_json else format_sharded_status(st))
+
+
+@main.command("export")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--to", "to", required=True, type=click.Path(dir_okay=False), help="a .parquet, .jsonl or .arrow file")
+@click.option("--format", "fmt", type=click.Choice(["rows", "openai-batch"]), default="rows",
+              help="rows: the result rows, as the --to suffix says (default); openai-batch: OpenAI Batch response lines")
+@click.option("--partial", is_flag=True, help="export the committed rows even when some input rows are missing")
+def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> None:
+    """Merge every committed row of OUT, in input order, into one file (written to a temporary name,
+    then renamed); refuses when rows are missing and says which, unless --partial. The file's folder is
+    created when missing."""
+    from pathlib import Path
+
+    try:
+        Path(to).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"--to {to}: cannot create its folder ({e.strerror or e})", 1)
+    if fmt == "openai-batch":  # one output folder or a sharded one
+        from batchjob.io.manifest import ManifestError
+        from batchjob.cluster.shards import ShardError as _ShardError
+        from batchjob.io.merge import ExportError
+        from batchjob.cluster.sharded_output import export_openai_batch
+
+        try:
+            n = export_openai_batch(out, to)
+        except (ExportError, ManifestError, _ShardError) as e:
+            click.echo(f"batchjob: error: {e}", err=True)
+            sys.exit(1)
+        click.echo(f"batchjob: {n} response lines -> {to}")
+        return
+    from batchjob.cluster.sharded_output import ShardError, export_shards, has_job_file
+
+    if not has_job_file(out):  # one output folder: a streaming merge of its parts
+        from batchjob.io.export import ExportError, export
+
+        try:
+            done = export(out, to, partial=partial)
+        except ExportError as e:
+            click.echo(f"batchjob: error: {e}", err=True)
+            sys.exit(1)
+        gap = f" ({done.missing.count()} rows missing: {done.missing.describe()})" if done.missing else ""
+        click.echo(f"batchjob: {done.rows} rows -> {to}{gap}")
+        return
+
+    try:
+        n, missing = export_shards(out, to, partial=partial)
+    except ShardError as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    gap = f" ({missing.count()} rows missing: {missing.describe()})" if missing else ""
+    click.echo(f"batchjob: {n} rows -> {to}{gap}")
+
+
+@main.command("verify")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--repair", is_flag=True, help="set damaged parts aside (.corrupt) so the next run regenerates their rows")
+def verify_cmd(out: str, repair: bool) -> None:
+    """Read every committed part of OUT (and of its lane and shard folders) and check it against its
+    SHA-256 — the full check a resume skips (it sizes every part and hashes the newest). Exit 1 when a
+    part is damaged."""
+    from batchjob.io.lock import LockHeld
+    from batchjob.io.manifest import ManifestError
+    from batchjob.io.verify import format_checks, verify
+
+    try:
+        checks = verify(out, repair=repair)
+    except (ManifestError, LockHeld) as e:
+        _fail(e, 1)
+    if not checks:
+        _fail(f"{out} holds no committed results (no manifest.json)", 1)
+    click.echo(format_checks(checks))
+    if any(c.damaged for c in checks):
+        sys.exit(1)
+
+
+@main.group("slurm")
+def slurm_group() -> None:
+    """Run a job as a Slurm array of shards that survive preemption (docs/guide/slurm.md)."""
+
+
+@slurm_group.command("submit")
+@click.argument("job", type=click.Path(dir_okay=False, exists=True))
+@click.option("--shards", type=click.IntRange(min=1), required=True, help="number of shards = array tasks (0..N-1)")
+@click.option("--partition", help="Slurm partition")
+@click.option("--gpus-per-task", type=click.IntRange(min=0), help="GPUs per array task")
+@click.option("--cpus-per-task", type=click.IntRange(min=1), help="CPUs per array task (also sets OMP_NUM_THREADS)")
+@click.option("--time", "time_limit", help="time limit per task, e.g. 4:00:00; the task is warned --grace seconds before")
+@click.option("--mem", help="memory per task, e.g. 16G")
+@click.option("--account", help="Slurm account to charge")
+@click.option("--job-name", help="Slurm job name (default: batchjob-<job file name>)")
+@click.option("--grace", type=int, default=120, show_default=True,
+              help="seconds before the time limit at which Slurm sends USR1: batchjob drains, commits, requeues")
+@click.option("--sbatch-option", "sbatch_options", multiple=True, help="another #SBATCH option, e.g. --qos=low (repeatable)")
+@click.option("--dry-run", is_flag=True, help="print the sbatch script; write and submit nothing")
+def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: bool, sbatch_options: tuple, **options) -> None:
+    """Submit JOB as an array of SHARDS tasks, each running `batchjob run JOB --shard K/SHARDS`. Writes
+    OUTPUT/slurm/batchjob.sbatch (task logs in OUTPUT/slurm/logs/), submits it with sbatch and prints
+    the job id."""
+    from pathlib import Path
+
+    from batchjob.cluster.slurm import SlurmError, SubmitOptions, SubmittedJob, submit
+
+    opts = SubmitOptions(shards=shards, time=time_limit, sbatch_options=list(sbatch_options), **options)
+    try:
+        cfg = load_job(job, {})
+        facts = SubmittedJob(Path(job), cfg.input, cfg.output, cfg.drain_timeout, bool(cfg.per_lane_inputs))
+        text, job_id, out, warnings = submit(facts, opts, dry_run=dry_run)
+    except (ConfigError, SlurmError) as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    for warning in warnings:
+        click.echo(f"batchjob: warning: {warning}", err=True)
+    if dry_run:
+        click.echo(text, nl=False)
+        return
+    click.echo(f"batchjob: submitted {job} as Slurm job {job_id}: {shards} shards -> {out} "
+               f"(script {out}/slurm/batchjob.sbatch, logs {out}/slurm/logs/{job_id}_K.log; "
+               f"`batchjob status {out}`)", err=True)
+    click.echo(job_id)
+
+
+@main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench_cmd(args: tuple) -> None:
+    """Benchmark batchjob against static batching, HF transformers and vLLM (issue 7); `batchjob bench --help`
+    for the options. Same as `python -m batchjob.bench` / `make bench`."""
+    from batchjob.bench.run import main as bench_main
+
+    sys.exit(bench_main(list(args)))
+
+
+if __name__ == "__main__":
+    main()

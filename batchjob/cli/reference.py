@@ -1,0 +1,52 @@
+"""docs/reference/run-options.md, generated from the options table (run_options.py) and the job file's tables
+(job/config.py): `python -m batchjob.cli.reference > docs/reference/run-options.md`. A test fails when the
+committed page differs from what this prints."""
+from __future__ import annotations
+
+import click
+
+from batchjob.cli.run_options import RUN_OPTIONS, RunOption
+from batchjob.job.config import FIELDS, TABLES
+
+HEADER = """# `batchjob run` options
+
+Generated from the options table (`batchjob/cli/run_options.py`) by `python -m batchjob.cli.reference`; do not
+edit by hand. Every option is also a job-file key: the flag overrides the file. A key stands at the top level
+of the job file or in its table (`[sampling]`, `[engine]`, `[output]`); a key in another table is an error.
+`[[lanes]]` tables are described in [the scheduling guide](../guide/scheduling.md).
+"""
+
+SECTION_TITLES = {"job": "The job: model, input, prompts, run control", "sampling": "Sampling (`[sampling]`)",
+                  "engine": "Engine (`[engine]`)", "output": "Output (`[output]`)"}
+
+
+def table_of(field: str) -> str:
+    return next((table for table, fields in TABLES.items() if field in fields), "job")
+
+
+def value_of(opt: RunOption) -> str:
+    if opt.type is None:
+        return "true / false"
+    if isinstance(opt.type, click.Choice):
+        return " \\| ".join(f"`{c}`" for c in opt.type.choices)
+    if isinstance(opt.type, (click.IntRange, click.FloatRange)):
+        return opt.type.to_info_dict()["param_type"].removesuffix("Range").lower() + f" ({opt.type._describe_range()})"
+    return {str: "text", int: "integer", float: "number"}[opt.type]
+
+
+def render() -> str:
+    out = [HEADER]
+    for section, title in SECTION_TITLES.items():
+        rows = [o for o in RUN_OPTIONS if table_of(o.field) == section]
+        out.append(f"\n## {title}\n\n| flag | job-file key | value | what it does |\n|---|---|---|---|")
+        for o in rows:
+            key = o.field if section == "job" else f"{section}.{o.field}"
+            help_ = o.help.replace("|", "\\|")
+            out.append(f"| `{o.flag}` | `{key}` | {value_of(o)} | {help_} |")
+    also = sorted(f for f in FIELDS if f not in {o.field for o in RUN_OPTIONS})
+    out.append("\nJob-file keys without a flag: " + ", ".join(f"`{f}`" for f in also) + ".\n")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,172 @@
+"""A row inside the engine: its token ids, how many are cached, its block table, its sampling state."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
+MAX_N = 128  # completions per row, as the OpenAI API
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """What a row asks of the sampler and of the stop checks; the meanings are vLLM's (docs/guide/sampling.md, "Sampling
+    parameters"). Build from untrusted values with `SamplingParams.parse`, which names the bad field."""
+    max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings unmatched, until this many tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off (-1 is accepted as off, like vLLM)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (0: the chosen token's only); None = off
+    n: int = 1  # completions per row; the job runs each as its own Sequence
+    seed: int | None = None  # a row's own seed: replaces the key derived from (job seed, row index)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def parse(cls, values: dict, base: SamplingParams | None = None) -> SamplingParams:
+        """`base` with the non-null `values` replaced, coerced and checked. Raises ValueError("field: why")."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown sampling parameter; known: {', '.join(known)}")
+        changes = {k: _coerce(k, v) for k, v in values.items() if v is not None}
+        params = dataclasses.replace(base or cls(), **changes)
+        params.check()
+        return params
+
+    def check(self) -> None:
+        """Raises ValueError("field: why") for a value vLLM would refuse."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not self.temperature >= 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k: must be >= 0 (0 or -1 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty or math.isinf(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
+
+
+_INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOLS = ("include_stop_str_in_output", "ignore_eos")
+
+
+def _coerce(name: str, value):
+    if name in _BOOLS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if name in _INTS:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected an integer, got {value!r}")
+        if name == "top_k" and value == -1:
+            return 0
+        return value
+    if name in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if name == "stop":
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"stop: expected a string or a list of strings, got {value!r}")
+        return tuple(value)
+    if name == "stop_token_ids":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ValueError(f"stop_token_ids: expected a list of integers, got {value!r}")
+        return tuple(value)
+    return value
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to the host pool; waits to be swapped back in
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    rng_key: int = 0  # derived from (job seed, row index): a row's random stream ignores its batch-mates
+    lane: str = "default"
+    priority: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the known ids: prompt, then output
+    # tokens sampled by steps still running (async scheduling): counted in num_tokens, their ids not back yet
+    num_placeholders: int = 0
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digests of the full computed blocks
+    arrival: int = 0  # admission order, for "youngest first" preemption
+    enqueued_at: float = 0.0  # when the row entered the waiting queue (aging, wait statistics)
+    first_scheduled_at: float | None = None
+    reserved_blocks: int = 0  # admission=reserve: blocks set aside for the whole row
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids; set by Engine.add
+    detokenizer: object | None = None  # rows with stop strings: an IncrementalDetokenizer (engine/core/detokenizer.py)
+    logprobs: list | None = None  # params.logprobs set: one (token id, logprob, top [(id, logprob)]) per output token
+    sampler_state: object | None = None  # the sampler's per-row cache (penalty token counts)
+    draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
+    spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - len(self.prompt_ids)

@@ -1,0 +1,137 @@
+"""ModelRunner: runs one scheduled step, eagerly or as a replayed CUDA graph: its flat inputs (input_batch.py)
+through the staging buffers onto the device, one forward over the KV cache (kv_cache.py), the logits of
+the rows whose tokens are all computed, and one sampling pass over them."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from batchjob.engine.sample import sampler
+from batchjob.engine.core.scheduler import Step
+from batchjob.engine.worker.input_batch import step_inputs
+from batchjob.engine.worker.kv_cache import KVCache
+from batchjob.engine.worker.staging import StagingBuffers
+from batchjob.kernels import AttentionMetadata
+from batchjob.kernels.profiling import scope
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, num_host_blocks: int = 0):
+        model.fit_kernels(block_size)
+        self.model = model
+        self.block_size = block_size
+        self.kv = KVCache(model, num_blocks, block_size, num_host_blocks)
+        self.staging = StagingBuffers(model.device)
+        self.decode_graphs = None  # engine/worker/cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
+        self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
+
+    def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """A step's inputs and metadata (in place) through the staging buffers onto the model's device."""
+        if self.model.device.type == "cpu":
+            return input_ids, positions
+        stage = self.staging.to_device
+        for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
+            setattr(meta, name, stage(name, getattr(meta, name)))
+        return stage("input_ids", input_ids), stage("positions", positions)
+
+    def run(self, step: Step, in_flight: StepTokens | None = None) -> StepTokens:
+        """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
+        handle whose `tolist()` waits for them. On a GPU the host is free until then; on the CPU the forward
+        has run by the time this returns. `in_flight`: the step launched before this one, whose tokens are
+        not back yet (async scheduling): a row whose last input is its placeholder reads the id that step
+        sampled, on the device."""
+        self.staging.next_step()
+        with scope("prepare"):
+            inputs = step_inputs(step, self.block_size, self.model.device.type != "cpu")
+        input_ids, positions = self.to_device(inputs.input_ids, inputs.positions, inputs.meta)
+        meta, last = inputs.meta, inputs.last
+        fill = None
+        if inputs.placeholder_rows:
+            assert in_flight is not None, "a placeholder with no step in flight to fill it"
+            fill = _placeholder_fill(step, inputs.placeholder_rows, last, in_flight, self.staging)
+        argmax = getattr(self.model.kernels, "argmax", None)  # a fused argmax where the backend has one
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
+            t0 = time.perf_counter()
+            logits = graphs.run(input_ids, positions, meta, fill)
+            self.model_s += time.perf_counter() - t0
+            rows = list(range(len(step.seqs)))
+            with scope("sampler"):
+                sampled = sampler.sample(logits, step.seqs, argmax=argmax)
+            return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
+        if fill is not None:
+            input_ids[fill[0]] = fill[1]
+        t0 = time.perf_counter()
+        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
+        # rows whose tokens are all computed sample one token; a speculating row samples at its last token
+        # and at each of its k proposals (it computes k tokens past its own)
+        rows, spans, at, seqs = [], [], [], []
+        for i, (s, n) in enumerate(zip(step.seqs, step.num_new)):
+            k = s.num_computed + n - s.num_tokens
+            if k >= 0:
+                rows.append(i)
+                spans.append(k + 1)
+                at.extend(range(last[i] - k, last[i] + 1))
+                seqs.extend([s] * (k + 1))
+        # the logits stay on the model's device: sampling runs there and only token ids come back
+        logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
+        self.model_s += time.perf_counter() - t0
+        if not rows:
+            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs)
+        offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
+        with scope("sampler"):
+            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets)
+        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs)
+
+
+def _placeholder_fill(step: Step, waiting: list[int], last: list[int], in_flight: StepTokens,
+                      staging: StagingBuffers) -> tuple:
+    """(batch positions, ids) for the step rows in `waiting`, whose last input is a placeholder: the ids
+    `in_flight` sampled for them, still on the device."""
+    index = {id(s): j for j, s in enumerate(in_flight.sampled_seqs())}
+    at = [last[i] for i in waiting]
+    src = [index[id(step.seqs[i])] for i in waiting]
+    ids = in_flight.sampled.ids
+    return staging.to_device("fill_at", torch.tensor(at)), ids[staging.to_device("fill_src", torch.tensor(src))]
+
+
+class StepTokens:
+    """A launched step's sampled tokens per row: `tolist()` waits for them. None for mid-prompt chunks, an
+    int for a row that sampled one token, a list for a speculating row (one token per verified position)."""
+
+    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs")
+
+    def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None,
+                 spans: list[int] | None = None, seqs: list | None = None):
+        self.num_rows, self.rows, self.sampled, self.spans = num_rows, rows, sampled, spans
+        self.seqs = seqs  # the step's rows (Sequence objects), in step order
+
+    def sampled_seqs(self) -> list:
+        """The row of each sampled id, in the order of `sampled.ids` (rows of one token only)."""
+        assert self.spans is None, "a speculating step is never in flight"
+        return [self.seqs[i] for i in self.rows]
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def single_rows(self) -> list[int]:
+        """The rows that sample one token (not speculating)."""
+        if self.spans is None:
+            return self.rows
+        return [i for i, span in zip(self.rows, self.spans) if span == 1]
+
+    def tolist(self) -> list[int | list[int] | None]:
+        out: list = [None] * self.num_rows
+        if self.sampled is None:
+            return out
+        tokens = self.sampled.tolist()
+        if self.spans is None:
+            for i, t in zip(self.rows, tokens):
+                out[i] = t
+            return out
+        j = 0
+        for i, span in zip(self.rows, self.spans):
+            out[i] = tokens[j] if span == 1 else tokens[j:j + span]
+            j += span
+        return out

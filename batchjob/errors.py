@@ -1,0 +1,13 @@
+"""The errors a caller can catch and the exit codes of `batchjob run`: one leaf module that every layer may
+import, so an error keeps its type from the layer that raises it to the command line or the Python API."""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # every row failed, --max-errors was exceeded, or the job could not start
+EXIT_USAGE = 2  # as click's own usage errors: a bad flag, job file or value
+EXIT_RESUMABLE = 75  # EX_TEMPFAIL, "try again later": stopped by a signal after committing; rerun to continue
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once (a second Ctrl-C, or Ctrl-C during start-up)
+
+
+class ConfigError(ValueError):
+    """A job file, flag or argument that cannot run as given; the message names the field and what to do."""

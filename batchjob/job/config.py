@@ -1,0 +1,306 @@
+"""JobConfig: one typed object built from the job file (TOML) plus CLI flags, validated once here."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
+
+
+@dataclass(slots=True)
+class JobConfig:
+    # what to run
+    model: str = "smollm2"  # "smollm2" (embedded GGUF) or a path: HF folder or .gguf file
+    input: str = ""
+    output: str = ""  # default: out/<job file name>
+    input_format: str | None = None
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"  # used when the input has this column
+    chat: bool = False  # wrap a plain prompt as a user message and apply the chat template
+    chat_template: str | None = None  # a file overriding the model's template
+    system_prompt: str | None = None
+    keep_columns: list[str] = field(default_factory=list)
+    # sampling
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)  # stop strings
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    n: int = 1  # completions per row
+    # engine
+    dtype: str | None = None  # float32 | bfloat16 | float16; default: measured choice for the device
+    device: str | None = None  # cpu | cuda; default cuda when available
+    kernels: str = "auto"  # auto | torch | native | triton (kernels/dispatch.py)
+    scheduling: str = "continuous"  # continuous | static
+    batch_size: int = 16  # static batching's batch size
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_chunk: int = 0
+    block_size: int = 16
+    kv_cache_gb: float | None = None  # None: 1 GiB on the CPU; on CUDA, sized by gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
+    cuda_graphs: bool = True  # CUDA + Triton kernels: decode steps replay captured CUDA graphs
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8 | int4: quantized KV (kernels/reference/kv_quant.py)
+    async_scheduling: str = "auto"  # auto (on CUDA) | on | off: schedule step N+1 while step N runs
+    speculative: str = "none"  # none | ngram (prompt lookup) | draft (a smaller model proposes: --draft-model)
+    num_speculative_tokens: int = 4  # tokens proposed per row and step
+    speculative_max_rows: int = 32  # no proposals in a step with more decoding rows than this
+    draft_model: str | None = None  # speculative = "draft": a smaller model with the target's tokenizer
+    read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
+    threads: int = 0  # 0 = torch's default (all cores)
+    limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
+    # scheduler (docs/guide/scheduling.md)
+    admission: str = "optimistic"  # optimistic | reserve
+    preemption: str = "auto"  # auto | recompute | swap
+    swap_space_gb: float = 1.0
+    max_wait: float = 300.0
+    prefix_caching: bool = True
+    lanes: list[dict] = field(default_factory=list)  # [[lanes]] name, priority, weight, input, max_tokens
+    lane_column: str = "lane"  # rows name their lane here (or carry a `priority` column) when lanes have no input
+    # output
+    part_rows: int = 1000
+    part_seconds: float = 30.0
+    part_format: str = "arrow"  # arrow (IPC files) | parquet
+    progress: bool = True
+    log_every: float = 30.0  # seconds between plain progress lines when stderr is not a terminal
+    # stopping; not part of the job's identity, so changing them never blocks a resume
+    drain_timeout: float = 60.0  # seconds the running rows get to finish after SIGINT/SIGTERM/SIGUSR1
+    max_errors: int | float | None = None  # failed rows allowed: a count (10) or a fraction of the rows (0.1); None: any
+    output_format: str = "arrow"  # arrow | openai-batch (also OUTPUT/results.jsonl at the end)
+    # sharding: "K/N" runs the K-th (0-based) of N contiguous slices into OUTPUT/shard-K-of-N/;
+    # unset inside a Slurm array task: K/N from SLURM_ARRAY_TASK_*; "none": never shard
+    shard: str | None = None
+    # where the values came from (not a job-file field): the job file, for messages
+    job_file: str | None = None
+
+    def validate(self) -> "JobConfig":
+        if not self.input and not self.per_lane_inputs:
+            where = f"set `input = \"PATH\"` in {self.job_file} or pass --input PATH" if self.job_file else "pass --input PATH"
+            raise ConfigError(f"input: no input given; {where}")
+        _choice("scheduling", self.scheduling, ("continuous", "static"))
+        if self.dtype is not None:
+            _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.device is not None:
+            _choice("device", self.device, ("cpu", "cuda"))
+        _choice("kernels", self.kernels, ("auto", "torch", "native", "triton"))
+        for name in ("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "batch_size", "part_rows"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.prefill_chunk < 0 or self.read_ahead < 0:
+            raise ConfigError("top_k, prefill_chunk and read_ahead must be >= 0")
+        if self.threads < 0:
+            raise ConfigError(f"threads: must be >= 1 (or 0 = every core), got {self.threads}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit: must be >= 1 rows, got {self.limit}")
+        if self.log_every <= 0:
+            raise ConfigError(f"log_every: must be > 0 seconds, got {self.log_every}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        from batchjob.engine.spec_decode.config import speculative_config
+
+        try:
+            speculative_config(self.speculative, self.num_speculative_tokens, self.speculative_max_rows, self.draft_model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _choice("async_scheduling", self.async_scheduling, ("auto", "on", "off"))
+        _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "int8", "int4"))
+        _choice("admission", self.admission, ("optimistic", "reserve"))
+        _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
+        if self.max_wait <= 0:
+            raise ConfigError(f"max_wait: must be > 0 seconds, got {self.max_wait}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"drain_timeout: must be >= 0 seconds, got {self.drain_timeout}")
+        self.max_errors = _error_limit(self.max_errors)
+        self._validate_lanes()
+        _choice("output_format", self.output_format, ("arrow", "openai-batch"))
+        _choice("part_format", self.part_format, ("arrow", "parquet"))
+        try:
+            self.sampling_defaults()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.shard is not None:
+            from batchjob.cluster.shards import ShardSpec
+
+            ShardSpec.resolve(self.shard)  # the one K/N parser; raises ConfigError naming the field
+        return self
+
+    def sampling_defaults(self, max_tokens: int | None = None):
+        """The job's SamplingParams (a lane may set its own max_tokens); rows may override each field."""
+        from batchjob.engine.core.sequence import SamplingParams
+
+        return SamplingParams.parse({
+            "max_tokens": max_tokens or self.max_tokens, "min_tokens": self.min_tokens, "temperature": self.temperature,
+            "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "n": self.n,
+        })
+
+    @property
+    def per_lane_inputs(self) -> bool:
+        return bool(self.lanes) and all(isinstance(lane, dict) and lane.get("input") for lane in self.lanes)
+
+    def _validate_lanes(self) -> None:
+        allowed = {"name", "priority", "weight", "input", "max_tokens"}
+        names = set()
+        for i, lane in enumerate(self.lanes):
+            where = f"lanes[{i}]"
+            if not isinstance(lane, dict):
+                raise ConfigError(f"{where}: expected a table with {', '.join(sorted(allowed))}")
+            unknown = set(lane) - allowed
+            if unknown:
+                raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+            name = lane.get("name")
+            if not isinstance(name, str) or not name or "/" in name:
+                raise ConfigError(f"{where}.name: a non-empty name without '/' is required")
+            if name in names:
+                raise ConfigError(f"{where}.name: lane {name!r} is declared twice")
+            names.add(name)
+            if not isinstance(lane.get("priority", 0), int):
+                raise ConfigError(f"{where}.priority: expected an integer")
+            w = lane.get("weight", 1.0)
+            if not isinstance(w, (int, float)) or w <= 0:
+                raise ConfigError(f"{where}.weight: expected a number > 0")
+            mt = lane.get("max_tokens")
+            if mt is not None and (not isinstance(mt, int) or mt < 1):
+                raise ConfigError(f"{where}.max_tokens: expected an integer >= 1")
+        with_input = [lane.get("input") is not None for lane in self.lanes]
+        if any(with_input) and not all(with_input):
+            raise ConfigError("lanes: either every lane names its own `input` (per-lane outputs) or none does "
+                              "(rows choose their lane by the lane column or a `priority` column)")
+
+
+def _error_limit(value) -> int | float | None:
+    """max_errors: None, a count (10, "10"), or a fraction of the rows (0.1, "0.1", "10%")."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            text = value.strip()
+            value = float(text[:-1]) / 100 if text.endswith("%") else (int(text) if text.isdigit() else float(text))
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, float) and value.is_integer() and value >= 1:
+            value = int(value)
+        if isinstance(value, int) and value >= 0 or isinstance(value, float) and 0 < value < 1:
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"max_errors: expected a number of rows (e.g. 10) or a fraction of the rows between 0 and 1 "
+                      f"(e.g. 0.1 or 10%), got {value!r}")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(JobConfig) if f.name != "job_file"}
+# The job file's optional tables and the fields each holds; every field may also stand at the top level
+# (a `[job]` table holds any field, as the top level does).
+TABLES: dict[str, tuple[str, ...]] = {
+    "sampling": ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "include_stop_str_in_output", "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logprobs", "n"),
+    "engine": ("dtype", "device", "kernels", "threads", "scheduling", "batch_size", "max_num_seqs",
+               "max_num_batched_tokens", "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization",
+               "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",
+               "read_ahead", "async_scheduling", "cuda_graphs", "speculative", "draft_model",
+               "num_speculative_tokens", "speculative_max_rows"),
+    "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns"),
+}
+SECTIONS = (*TABLES, "job")  # optional TOML tables; their keys are fields too
+
+
+def load_job(path: str | Path | None, overrides: dict) -> JobConfig:
+    """Job file values, then every non-None override; relative paths in the file are taken from the cwd."""
+    values: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"job file {p} not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+        for key, value in data.items():
+            if key in SECTIONS and isinstance(value, dict):
+                for k, v in value.items():
+                    values[_field(p, f"{key}.{k}", k)] = v
+            else:
+                values[_field(p, key, key)] = value
+        values.setdefault("output", str(Path("out") / p.stem))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if not values.get("output"):
+        values["output"] = str(Path("out") / (Path(values.get("input") or "job").stem or "job"))
+    cfg = JobConfig(job_file=str(path) if path is not None else None)
+    for k, v in values.items():
+        setattr(cfg, k, _coerce(k, v))
+    return cfg.validate()
+
+
+def _field(path: Path, shown: str, key: str) -> str:
+    if key not in FIELDS:
+        raise ConfigError(f"{path}: unknown field {shown!r}; known fields: {', '.join(sorted(FIELDS))}")
+    return key
+
+
+def _coerce(name: str, value):
+    default = FIELDS[name].default
+    if name == "limit" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"limit: expected a number of rows, got {value!r}")
+    if name == "kv_cache_gb" and value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"kv_cache_gb: expected a number of GiB, got {value!r}")
+        return float(value)
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if isinstance(default, float) and not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if isinstance(default, float):
+        return float(value)
+    if name == "lanes":
+        if not isinstance(value, list):
+            raise ConfigError("lanes: expected [[lanes]] tables")
+        return value
+    if name == "stop" and isinstance(value, str):  # a flag: one stop string, or a JSON list of them
+        if value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"stop: {value!r} is not a JSON list of strings ({e})") from None
+        else:
+            value = [value]
+    if name == "stop":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"stop: expected a string or a list of strings, got {value!r}")
+        return list(value)
+    if name in ("keep_columns", "stop_token_ids"):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return [int(v) for v in value] if name == "stop_token_ids" else [str(v) for v in value]
+    return value

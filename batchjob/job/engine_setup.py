@@ -1,0 +1,56 @@
+"""The engine a job config asks for (the model with its kernels, the scheduler's lanes and budgets, the KV
+cache), built the same way for `batchjob run` and for the Python API."""
+from __future__ import annotations
+
+import torch
+
+from batchjob.job.config import JobConfig
+from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.engine.core.lanes import Lane
+from batchjob.engine.core.scheduler import SchedulerConfig
+from batchjob.engine.spec_decode.config import speculative_config
+from batchjob.models.llama import LlamaModel
+from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
+
+
+def lanes_of(cfg: JobConfig) -> list[Lane]:
+    if not cfg.lanes:
+        return [Lane()]
+    return [Lane(lane["name"], lane.get("priority", 0), float(lane.get("weight", 1.0))) for lane in cfg.lanes]
+
+
+def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
+    model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
+                       kv_cache_dtype=cfg.kv_cache_dtype)
+    if model.device.type != "cpu":
+        loaded.weights.clear()  # the device holds them now: release the host copy (a CPU model shares it)
+    static = cfg.scheduling == "static"
+    sched = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
+        # a static batch is prefilled whole, then decoded until its longest row ends
+        max_num_batched_tokens=1 << 20 if static else cfg.max_num_batched_tokens,
+        static_batch=cfg.batch_size if static else 0, admission=cfg.admission, preemption=cfg.preemption,
+        max_wait=cfg.max_wait, lanes=lanes_of(cfg),
+    )
+    # --kv-cache-gb wins; else 1 GiB on the CPU, and on CUDA what gpu_memory_utilization leaves (kv_budget.py)
+    ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
+                        gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
+                        swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
+                        enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,
+                        async_scheduling={"auto": None, "on": True, "off": False}[cfg.async_scheduling],
+                        speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows,
+                                                       cfg.draft_model),
+                        scheduler=sched)
+    draft = None
+    if cfg.speculative == "draft":
+        try:
+            proposer = load_model(cfg.draft_model, dtype=dtype)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model: {e}") from None
+        if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+            raise ModelLoadError(f"draft model {cfg.draft_model}: its tokenizer has {proposer.tokenizer.vocab_size:,} "
+                                 f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
+                                 "target's tokenizer (e.g. a smaller model of the same family)")
+        draft = LlamaModel(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
+                           block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype)
+    return Engine(model, loaded.tokenizer.eos_token_ids, ecfg, draft_model=draft)

@@ -1,0 +1,164 @@
+"""Rows through the engine: read ahead from each stream, tokenized in batches, n Sequences per row; the
+finished Sequences assembled back into result rows, written to their stream's sink and counted."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.engine import Engine
+from batchjob.job.config import ConfigError, JobConfig
+from batchjob.job.engine_setup import lanes_of
+from batchjob.job.error_budget import ErrorBudget
+from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
+from batchjob.job.rows_in_flight import RowsInFlight
+from batchjob.models.loader import LoadedModel
+from batchjob.job.streams import Stream
+from batchjob.job.summary import JobSummary
+
+FEED_BATCH = 256  # rows read and tokenized together
+
+
+class RowFeed:
+    """The rows between the streams and their sinks. `use_messages`: whether each source (by id) has
+    the messages column; `lane_column_out`: rows pick their lane, so each result row records it."""
+
+    def __init__(self, cfg: JobConfig, loaded: LoadedModel, engine: Engine, use_messages: dict[int, bool],
+                 template: str | None, lane_column_out: bool, summary: JobSummary):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = loaded.tokenizer
+        self.builders = {key: PromptBuilder(cfg, loaded.tokenizer, uses, template) for key, uses in use_messages.items()}
+        self.lane_column_out = lane_column_out
+        self.summary = summary
+        self.lanes = {lane.name: lane for lane in lanes_of(cfg)}
+        self.params = {lane["name"]: cfg.sampling_defaults(lane.get("max_tokens")) for lane in cfg.lanes}
+        self.default_params = cfg.sampling_defaults()
+        # rows in the engine, known by (stream, row index, kept columns)
+        self.rows: RowsInFlight[tuple[Stream, int, dict]] = RowsInFlight(engine, loaded.tokenizer)
+        self.dropped = 0  # rows read but put back by a stop
+        self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
+        self.first_error: str | None = None
+        self.before = (0, 0)  # (rows, errors) committed by earlier runs: set when the run starts
+        self.budget: ErrorBudget | None = None  # max_errors, set when the run starts
+
+    # rows in
+
+    def lane_for(self, stream: Stream, record: dict) -> str:
+        if stream.lane is not None:
+            return stream.lane
+        if not self.cfg.lanes:
+            return "default"
+        name = record.get(self.cfg.lane_column)
+        if name is not None:
+            if name not in self.lanes:
+                raise RowError(f"column {self.cfg.lane_column!r}: unknown lane {name!r}; lanes: {', '.join(self.lanes)}")
+            return name
+        prio = record.get("priority")
+        if prio is None:
+            return next(iter(self.lanes))  # rows that name no lane go to the first declared lane
+        match = [lane.name for lane in self.lanes.values() if lane.priority == prio]
+        if not match:
+            raise RowError(f"column 'priority': no lane has priority {prio!r}; lanes: "
+                           + ", ".join(f"{lane.name}={lane.priority}" for lane in self.lanes.values()))
+        return match[0]
+
+    def feed(self, stream: Stream, budget: int) -> None:
+        """Queue rows until `budget` rows wait in the engine: read a batch, tokenize it in one call, add
+        each row's n Sequences; bad rows become error rows at once."""
+        lane = stream.lane or None  # a stream of one lane counts that lane's queue, else every lane's
+        builder = self.builders[id(stream.source)]
+        while not stream.exhausted and (room := budget - self.engine.num_waiting(lane)) > 0:
+            batch = []  # (row index, record, kept columns, lane)
+            for _ in range(min(room, FEED_BATCH)):
+                item = next(stream.rows, None)
+                if item is None:
+                    stream.exhausted = True
+                    break
+                record = item.record or {}
+                kept = {c: record.get(c) for c in stream.columns.keep}
+                if item.error:
+                    self.emit(stream, item.row_index, kept, error=item.error)
+                    continue
+                try:
+                    row_lane = self.lane_for(stream, record)
+                except RowError as e:
+                    self.emit(stream, item.row_index, kept, error=str(e))
+                    continue
+                if self.lane_column_out:
+                    kept["lane"] = row_lane
+                batch.append((item.row_index, record, kept, row_lane))
+            for (row_index, record, kept, row_lane), ids in zip(batch, builder.token_ids_many([b[1] for b in batch])):
+                try:
+                    if isinstance(ids, RowError):
+                        raise ids
+                    params = row_sampling(record, self.params.get(row_lane, self.default_params))
+                    stream.columns.check(params)
+                except RowError as e:
+                    self.emit(stream, row_index, kept, error=str(e))
+                    continue
+                self._add_row(stream, row_index, kept, row_lane, ids, params)
+
+    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, ids: list[int], params: SamplingParams) -> None:
+        err = self.rows.add((stream, row_index, kept), ids, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
+                            row_index=row_index, lane=lane)
+        if err:
+            self.emit(stream, row_index, kept, error=err, prompt_tokens=len(ids))
+
+    @property
+    def rows_in_flight(self) -> int:
+        """Rows in the engine (a row with n > 1 completions counts once)."""
+        return self.rows.num_rows
+
+    def drop_waiting(self) -> None:
+        """Stopping: rows that have not started go back to the input (rerun on resume)."""
+        self.dropped += self.rows.drop_waiting()
+
+    # rows out
+
+    def finished(self, seq: Sequence) -> None:
+        done = self.rows.finished(seq)
+        if done is not None:  # the row's last completion
+            stream, row_index, kept = done.key
+            self.emit(stream, row_index, kept, **done.row.fields())
+
+    def emit(self, stream: Stream, row_index: int, kept: dict, *, text: str = "", reason: str = "error",
+             prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None, extra: dict | None = None) -> None:
+        row = {"row_index": row_index, "generated_text": text, "finish_reason": reason,
+               "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "error": error}
+        row.update(kept)
+        row.update(extra or {})
+        stream.sink.write(row)
+        s = self.summary
+        s.rows += 1
+        s.errors += reason == "error"
+        s.prompt_tokens += prompt_tokens
+        s.generated_tokens += completion_tokens
+        if reason == "error":
+            self.first_error = self.first_error or f"row {row_index}: {error}"
+            self.check_errors()
+        else:
+            ok, first = self.one_token_stops
+            self.one_token_stops = (ok + 1, first + (reason == "stop" and completion_tokens <= 1))
+
+    def check_errors(self, final: bool = False) -> None:
+        """max_errors, over this run's rows and those committed before it."""
+        rows, errors = self.before
+        self.budget.check(errors + self.summary.errors, rows + self.summary.rows, final)
+
+
+def read_template(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"chat_template: cannot read {path}: {e.strerror or e}") from None
+
+
+def check_chat_template(template: str | None, name: str) -> None:
+    from batchjob.models.chat import ChatTemplateError, compile_template
+
+    if template is None:
+        return  # rows say that the model has no template, one by one
+    try:
+        compile_template(template)
+    except ChatTemplateError as e:
+        raise ConfigError(f"chat_template: {name}: {e}") from None

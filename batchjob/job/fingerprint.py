@@ -1,0 +1,68 @@
+"""The job fingerprint: what makes a rerun the same job (the input by content, the model, the parameters),
+recorded in the manifest so that a resume into results of another job is refused."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from batchjob.job.config import JobConfig
+from batchjob.cluster.shards import ShardSource
+from batchjob.io.sources import Source
+from batchjob.models.loader import LoadedModel
+from batchjob.version import __version__
+
+CONTENT_HASH_WHOLE_BYTES = 64 << 20  # an input file up to this size is hashed whole; a larger one by samples:
+CONTENT_SAMPLES = 64  # this many windows spread evenly over the file, the first and the last bytes included,
+CONTENT_SAMPLE_BYTES = 64 << 10  # of this size (4 MiB read per huge file)
+_content_hashes: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> hash: a sharded run asks twice
+
+PARAM_FIELDS = ("prompt_column", "messages_column", "chat", "chat_template", "system_prompt", "keep_columns",
+                "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "lanes", "lane_column",
+                "min_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+                "include_stop_str_in_output", "logprobs", "n")
+
+
+def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedModel, dtype: torch.dtype) -> dict:
+    params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
+    params["dtype"] = str(dtype).removeprefix("torch.")
+    if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
+        params["kv_cache_dtype"] = cfg.kv_cache_dtype
+    fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),
+          "model": loaded.identity, "params": params}
+    if isinstance(source, ShardSource):
+        fp["shard"] = source.info()
+    return fp
+
+
+def input_identity(path: Path, source: Source) -> dict:
+    """The input as the job fingerprint knows it: the format, the columns, and each data file's name
+    (under the input folder), size and content hash. By content, not by mtime or location: a copied,
+    moved or touched input still resumes; a changed byte forces --restart (in a huge file, a changed
+    size or a byte inside a sampled window)."""
+    reader = getattr(source, "inner", source)  # a shard reads its whole input's files
+    files = [[f.relative_to(path).as_posix() if path.is_dir() else f.name, f.stat().st_size, content_hash(f)]
+             for f in reader.files]
+    return {"format": source.format_name, "files": files, "columns": list(source.columns)}
+
+
+def content_hash(file: Path) -> str:
+    """SHA-256 of the file, or of CONTENT_SAMPLES windows of it when it is over CONTENT_HASH_WHOLE_BYTES."""
+    st = file.stat()
+    key = (str(file.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key in _content_hashes:
+        return _content_hashes[key]
+    with open(file, "rb") as f:
+        if st.st_size <= CONTENT_HASH_WHOLE_BYTES:
+            digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+        else:
+            h = hashlib.sha256()
+            last = max(st.st_size - CONTENT_SAMPLE_BYTES, 0)
+            for i in range(CONTENT_SAMPLES):
+                f.seek(last * i // max(CONTENT_SAMPLES - 1, 1))
+                h.update(f.read(CONTENT_SAMPLE_BYTES))
+            digest = f"sha256-sampled-{CONTENT_SAMPLES}x{CONTENT_SAMPLE_BYTES}:" + h.hexdigest()
+    _content_hashes[key] = digest
+    return digest

@@ -1,0 +1,92 @@
+"""What a running job shows while it runs: on a terminal a progress bar that moves every step, elsewhere
+(Slurm logs, cron, `> log`) a plain line every `log_every` seconds. Both count the whole job (rows
+committed before this run included), tell committed rows from rows in flight, and estimate the time
+left from this run's rate. When the number of rows is unknown (JSONL read for the first time), progress
+is the byte position in the input."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from batchjob.io.durations import format_duration
+
+
+@dataclass(slots=True)
+class Snapshot:
+    rows_done: int  # rows finished so far, the whole job (committed before this run + written in it)
+    rows_committed: int  # of those, committed (in a part listed by the manifest)
+    rows_in_flight: int  # admitted to the engine, not finished
+    tokens: int  # tokens generated in this run
+    bytes_read: int | None = None  # input position, when progress is by bytes
+
+
+class Progress:
+    def __init__(self, *, total_rows: int | None, rows_before: int, log_every: float, enabled: bool = True,
+                 tty: bool | None = None, total_bytes: int | None = None, bytes_before: int = 0, stream=None,
+                 clock=time.monotonic) -> None:
+        self.total_rows, self.rows_before = total_rows, rows_before
+        self.total_bytes, self.bytes_before = (total_bytes, bytes_before) if total_rows is None else (None, 0)
+        self.log_every = log_every
+        self.stream = stream or sys.stderr
+        self.clock = clock
+        self.t0 = self.last_line = clock()
+        tty = self.stream.isatty() if tty is None else tty
+        self.bar = None
+        self.lines = enabled and not tty
+        if enabled and tty:
+            from tqdm import tqdm
+
+            if self.total_bytes is not None:
+                self.bar = tqdm(total=self.total_bytes, initial=bytes_before, unit="B", unit_scale=True,
+                                desc="batchjob (input read)", dynamic_ncols=True, file=self.stream)
+            else:
+                self.bar = tqdm(total=total_rows, initial=rows_before, unit="row", desc="batchjob",
+                                dynamic_ncols=True, file=self.stream)
+
+    def update(self, s: Snapshot) -> None:
+        """Called once per engine step: cheap unless it is time to draw."""
+        now = self.clock()
+        if self.bar is not None:
+            self.bar.n = s.bytes_read if self.total_bytes is not None and s.bytes_read is not None else s.rows_done
+            self.bar.set_postfix_str(self._postfix(s, now), refresh=False)
+            self.bar.refresh() if now - self.last_line >= 0.5 else None
+            if now - self.last_line >= 0.5:
+                self.last_line = now
+        elif self.lines and now - self.last_line >= self.log_every:
+            self.last_line = now
+            print(f"batchjob: progress: {self.line(s, now)}", file=self.stream, flush=True)
+
+    def _postfix(self, s: Snapshot, now: float) -> str:
+        elapsed = max(now - self.t0, 1e-9)
+        return f"{s.tokens / elapsed:,.0f} tok/s, {s.rows_committed:,} committed, {s.rows_in_flight:,} in flight"
+
+    def line(self, s: Snapshot, now: float | None = None) -> str:
+        """rows done/total (percent), rows/s, tok/s, committed, in flight, ETA: for logs and tests."""
+        now = self.clock() if now is None else now
+        elapsed = max(now - self.t0, 1e-9)
+        run_rows = s.rows_done - self.rows_before
+        rate = run_rows / elapsed
+        parts = []
+        if self.total_rows is not None:
+            share = s.rows_done / self.total_rows if self.total_rows else 1.0
+            parts.append(f"{s.rows_done:,}/{self.total_rows:,} rows ({share:.1%})")
+            eta = (self.total_rows - s.rows_done) / rate if rate > 0 else None
+        else:
+            parts.append(f"{s.rows_done:,} rows")
+            eta = None
+            if self.total_bytes and s.bytes_read is not None:
+                share = s.bytes_read / self.total_bytes
+                parts.append(f"input {share:.1%} read")
+                # rows still to come: those in the unread bytes (at this run's rows per byte) and those in flight
+                read = s.bytes_read - self.bytes_before
+                rows_read = run_rows + s.rows_in_flight
+                ahead = (self.total_bytes - s.bytes_read) * rows_read / read if read > 0 else None
+                eta = (ahead + s.rows_in_flight) / rate if ahead is not None and rate > 0 else None
+        parts += [f"{rate:,.1f} rows/s", f"{s.tokens / elapsed:,.0f} tok/s", f"{s.rows_committed:,} committed",
+                  f"{s.rows_in_flight:,} in flight", f"ETA {format_duration(eta)}" if eta is not None else "ETA ?"]
+        return ", ".join(parts)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

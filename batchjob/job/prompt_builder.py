@@ -1,0 +1,171 @@
+"""Turns an input record into a request: prompt token ids (a plain prompt, a list of token ids, a prompt
+wrapped as a chat message, or a `messages` list rendered with the chat template) and the row's sampling
+parameters (the job's, overridden by a `sampling` column and by columns named like the parameters).
+Messages are read as the OpenAI API writes them too (text content parts, the `developer` role), and
+values that come as text (CSV) as JSON. Problems are per-row errors (RowError)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from batchjob.job.config import JobConfig
+from batchjob.engine.core.sequence import SamplingParams
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_COLUMN = "sampling"
+TEXT_FIELDS = ("stop",)  # parameters whose value may be plain text
+
+
+class RowError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class PromptBuilder:
+    config: JobConfig
+    tokenizer: object  # batchjob.models.tokenizer.Tokenizer
+    use_messages: bool  # the input has the messages column
+    chat_template: str | None = None
+
+    def messages(self, record: dict) -> list[dict] | None:
+        cfg = self.config
+        msgs = record.get(cfg.messages_column) if self.use_messages else None
+        if msgs is None:
+            if not cfg.chat:
+                return None
+            msgs = [{"role": "user", "content": self._prompt_text(record)}]
+        elif isinstance(msgs, str):  # a JSON list in a text column (CSV)
+            try:
+                msgs = json.loads(msgs)
+            except ValueError as e:
+                raise RowError(f"column {cfg.messages_column!r}: invalid JSON: {e}") from None
+        if not isinstance(msgs, list) or not msgs:
+            raise RowError(f"column {cfg.messages_column!r}: expected a non-empty list of {{role, content}} messages")
+        msgs = [chat_message(m, i, cfg.messages_column) for i, m in enumerate(msgs)]
+        if cfg.system_prompt and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
+        return msgs
+
+    def _prompt_text(self, record: dict) -> str:
+        col = self.config.prompt_column
+        value = record.get(col)
+        if value is None:
+            raise RowError(f"column {col!r} is null")
+        if not isinstance(value, str):
+            raise RowError(f"column {col!r}: expected a string, got {type(value).__name__}")
+        if not value.strip():
+            raise RowError(f"column {col!r} is empty")
+        return value
+
+    def token_ids(self, record: dict) -> list[int]:
+        result = self.token_ids_many([record])[0]
+        if isinstance(result, RowError):
+            raise result
+        return result
+
+    def token_ids_many(self, records: list[dict]) -> list[list[int] | RowError]:
+        """Each record's prompt ids, or the RowError that fails it; the texts are tokenized in one batch."""
+        out: list = [None] * len(records)
+        plain: list[tuple[int, str]] = []  # prompts: the tokenizer adds BOS where the model wants it
+        chat: list[tuple[int, str]] = []  # rendered templates: they write their special tokens themselves
+        for i, record in enumerate(records):
+            try:
+                kind, value = self._text(record)
+            except RowError as e:
+                out[i] = e
+                continue
+            if kind == "ids":
+                out[i] = value
+            else:
+                (plain if kind == "prompt" else chat).append((i, value))
+        for group, special in ((plain, True), (chat, False)):
+            for (i, _), ids in zip(group, self.tokenizer.encode_batch([t for _, t in group], add_special_tokens=special)):
+                out[i] = ids
+        return out
+
+    def _text(self, record: dict) -> tuple[str, object]:
+        """("ids", token ids given as they are) | ("prompt", text) | ("chat", the rendered template)."""
+        msgs = self.messages(record)
+        if msgs is None:
+            value = record.get(self.config.prompt_column)
+            if isinstance(value, list):
+                return "ids", self._given_ids(value)
+            return "prompt", self._prompt_text(record)
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
+        except Exception as e:  # template errors are the row's problem, not the job's
+            raise RowError(f"chat template failed: {e}") from None
+        return "chat", text
+
+    def _given_ids(self, value: list) -> list[int]:
+        """A prompt given as token ids (vLLM's prompt_token_ids, OpenAI's token prompts): used as is."""
+        col, vocab = self.config.prompt_column, self.tokenizer.vocab_size
+        if not value:
+            raise RowError(f"column {col!r}: the token id list is empty")
+        bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RowError(f"column {col!r}: expected a string or a list of token ids in [0, {vocab}), found {bad[0]!r}")
+        return list(value)
+
+
+def chat_message(message, index: int, column: str) -> dict:
+    """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
+    accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
+    does) and the `developer` role (its newer name for `system`). The other keys are kept."""
+    where = f"column {column!r}: message {index}"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RowError(f"{where} needs string 'role' and 'content'")
+    content = message.get("content")
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                got = f"type {kind!r}" if isinstance(kind, str) else "no text"
+                raise RowError(f"{where}: content part {k} has {got}; only text parts are supported")
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise RowError(f"{where} needs string 'role' and 'content'")
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {**message, "role": role, "content": content}
+
+
+def row_sampling(record: dict, base: SamplingParams) -> SamplingParams:
+    """`base` (the job's or the lane's parameters) overridden by the row: first its `sampling` column (a
+    struct, a JSON object or a JSON string of one), then columns named like a parameter. Nulls keep base."""
+    values: dict = {}
+    given = record.get(SAMPLING_COLUMN)
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except ValueError as e:
+            raise RowError(f"column {SAMPLING_COLUMN!r}: invalid JSON: {e}") from None
+    if given is not None:
+        if not isinstance(given, dict):
+            raise RowError(f"column {SAMPLING_COLUMN!r}: expected an object of sampling parameters, got {type(given).__name__}")
+        values.update(given)
+    for name in SAMPLING_FIELDS:
+        if record.get(name) is not None:
+            values[name] = _from_text(name, record[name])
+    if not values:
+        return base
+    try:
+        return SamplingParams.parse(values, base)
+    except ValueError as e:
+        raise RowError(f"sampling parameter {e}") from None
+
+
+def _from_text(name: str, value):
+    """A parameter given as text (every CSV value is) is read as JSON: "0.7" -> 0.7, "[2, 5]" -> [2, 5].
+    `stop` takes text as it is (a stop string); text that is not JSON is left for the check to name."""
+    if not isinstance(value, str) or name in TEXT_FIELDS:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def has_row_sampling(columns) -> bool:
+    """Whether rows of an input with these columns can carry their own sampling parameters."""
+    return SAMPLING_COLUMN in columns or any(name in columns for name in SAMPLING_FIELDS)

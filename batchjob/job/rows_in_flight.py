@@ -1,0 +1,70 @@
+"""Rows inside the engine: a row enters as its n Sequences (one per completion, each with its own random
+stream) and leaves once its last one finishes, as one PendingRow with all n. The job's RowFeed and the
+Python API's LLM both run their rows through this."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from batchjob.engine.core.detokenizer import IncrementalDetokenizer
+from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.engine import Engine
+from batchjob.engine.sample.row_keys import sequence_key
+from batchjob.job.results import OutputColumns, PendingRow, TokenText
+
+Key = TypeVar("Key")  # what the caller knows a row by (its stream and index, or its place in a list)
+
+
+@dataclass(slots=True)
+class DoneRow(Generic[Key]):
+    key: Key
+    row: PendingRow
+    seqs: list[Sequence]  # its n completions, in order
+
+
+class RowsInFlight(Generic[Key]):
+    def __init__(self, engine: Engine, tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
+        self._by_seq: dict[int, tuple[Key, PendingRow, list[Sequence], int]] = {}  # seq_id -> (key, row, seqs, c)
+        self._next_seq = 0
+        self.num_rows = 0  # rows in the engine (a row of n completions counts once)
+
+    def add(self, key: Key, ids: list[int], params: SamplingParams, columns: OutputColumns, *, seed: int,
+            row_index: int, lane: str = "default") -> str | None:
+        """Queue a row's n Sequences; their random streams come from (seed, row_index, completion). Returns
+        the error (and queues nothing) when the prompt can never run."""
+        row, seqs = PendingRow(params.n, columns), []
+        for c in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
+                                           include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
+            seq = Sequence(self._next_seq, ids, params, rng_key=sequence_key(params, seed, row_index, c), lane=lane,
+                           detokenizer=detok)
+            self._next_seq += 1
+            err = self.engine.add(seq)
+            if err:  # the prompt never fits: the same for every completion (only the first is ever added)
+                return err
+            seqs.append(seq)
+            self._by_seq[seq.seq_id] = (key, row, seqs, c)
+        self.num_rows += 1
+        return None
+
+    def finished(self, seq: Sequence) -> DoneRow[Key] | None:
+        """Record a finished Sequence; the row once its last completion is in."""
+        key, row, seqs, c = self._by_seq.pop(seq.seq_id)
+        if not row.add(c, seq, self.tokenizer, self.token_text):
+            return None
+        self.num_rows -= 1
+        return DoneRow(key, row, seqs)
+
+    def drop_waiting(self) -> int:
+        """Stopping: the rows whose Sequences never started leave the engine; returns how many Sequences."""
+        rows, dropped = set(), 0
+        for seq in self.engine.drop_waiting():
+            entry = self._by_seq.pop(seq.seq_id, None)
+            if entry is not None:
+                rows.add(id(entry[1]))
+            dropped += 1
+        self.num_rows -= len(rows)
+        return dropped

@@ -1,0 +1,259 @@
+"""One run of a job: opens its streams, model and engine (Job.__init__), then runs the loop that feeds
+rows to the engine, commits results and stops on a signal, and records the run in each manifest.
+
+A job has one stream (one input, one output folder) or, with per-lane inputs, one stream per lane
+(OUTPUT/<lane>/). Each stream reads ahead a bounded number of rows, so memory does not grow with
+the number of rows."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from batchjob.job.config import ConfigError, JobConfig
+from batchjob.device import choose_device, choose_dtype
+from batchjob.job.feed import RowFeed, check_chat_template, read_template
+from batchjob.job.fingerprint import fingerprint
+from batchjob.job.heap import QuietCollector
+from batchjob.cluster.shards import ShardSource, ShardSpec, check_unsharded, claim_shard
+from batchjob.io.export import write_openai_batch
+from batchjob.io.lock import OutputLock
+from batchjob.io.sink import RESUME_POSITION
+from batchjob.io.sources import JsonlSource, Source
+from batchjob.job.engine_setup import build_engine
+from batchjob.models.loader import load_model, resolve_model_path
+from batchjob.job.progress import Progress, Snapshot
+from batchjob.job.stats import StatsRecorder
+from batchjob.job.error_budget import AllRowsFailed, ErrorBudget
+from batchjob.job.signals import StopSignals
+from batchjob.job.streams import (OpenedInput, clear_for_restart, input_folders, open_inputs, open_streams,
+                              remove_bare_folders, uncommitted_rows)
+from batchjob.job.summary import JobSummary, chat_hint, start_line
+
+log = logging.getLogger(__name__)
+
+
+class Job:
+    def __init__(self, cfg: JobConfig, *, restart: bool = False, resources: contextlib.ExitStack | None = None):
+        """`resources` holds what the job must give back however it ends (the output lock); without
+        it the lock lives as long as the Job. `restart` deletes the folder's results first."""
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        out = Path(cfg.output)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output: {out} is a file, not a folder; name a folder for the results")
+        self.shard = ShardSpec.resolve(cfg.shard)
+        if self.shard is None:
+            check_unsharded(out)
+        else:  # this process runs one slice of the input, into OUT/shard-K-of-N/
+            if cfg.per_lane_inputs:
+                raise ConfigError("shard: lanes with their own inputs cannot be sharded; shard each lane's input as its own job")
+            out = out / self.shard.folder_name
+        sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
+        template = read_template(cfg.chat_template) if cfg.chat_template else None
+        resolve_model_path(cfg.model)  # a mistyped model fails here, before an output folder is created
+        device = choose_device(cfg.device)
+        dtype = choose_dtype(cfg.dtype, device)
+        # one writer per output folder (a shard's own folder) from before anything in it is touched
+        created = [p for p in (out, *(folder for *_, folder, _ in sources)) if not p.exists()]
+        self.lock = OutputLock(out)
+        if resources is not None:
+            resources.enter_context(self.lock)
+        try:
+            self._open(cfg, out, sources, restart, device, dtype, template)
+        except BaseException:
+            # nothing was committed: take back the folders this run created (they hold only the lock)
+            self.lock.release()
+            remove_bare_folders(created)
+            raise
+
+    def _open(self, cfg: JobConfig, out: Path, sources: list[OpenedInput], restart: bool, device: str,
+              dtype: torch.dtype, template: str | None) -> None:
+        if restart:
+            clear_for_restart(out, [folder for _, _, folder, _ in sources])
+        self.loaded = load_model(cfg.model, dtype=dtype)
+        self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
+        if self.shard is not None:
+            sources = [self._claim_shard(*sources[0], dtype)]
+        if any(self.use_messages.values()) or cfg.chat:  # a broken template fails the job once, not every row
+            check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
+        lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
+        self.streams = open_streams(cfg, sources, self.loaded, dtype, lane_column_out)
+        self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name)
+        self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary)
+        self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
+
+    def _claim_shard(self, source: Source, path: str, folder: Path, lane: str | None, dtype: torch.dtype) -> OpenedInput:
+        """Swap the input for this shard's slice, after checking OUT/job.json (or writing it first)."""
+        sliced = claim_shard(folder.parent, self.shard, source, fingerprint(self.cfg, source, path, self.loaded, dtype))
+        self.use_messages[id(sliced)] = self.use_messages.pop(id(source))
+        return sliced, path, folder, lane
+
+    # the loop
+
+    def run(self) -> JobSummary:
+        cfg, feed = self.cfg, self.feed
+        self.t0 = time.perf_counter()
+        committed = [s.sink.manifest.totals() for s in self.streams]
+        self.before = feed.before = (sum(c["rows"] for c in committed), sum(c["errors"] for c in committed))
+        self.summary.rows_before, self.summary.errors_before = self.before
+        inputs = [s.source.num_rows for s in self.streams]
+        total = None if None in inputs else sum(inputs)
+        if total is not None and cfg.limit is not None:
+            total = sum(min(n, cfg.limit) for n in inputs)
+        self.summary.total_rows = total
+        if self._already_finished():
+            self.summary.already_finished = True
+            return self.summary
+        print(start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
+                         self.before[0], self.summary.output), file=sys.stderr, flush=True)
+        self.progress = self._progress(total)
+        for stream in self.streams:
+            stream.rows = uncommitted_rows(stream, cfg.limit)
+        feed.budget = ErrorBudget(cfg.max_errors, total)
+        read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
+        engine = self.engine
+        stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation)
+        stop.install()  # here, not at import: only a running job turns signals into a drain
+        collector = QuietCollector()
+        collector.start()
+        try:
+            self._mark_run("running")
+            try:
+                feed.check_errors()  # the rows committed before may be over the limit already
+                draining = False
+                while True:
+                    if stop.stopping and not draining:
+                        draining = True
+                        feed.drop_waiting()
+                    if not draining:
+                        for stream in self.streams:
+                            feed.feed(stream, read_ahead)
+                    if not engine.has_work or (draining and stop.drain_over()):
+                        break
+                    finished = engine.step()
+                    for seq in finished:
+                        feed.finished(seq)
+                    if engine.last_stats is not None:  # None: an async step was launched, none completed
+                        self.summary.generated_tokens_live += engine.last_stats.num_sampled
+                        self.stats.step(engine.last_stats, finished)
+                    for stream in self.streams:
+                        stream.sink.commit_if_due()
+                    self.progress.update(self._snapshot())
+                if not stop.stopping:
+                    feed.check_errors(final=True)
+            except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say so in the manifests
+                self._mark_run("stopped", signal="SIGINT (twice: at once)")
+                raise
+            except Exception as e:
+                self._mark_run("failed", error=str(e))
+                self._close_sinks()  # what finished is committed, if the disk lets us
+                raise
+            complete = not feed.rows_in_flight and not feed.dropped and all(s.exhausted for s in self.streams)
+            self.summary.stopped = None if complete else stop.received  # a signal after the last row changes nothing
+            self._mark_run("stopped" if self.summary.stopped else "finished")
+            for stream in self.streams:
+                stream.sink.close()
+                limited = cfg.limit is not None and stream.source.num_rows != stream.sink.done.count()
+                if cfg.output_format == "openai-batch" and stream.exhausted and not self.summary.stopped and not limited:
+                    write_openai_batch(stream.sink.out_dir)  # every row is in: the response file
+        finally:
+            collector.stop()
+            stop.restore()
+            self.progress.close()
+        self.summary.wall_s = time.perf_counter() - self.t0
+        self.summary.stats = self.stats.summary()
+        self.stats.write(self.summary.stats)
+        self.summary.empty_input = bool(self.empty_inputs) and self.summary.rows == 0 and not self.before[0]
+        hint = chat_hint(cfg, self.loaded, any(self.use_messages.values()), feed.one_token_stops)
+        if hint:
+            print(hint, file=sys.stderr, flush=True)
+        rows, errors = self.before[0] + self.summary.rows, self.before[1] + self.summary.errors
+        if not self.summary.stopped and rows and errors == rows:
+            raise AllRowsFailed(f"every row failed ({errors:,} of {rows:,}; committed in {self.summary.output}); "
+                                f"the first error: {feed.first_error or 'see the error column'}")
+        return self.summary
+
+    def _already_finished(self) -> bool:
+        """Every input row committed (a rerun from cron or Slurm after the end): nothing to do."""
+        for stream in self.streams:
+            total = stream.sink.manifest.total_rows
+            if total is None:
+                return False
+            if self.cfg.limit is not None:
+                total = min(total, self.cfg.limit)
+            if stream.sink.done.count() < total:
+                return False
+        return bool(self.streams) and not self.empty_inputs
+
+    def _progress(self, total: int | None) -> Progress:
+        total_bytes = bytes_before = None
+        if total is None and len(self.streams) == 1:
+            reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
+            if isinstance(reader, JsonlSource) and not isinstance(self.streams[0].source, ShardSource):
+                total_bytes = reader.num_bytes  # of every file, for a folder of JSONL files
+                resume = self.streams[0].sink.extra.get(RESUME_POSITION)
+                bytes_before = int(resume[1]) if resume else 0
+        return Progress(total_rows=total, rows_before=self.before[0], log_every=self.cfg.log_every,
+                        enabled=self.cfg.progress, total_bytes=total_bytes, bytes_before=bytes_before or 0)
+
+    def _snapshot(self) -> Snapshot:
+        position = None
+        if self.progress.total_bytes is not None:
+            reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
+            position = reader.position()[1]
+        s = self.summary
+        return Snapshot(rows_done=self.before[0] + s.rows, rows_committed=self._committed_rows(),
+                        rows_in_flight=self.feed.rows_in_flight, tokens=s.generated_tokens_live, bytes_read=position)
+
+    def _committed_rows(self) -> int:
+        return sum(stream.sink.done.count() for stream in self.streams)
+
+    def _stop_situation(self) -> str | None:
+        """What a first Ctrl-C will do, when that is not a drain to exit 75: every row is already admitted."""
+        if all(stream.exhausted for stream in self.streams) and not self.engine.num_waiting():
+            return (f"every row is admitted: finishing the {self.feed.rows_in_flight:,} rows in flight, then the job "
+                    f"ends as usual; SIGINT again stops at once (the rows in flight then run again on a rerun)")
+        return None
+
+    def _mark_run(self, state: str, error: str | None = None, signal: str | None = None) -> None:
+        """This run in each manifest (extra["run"]), for `batchjob status`: who, since when, how it ended."""
+        for stream in self.streams:
+            sink = stream.sink
+            if state == "running":
+                totals = sink.manifest.totals()
+                run = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "kernels": self.summary.kernels,
+                       "rows_at_start": totals["rows"], "completion_tokens_at_start": totals["completion_tokens"]}
+            else:
+                run = {**sink.extra.get("run", {}), "ended": time.time()}
+            run["state"] = state
+            if error:
+                run["error"] = error[:1000]
+            if state == "stopped":
+                run["signal"] = signal or self.summary.stopped
+            sink.set_extra("run", run)
+            if state == "running" or signal:
+                try:
+                    sink.commit()  # at once: status shows this run before its first part / a hard stop as one
+                except Exception:  # noqa: BLE001 - a hard stop must not fail on the way out
+                    if state == "running":
+                        raise
+
+    def _close_sinks(self) -> None:
+        for stream in self.streams:
+            try:
+                stream.sink.close()
+            except Exception as e:  # e.g. the disk is still full: the rows run again on resume
+                log.warning("could not commit the last rows of %s: %s", stream.sink.out_dir, e)
+
+
+def run_job(cfg: JobConfig, *, restart: bool = False) -> JobSummary:
+    with contextlib.ExitStack() as held:  # the output lock goes back however the job ends
+        return Job(cfg, restart=restart, resources=held).run()

@@ -1,0 +1,148 @@
+"""A job's streams: each input with its output folder and sink, found and checked before the model loads,
+and the rows of a stream that are not committed yet (where a resume starts reading)."""
+from __future__ import annotations
+
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from batchjob.job.config import JobConfig
+from batchjob.job.fingerprint import fingerprint
+from batchjob.io.export import RESULTS_FILE
+from batchjob.io.recovery import clear_results
+from batchjob.io.sink import RESUME_POSITION, ArrowSink
+from batchjob.io.sources import (InputRow, JsonlSource, OpenAIBatchSource, Source, SourceError, open_source,
+                                 validate_columns)
+from batchjob.models.loader import LoadedModel
+from batchjob.job.results import OutputColumns, output_columns
+
+OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
+
+
+@dataclass(slots=True, eq=False)
+class Stream:
+    """One input and its output folder. `lane` is fixed for per-lane inputs, else chosen per row."""
+    source: Source
+    sink: ArrowSink
+    lane: str | None
+    key_salt: int = 0
+    rows: Iterator[InputRow] | None = None
+    exhausted: bool = False
+    columns: OutputColumns = OutputColumns()  # the optional output columns: kept input columns, logprobs, completions
+
+
+def input_folders(cfg: JobConfig, out: Path) -> list[tuple[str, Path, str | None]]:
+    """(input path, output folder, lane) per stream: one, or one per lane with its own input (OUT/<lane>/)."""
+    if cfg.per_lane_inputs:
+        inputs = [(lane["input"], out / lane["name"], lane["name"]) for lane in cfg.lanes]
+    else:
+        inputs = [(cfg.input, out, None)]
+    for path, _, lane in inputs:
+        if not Path(path).exists():
+            where = f"lanes.{lane}.input" if lane else "input"
+            raise SourceError(f"input not found: {path} ({where} in {cfg.job_file})" if cfg.job_file
+                              else f"input not found: {path} (--input)")
+    return inputs
+
+
+def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
+                ) -> tuple[list[OpenedInput], dict[int, bool], list[str]]:
+    """The sources, checked for the columns the job reads: (opened inputs, whether each source (by id)
+    has the messages column, the paths of empty inputs)."""
+    sources = [(open_source(path, input_format=cfg.input_format), path, folder, lane) for path, folder, lane in inputs]
+    use_messages = {}
+    empty_inputs = [path for source, path, *_ in sources if _is_empty(source, path)]
+    for source, path, *_ in sources:
+        uses = cfg.messages_column in source.columns
+        if not uses and path not in empty_inputs:
+            validate_columns(source, [cfg.prompt_column])
+        if path not in empty_inputs:
+            validate_columns(source, cfg.keep_columns)
+        use_messages[id(source)] = uses
+    return sources, use_messages, empty_inputs
+
+
+def _is_empty(source: Source, path: str) -> bool:
+    """No rows at all: an input of 0 rows, or JSONL of blank lines (no columns either, so look at a row)."""
+    if source.num_rows is not None:
+        return source.num_rows == 0
+    if source.columns:
+        return False
+    return next(iter(source.rows()), None) is None
+
+
+def open_streams(cfg: JobConfig, sources: list[OpenedInput], loaded: LoadedModel, dtype: torch.dtype,
+                 lane_column_out: bool) -> list[Stream]:
+    """A sink per input, under the job's fingerprint, with the output columns its rows will have."""
+    keep = list(cfg.keep_columns) + (["lane"] if lane_column_out else [])
+    defaults = cfg.sampling_defaults()
+    columns = {id(source): output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name)
+               for source, *_ in sources}
+    return [
+        Stream(source, ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, loaded, dtype),
+                                 keep_columns=columns[id(source)].names, part_rows=cfg.part_rows,
+                                 part_seconds=cfg.part_seconds, total_rows=source.num_rows, part_format=cfg.part_format),
+               lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns[id(source)])
+        for source, path, folder, lane in sources
+    ]
+
+
+def clear_for_restart(out: Path, folders: list[Path]) -> None:
+    """--restart: delete the committed results (parts, manifests, stats) and start over."""
+    removed = 0
+    for folder in {out, *folders}:
+        removed += clear_results(folder)
+        for name in ("stats.jsonl", RESULTS_FILE):
+            if (folder / name).is_file():
+                (folder / name).unlink()
+                removed += 1
+    print(f"batchjob: --restart: removed {removed} result files from {out}", file=sys.stderr)
+
+
+def remove_bare_folders(folders: list[Path]) -> None:
+    """Take back folders that hold nothing but the output lock (a job that failed before committing)."""
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):  # innermost first
+        try:
+            lock = folder / ".lock"
+            if lock.is_file() and {p.name for p in folder.iterdir()} == {".lock"}:
+                lock.unlink()
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
+def uncommitted_rows(stream: Stream, limit: int | None) -> Iterator[InputRow]:
+    """The rows not committed yet. JSONL resumes at the byte offset of the first row not committed
+    (the committed prefix is never read) and notes each row's offset for the next resume; Parquet
+    and datasets inputs skip whole row groups / files instead."""
+    for item in _rows_from(stream):
+        if limit is not None and item.row_index >= limit:  # rows come in input order: the rest waits for a rerun
+            return
+        yield item
+
+
+def _rows_from(stream: Stream) -> Iterator[InputRow]:
+    source, sink = stream.source, stream.sink
+    reader = getattr(source, "inner", source)  # a shard reads through its inner source
+    if not isinstance(reader, JsonlSource):
+        unknown = source.num_rows is None  # a streamed input (CSV, compressed JSONL) counts its rows as it reads
+        yield from source.rows(skip=sink.done)
+        if unknown and reader.num_rows is not None:
+            sink.set_total_rows(reader.num_rows)  # now known: `status` and `export` can tell what is missing
+        return
+    start = tuple(source.position())  # (0, 0), or where a shard begins
+    resume = sink.extra.get(RESUME_POSITION)
+    # valid only while every row before it is committed (a damaged part's rows must be read again)
+    if resume and resume[0] > start[0] and sink.done.covers(start[0], resume[0]):
+        start = (int(resume[0]), int(resume[1]))
+    before = start
+    for item in source.rows(skip=sink.done, start_offset=start):
+        sink.note_position(item.row_index, list(before))
+        yield item
+        before = reader.position()
+    if source.num_rows is None:
+        sink.set_total_rows(before[0])  # now known: `status` and `export` can tell what is missing

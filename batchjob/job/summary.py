@@ -1,0 +1,73 @@
+"""What a job tells its operator: the start line, the summary and its final line, and the hint that an
+instruct model probably wanted --chat."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchjob.job.config import JobConfig
+from batchjob.models.llama import LlamaModel
+from batchjob.models.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class JobSummary:
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    output: str = ""
+    stats: dict = field(default_factory=dict)
+    stopped: str | None = None  # the signal that stopped the run before the end (exit 75: resumable)
+    kernels: str = ""  # which kernel set ran (torch | native | triton)
+    rows_before: int = 0  # committed by earlier runs
+    errors_before: int = 0
+    total_rows: int | None = None  # the job's rows, when known (after --limit)
+    already_finished: bool = False  # every row was committed before this run: nothing ran
+    empty_input: bool = False  # the input has no rows at all
+    generated_tokens_live: int = 0  # tokens sampled in this run, rows finished or not (the rate shown while running)
+
+    def line(self) -> str:
+        """The final line: the whole job, then this run."""
+        if self.already_finished:
+            return f"batchjob: already finished: {self.rows_before:,} rows ({self.errors_before:,} errors) in {self.output}"
+        if self.empty_input:
+            return f"batchjob: the input was empty: 0 rows, nothing to do -> {self.output}"
+        tps = self.generated_tokens / self.wall_s if self.wall_s else 0.0
+        rows, errors = self.rows_before + self.rows, self.errors_before + self.errors
+        whole = (f"{rows:,} of {self.total_rows:,} rows" if self.total_rows is not None and rows != self.total_rows
+                 else f"{rows:,} rows")
+        state = "stopped" if self.stopped else "finished"
+        this_run = (f"this run {self.rows} rows ({self.errors} errors), " if self.rows_before else
+                    f"{self.rows} rows ({self.errors} errors), ")
+        return (f"batchjob: {state}: {whole} ({errors:,} errors) in all; {this_run}{self.prompt_tokens} prompt tokens, "
+                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s, {self.kernels} kernels) "
+                f"-> {self.output}")
+
+
+def start_line(cfg: JobConfig, loaded: LoadedModel, model: LlamaModel, inputs: list[str], total: int | None,
+               rows_before: int, output: str) -> str:
+    """The first line: the model and how it runs, the inputs and their rows, the output, and a resume's start."""
+    rows = f"{total:,} rows" if total is not None else "rows: not known until read"
+    if cfg.limit is not None:
+        rows += f" (--limit {cfg.limit:,})"
+    line = (f"batchjob: {loaded.name} ({str(model.dtype).removeprefix('torch.')}, {model.kernels.name} kernels, "
+            f"{model.device.type}, {torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
+    if rows_before:
+        line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
+    return line
+
+
+def chat_hint(cfg: JobConfig, loaded: LoadedModel, uses_messages: bool, one_token_stops: tuple[int, int]) -> str | None:
+    """Plain prompts into an instruct model often end at once: say that --chat is probably wanted.
+    `one_token_stops`: (rows finished without error, of those: ended at their first token)."""
+    ok, first = one_token_stops
+    if cfg.chat or uses_messages or loaded.tokenizer.chat_template is None:
+        return None
+    if ok >= 4 and first / ok >= 0.5:
+        return (f"batchjob: warning: {first:,} of {ok:,} rows ended at their first token; {loaded.name} has a "
+                f"chat template, so it probably expects chat input: rerun with --chat (each prompt becomes a user "
+                f"message) or give a `{cfg.messages_column}` column")
+    return None

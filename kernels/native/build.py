@@ -1,0 +1,154 @@
+"""Compiling the C++ kernels in kernels/native/csrc/ at first use, and caching the result per CPU.
+
+Nothing is compiled at install (pip stays pure Python). The first run on a machine compiles each needed
+specialisation (head_dim, GQA group) with the system compiler into the user's cache folder
+(`$BATCHJOB_CACHE_DIR`, else `$XDG_CACHE_HOME/batchjob`, else `~/.cache/batchjob`), under a key of the
+source hash, the flags, the compiler's version and the CPU's model and flags: a build made with
+`-march=native` on one node is never loaded on a node with other instructions (a shared home directory
+across a mixed Slurm cluster is safe). A build is written under a temporary name and renamed into place,
+and concurrent builders of the same key wait on one lock file, so parallel shards compile once.
+"""
+from __future__ import annotations
+
+import atexit
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+class BuildError(RuntimeError):
+    """The kernels cannot be built or loaded here; the message says why in one line."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("BATCHJOB_CACHE_DIR"):
+        return Path(os.environ["BATCHJOB_CACHE_DIR"]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "batchjob" / "kernels"
+
+
+@functools.cache
+def cpu_identity() -> tuple[str, frozenset[str]]:
+    """(model name, instruction-set flags) of this machine's CPU, from /proc/cpuinfo."""
+    model, flags = "unknown", frozenset()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown":
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    path = shutil.which(cxx)
+    if path is None:
+        raise BuildError(f"no C++ compiler: {cxx!r} not found (install g++ or set CXX)")
+    return path
+
+
+@functools.cache
+def compiler_version(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"C++ compiler {cxx} does not run: {e}") from None
+    if out.returncode != 0:
+        raise BuildError(f"C++ compiler {cxx} does not run: {out.stderr.strip()[:200]}")
+    return out.stdout.splitlines()[0] if out.stdout else "unknown"
+
+
+def check_cpu() -> None:
+    _, flags = cpu_identity()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if missing:
+        raise BuildError(f"this CPU lacks {', '.join(missing)} (the native kernels need AVX-512)")
+
+
+def build_all(specs: list[tuple[str, dict[str, int]]], log=None) -> list[Path]:
+    """`build` for several sources; what had to be compiled is reported in one line."""
+    built: list[str] = []
+    t0 = time.perf_counter()
+    paths = [build(source, defines, log=log, built=built) for source, defines in specs]
+    if built and log:
+        log(f"compiled kernels for this CPU ({'; '.join(built)}) in {time.perf_counter() - t0:.1f} s, "
+            f"cached in {paths[0].parent}")
+    return paths
+
+
+def build(source: str, defines: dict[str, int], log=None, built: list[str] | None = None) -> Path:
+    """Path of the compiled shared library for `source` (a file in kernels/native/csrc/) with `defines`,
+    compiling it first if this machine has no build of it yet. Raises BuildError. A compile is reported
+    through `log` in one line, or appended to `built` for the caller to report."""
+    check_cpu()
+    cxx = compiler()
+    src = CSRC / source
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # with the headers it includes
+    args = FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    model, flags = cpu_identity()
+    key = hashlib.sha256(b"\0".join([
+        text, " ".join(args).encode(), compiler_version(cxx).encode(), model.encode(), " ".join(sorted(flags)).encode(),
+    ])).hexdigest()[:20]
+    tag = "-".join(f"{k.lower()}{v}" for k, v in sorted(defines.items()))
+    folder = cache_dir()
+    lib = folder / f"{src.stem}-{tag}-{key}.so"
+    if lib.is_file():
+        return lib
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"{lib.name}.lock", "a")
+    except OSError as e:
+        # a read-only cache: build into a private folder for this process only
+        if log:
+            log(f"kernel cache {folder} is not writable ({e.strerror}); compiling into a temporary folder "
+                f"(set BATCHJOB_CACHE_DIR to cache builds)")
+        folder = Path(tempfile.mkdtemp(prefix="batchjob-kernels-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # a loaded library outlives its file
+        lib = folder / lib.name
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+            if lib.is_file():
+                return lib
+        t0 = time.perf_counter()
+        tmp = folder / f".{lib.name}.{os.getpid()}.tmp"
+        cmd = [cxx, *args, str(src), "-o", str(tmp)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BuildError(f"compiling {src.name} failed: {e}") from None
+        if out.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            first = next((ln for ln in out.stderr.splitlines() if "error" in ln), out.stderr.strip()[:300])
+            raise BuildError(f"compiling {src.name} failed: {first}")
+        os.replace(tmp, lib)  # atomic: a reader sees the whole library or none
+        what = " ".join([src.stem, *(f"{k.lower()} {v}" for k, v in sorted(defines.items()))])
+        if built is not None:
+            built.append(what)
+        elif log:
+            log(f"compiled kernels for this CPU ({what}) in {time.perf_counter() - t0:.1f} s, cached in {folder}")
+        return lib
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def default_log(message: str) -> None:
+    print(f"batchjob: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,136 @@
+"""The torch reference of paged attention and the KV store: the oracle of the compiled and Triton
+kernels, and the fallback where they cannot be built. It gathers each row's context out of the cache and runs SDPA, with decodes in a few groups of
+similar context length, fresh prompts as plain causal groups and continued chunks with an offset mask;
+that plan is built once per step and shared by every layer. Padding changes how SDPA blocks its sums,
+so its result moves by an ulp with a row's batch-mates; the native kernel's does not.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.kernels.interface import AttentionMetadata
+from batchjob.kernels.reference.kv_quant import QuantizedKV
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    # k: [T, Hkv, D] into k_cache [num_blocks, block_size, Hkv, D] (or a QuantizedKV, quantized on the way)
+    if isinstance(k_cache, QuantizedKV):
+        k_cache.store(k, slot_mapping)
+        v_cache.store(v, slot_mapping)
+        return
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] (new tokens, rotated; their K/V already stored). Returns [T, H, D]."""
+    key = ("torch", window)  # the masks depend on the window
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = meta.plans[key] = _TorchPlan(meta, k_cache.shape[1], window, q.device)
+    out = torch.empty_like(q)
+    for rows, slots, mask in plan.decode_groups:
+        k = _gather(k_cache, slots, q.dtype)
+        v = _gather(v_cache, slots, q.dtype)
+        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o.squeeze(2)
+    for gather, valid, slots, mask in plan.prefill_groups:
+        k = _gather(k_cache, slots, q.dtype)
+        v = _gather(v_cache, slots, q.dtype)
+        qp = q[gather].transpose(1, 2)  # [n, H, Qmax, D]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[gather[valid]] = o.transpose(1, 2)[valid]
+    return out
+
+
+def _gather(cache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # [S, L] slots -> [S, Hkv, L, D]; index_select on flat token rows is several times faster than
+    # advanced indexing by block on CPU; a quantized cache is dequantized to the compute dtype here
+    if isinstance(cache, QuantizedKV):
+        return cache.gather(slots, dtype)
+    s, length = slots.shape
+    hkv, d = cache.shape[2], cache.shape[3]
+    kv = cache.view(-1, hkv * d).index_select(0, slots.view(-1))
+    return kv.view(s, length, hkv, d).transpose(1, 2)
+
+
+def length_groups(n: int, max_groups: int = 4, min_rows: int = 16) -> list[tuple[int, int]]:
+    """Split n rows sorted by length into up to `max_groups` runs of equal size, each padded only to its
+    own longest row. Measured on SmolLM2 W1 (62 rows, contexts 40-280): gather + SDPA per layer 10-15%
+    faster with 3-4 groups than one padded batch; more groups cost more in per-call overhead."""
+    if not n:
+        return []
+    groups = max(1, min(max_groups, n // min_rows))
+    edges = [round(i * n / groups) for i in range(groups + 1)]
+    return list(zip(edges, edges[1:]))
+
+
+class _TorchPlan:
+    """Gather indices and masks of one step for the torch reference, built from the metadata once."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int, window: int | None, device: torch.device):
+        self.block_size = block_size
+        host = meta.host or {}  # on a GPU the runner's host copies: no device read-back (sync) per step
+        tables = host["block_tables"] if "block_tables" in host else meta.block_tables.cpu()
+        seq_lens = host["seq_lens"] if "seq_lens" in host else meta.seq_lens.tolist()
+        qsl = host["query_start_loc"] if "query_start_loc" in host else meta.query_start_loc.tolist()
+        nd = meta.num_decodes
+        self.decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.prefill_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # decodes by context length, in groups of similar length
+        dec = sorted(range(nd), key=lambda r: seq_lens[r])
+        for a, b in length_groups(len(dec)):
+            rows = dec[a:b]
+            lens = torch.tensor([seq_lens[r] for r in rows])
+            width = int(lens.max())
+            keys = torch.arange(width)
+            mask = keys[None, :] < lens[:, None]
+            if window:
+                mask &= keys[None, :] > (lens[:, None] - 1 - window)
+            token = torch.tensor([qsl[r] for r in rows])
+            self.decode_groups.append((token.to(device), self._slots(tables[rows], width).to(device), mask[:, None, None, :].to(device)))
+        # prompt chunks: fresh prompts (nothing cached before the chunk) run as plain causal attention
+        # (no mask) in groups of similar length; chunks that continue a row (chunked prefill, prefix-cache
+        # hits) need the causal mask offset by what is cached, and go together in one masked group
+        pre = [(r, qsl[r], qsl[r + 1] - qsl[r], seq_lens[r] - (qsl[r + 1] - qsl[r])) for r in range(nd, len(seq_lens))]
+        fresh = sorted((p for p in pre if p[3] == 0 and not window), key=lambda p: p[2])
+        cont = [p for p in pre if p[3] != 0 or window]
+        for a, b in length_groups(len(fresh), min_rows=4):
+            self.prefill_groups.append(self._prefill_group(fresh[a:b], tables, None, device))
+        if cont:
+            self.prefill_groups.append(self._prefill_group(cont, tables, window, device, offset=True))
+
+    def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """[S, length] cache slot of every context position of each row (past a row's end: masked)."""
+        bs = self.block_size
+        width = -(-length // bs)
+        bt = tables[:, :width].long()
+        slots = bt[:, :, None] * bs + torch.arange(bs)
+        return slots.view(len(tables), -1)[:, :length].contiguous()
+
+    def _prefill_group(self, rows: list[tuple[int, int, int, int]], tables: torch.Tensor, window: int | None,
+                       device: torch.device, offset: bool = False) -> tuple:
+        """(gather [S, Qmax] batch index of each query (pad -> 0), valid [S, Qmax], context slots [S, L],
+        mask [S, 1, Qmax, L] or None = plain causal: every row starts at position 0 and L == Qmax, so a
+        padded query row sees only padding and is dropped)."""
+        qmax = max(n for _, _, n, _ in rows)
+        q_off = torch.arange(qmax)
+        firsts = torch.tensor([f for _, f, _, _ in rows])
+        counts = torch.tensor([n for _, _, n, _ in rows])
+        valid = q_off[None, :] < counts[:, None]
+        gather = torch.where(valid, firsts[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
+        sub = tables[[r for r, _, _, _ in rows]]
+        if not offset:
+            return gather.to(device), valid.to(device), self._slots(sub, qmax).to(device), None
+        starts = torch.tensor([st for _, _, _, st in rows])
+        length = int((starts + counts).max())
+        keys = torch.arange(length)
+        qpos = starts[:, None] + q_off[None, :]  # [S, Qmax] absolute positions
+        mask = keys[None, None, :] <= qpos[:, :, None]
+        if window:
+            mask &= keys[None, None, :] > (qpos[:, :, None] - window)
+        mask &= valid[:, :, None]
+        mask[:, :, 0] |= ~valid  # padded query rows attend to one key so no row is all-masked
+        return gather.to(device), valid.to(device), self._slots(sub, length).to(device), mask[:, None].to(device)

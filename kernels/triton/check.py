@@ -1,0 +1,69 @@
+"""The start-up check behind `--kernels auto` on CUDA: the Triton kernels, compiled for the model's shapes,
+run one small mixed step (decodes over one and several 512-token splits, a prompt chunk over a cached
+prefix) and the element-wise ops, against the torch references on the same device. Auto uses them only
+when every result agrees; else it logs why and runs the references. It costs the kernels' compilation,
+which the first step would pay anyway, and a few milliseconds. tests/triton_cases.py is the full suite."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.kernels.interface import AttentionMetadata
+from batchjob.kernels.reference.attention import paged_attention_torch, store_kv
+from batchjob.kernels.reference.norm import rms_norm
+from batchjob.kernels.reference.rotary import RotaryEmbedding, apply_rotary
+
+TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # fp32 tl.dot is tf32 on a GPU
+
+
+def check(kern, device: torch.device, num_kv_heads: int = 2) -> str | None:
+    """None when the Triton kernel set `kern` agrees with the references on `device`, else what differs."""
+    dtype, d, gqa, bs = kern.dtype, kern.head_dim, kern.gqa, kern.block_size
+    tol = TOLERANCE.get(dtype, 5e-2)
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    spec = [(37, 1), (600, 1), (20, 9)]  # (cached, new) tokens of each row: two decodes, then a chunk
+    need = [-(-(c + n) // bs) for c, n in spec]
+    ids = torch.randperm(sum(need), generator=g).tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(spec))]
+    bt = torch.zeros(len(spec), max(need), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    ctx = [t[p // bs] * bs + p % bs for (c, n), t in zip(spec, tables) for p in range(c + n)]
+    new = [t[p // bs] * bs + p % bs for (c, n), t in zip(spec, tables) for p in range(c, c + n)]
+    qsl, lens = [0], [c + n for c, n in spec]
+    for _, n in spec:
+        qsl.append(qsl[-1] + n)
+    shape = (sum(need), bs, num_kv_heads, d)
+    k, v = rnd(len(ctx), num_kv_heads, d), rnd(len(ctx), num_kv_heads, d)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(4)]
+    slots = torch.tensor(ctx, device=device)
+    kern.store_kv(k, v, caches[0], caches[1], slots)
+    store_kv(k, v, caches[2], caches[3], slots)
+    if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
+        return "KV store differs from the reference"
+    q = rnd(qsl[-1], num_kv_heads * gqa, d)
+    dev = lambda x, t: torch.tensor(x, dtype=t, device=device)  # noqa: E731
+    meta = lambda: AttentionMetadata(bt.to(device), dev(lens, torch.int32), dev(qsl, torch.int32),  # noqa: E731
+                                     dev(new, torch.long), 2, host={"query_start_loc": qsl, "seq_lens": lens,
+                                                                    "block_tables": bt})
+    got = kern.attention(q, caches[0], caches[1], meta(), d ** -0.5)
+    want = paged_attention_torch(q, caches[2], caches[3], meta(), d ** -0.5)
+    results = {"attention": (got, want)}
+    x, r, w = rnd(5, 96), rnd(5, 96), rnd(96)
+    r2 = r.clone()
+    results["add + RMSNorm"] = (kern.add_rms_norm(x, r, w, 1e-6), (r2.add_(x), rms_norm(r2, w, 1e-6))[1])
+    gu = rnd(5, 2 * 96)
+    gate, up = gu.chunk(2, dim=-1)
+    results["SiLU * up"] = (kern.silu_mul(gu), F.silu(gate) * up)
+    rope = RotaryEmbedding(d, 64, 10000.0, None, dtype)
+    rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
+    pos = torch.arange(5, device=device) * 7
+    qr, kr = rnd(5, 2, d), rnd(5, 1, d)
+    want_q, _ = apply_rotary(qr.clone(), kr.clone(), *rope.table(pos))
+    results["rotary"] = (kern.rotary(qr, kr, kern.prepare_rotary(rope, pos))[0], want_q)
+    for name, (a, b) in results.items():
+        err = (a.float() - b.float()).abs().max().item()
+        if not err < tol:  # NaN fails too
+            return f"{name} differs from the reference by {err:.2e} (tolerance {tol:.0e})"
+    return None

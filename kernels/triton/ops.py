@@ -1,0 +1,71 @@
+"""The Triton kernel set for the GPU path, one kernel per torch reference, over the same paged interface.
+
+Must equal: kernels/reference/attention.py (store_kv, paged_attention_torch), kernels/norm.py (rms_norm), kernels/
+rotary.py (apply_rotary), F.silu(gate) * up; tested by tests/kernels/test_triton_kernels.py under the interpreter
+(TRITON_INTERPRET=1, fp32 and fp16: the interpreter computes bf16 on raw bits); on CUDA the same cases
+run by `python -m tests.kernels.triton_cases --device cuda`. Every kernel loads its inputs, computes in fp32 and casts only at the store.
+
+The KV cache keeps the reference layout, [blocks, block_size, kv_heads, head_dim], so a Triton step and
+a torch step read the same cache. Decode attention packs the query heads of one KV head into one tile
+(GQA: each K/V block is read once per KV head) and splits long contexts into fixed 512-token pieces
+merged by log-sum-exp in split order: a row's result never depends on the batch beside it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from batchjob.kernels.triton import attention as triton_attention
+
+from batchjob.kernels.triton import elementwise as triton_elementwise
+from batchjob.kernels.triton.attention import triton
+
+
+def available(device: torch.device) -> str | None:
+    """None when the Triton kernels can run on `device`, else why not."""
+    if triton is None:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"Triton kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
+
+
+
+
+class TritonKernels:
+    """The Triton kernel set (kernels/dispatch.py): the reference cache layout, Triton everywhere else
+    (kernels/triton/attention.py, kernels/triton/elementwise.py)."""
+
+    name = "triton"
+
+    def __init__(self, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int):
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"block_size {block_size}: the Triton kernels need a power of two >= 16")
+        self.head_dim, self.gqa, self.dtype, self.block_size = head_dim, gqa, dtype, block_size
+
+    @staticmethod
+    def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return shape, shape
+
+    store_kv = staticmethod(triton_attention.store_kv)
+
+    def attention(self, q, k_cache, v_cache, meta, scale, window=None):
+        return triton_attention.attention(q, k_cache, v_cache, meta, scale, self.block_size, window)
+
+    @staticmethod
+    def graph_plan(max_context: int) -> dict:
+        """Decode plans from shapes alone, for CUDA graphs (batchjob/engine/worker/cuda_graphs.py)."""
+        return {"triton": triton_attention.decode_plan(max_context)}
+
+    rms_norm = staticmethod(triton_elementwise.rms_norm)
+    add_rms_norm = staticmethod(triton_elementwise.add_rms_norm)
+    rotary = staticmethod(triton_elementwise.rotary)
+    silu_mul = staticmethod(triton_elementwise.silu_mul)
+
+    @staticmethod
+    def prepare_rotary(rope, positions):
+        return rope.cos, rope.sin, positions

@@ -1,0 +1,208 @@
+"""What an operator sees and what a scheduler acts on: exit codes and outcomes (empty input, a finished
+job run again, --limit), the start line, plain progress lines when stderr is not a terminal, the final
+line over the whole job, Ctrl-C messages, and the hint that an instruct model wants --chat."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli.main import main
+from batchjob.engine.worker.model_runner import ModelRunner
+from batchjob.io.manifest import Manifest
+from batchjob.job.progress import Progress, Snapshot
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama", max_positions=1024))
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run(*args, code=0):
+    result = CliRunner().invoke(main, ["run", *map(str, args)])
+    assert result.exit_code == code, (result.exit_code, result.stderr)
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def signal_at_step(monkeypatch, calls: dict[int, int]) -> None:
+    """Signals to this process from inside the engine: {forward call number: signal}."""
+    real = ModelRunner.run
+    count = [0]
+
+    def run_and_signal(self, step):
+        count[0] += 1
+        if count[0] in calls:
+            os.kill(os.getpid(), calls[count[0]])
+        return real(self, step)
+
+    monkeypatch.setattr(ModelRunner, "run", run_and_signal)
+
+
+def test_the_start_line_says_what_runs_and_a_resume_says_how_far_it_is(tmp_path, model):
+    src = pq.write_table(pa.table({"prompt": [f"row {i}" for i in range(10)]}), tmp_path / "in.parquet") or tmp_path / "in.parquet"
+    out = tmp_path / "out"
+    first = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--limit", 4)
+    line = first.stderr.splitlines()[0]
+    assert re.fullmatch(rf"batchjob: {os.path.basename(model)} \((bfloat16|float32), (native|torch) kernels, cpu, \d+ threads\) "
+                        rf"<- {src}, 4 rows \(--limit 4\) -> {out}", line), line
+    assert "finished: 4 rows (0 errors) in all" in first.stdout
+    again = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2)
+    assert again.stderr.splitlines()[0].endswith("10 rows -> " + str(out) + "; resuming: 4 of 10 rows committed")
+    assert "finished: 10 rows (0 errors) in all; this run 6 rows (0 errors)" in again.stdout  # the whole job, then this run
+
+
+def test_a_finished_job_run_again_says_so_and_does_nothing(tmp_path, model):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(5)])
+    out = tmp_path / "out"
+    args = ["--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--no-progress"]
+    run(*args)
+    parts = sorted(p.name for p in out.glob("part-*"))
+    again = run(*args)
+    assert again.stdout.strip() == f"batchjob: already finished: 5 rows (0 errors) in {out}"
+    assert sorted(p.name for p in out.glob("part-*")) == parts
+
+
+@pytest.mark.parametrize("kind", ["blank lines", "empty file", "empty parquet"])
+def test_an_empty_input_is_a_finished_job_of_zero_rows(tmp_path, model, kind):
+    if kind == "empty parquet":
+        src = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), src)
+    else:
+        src = tmp_path / "in.jsonl"
+        src.write_text("\n  \n\n" if kind == "blank lines" else "")
+    out = tmp_path / "out"
+    result = run("--model", model, "--input", src, "--output", out, "--no-progress")
+    assert "the input was empty: 0 rows" in result.stdout
+    assert Manifest.load(out).done_rows().count() == 0 and Manifest.load(out).extra["run"]["state"] == "finished"
+
+
+def test_limit_runs_the_first_rows_and_a_rerun_without_it_does_the_rest(tmp_path, model):
+    rows = [{"prompt": f"row {i}"} for i in range(9)]
+    src = jsonl(tmp_path / "in.jsonl", rows)
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    common = ["--model", model, "--input", src, "--max-tokens", 3, "--temperature", 0.9, "--seed", 3, "--no-progress"]
+    run(*common, "--output", out, "--limit", 4)
+    assert Manifest.load(out).done_rows().ranges() == [(0, 4)]
+    run(*common, "--output", out)
+    run(*common, "--output", ref)
+    texts = lambda o: sorted((r["row_index"], r["generated_text"]) for p in o.glob("part-*.arrow")  # noqa: E731
+                             for r in pa.ipc.open_file(p).read_all().to_pylist())
+    assert texts(out) == texts(ref) and len(texts(out)) == 9
+
+
+def test_not_a_terminal_gets_a_plain_progress_line_every_log_every_seconds(tmp_path, model):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(24)])
+    result = run("--model", model, "--input", src, "--output", tmp_path / "out", "--max-tokens", 40, "--ignore-eos",
+                 "--max-num-seqs", 2, "--log-every", 0.01)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("batchjob: progress: ")]
+    assert len(lines) >= 3, result.stderr
+    # rows done (no total yet: a JSONL read for the first time shows how much of the file is read), rates, ETA
+    assert re.search(r"\d+ rows, input \d+\.\d% read, [\d.,]+ rows/s, [\d,]+ tok/s, \d+ committed, \d+ in flight, ETA", lines[-1])
+
+
+def test_progress_line_with_a_known_total_counts_the_whole_job():
+    clock = iter([0.0, 10.0, 10.0]).__next__
+    p = Progress(total_rows=1000, rows_before=400, log_every=30, enabled=False, clock=clock)
+    line = p.line(Snapshot(rows_done=500, rows_committed=480, rows_in_flight=16, tokens=12_000), now=10.0)
+    assert line == "500/1,000 rows (50.0%), 10.0 rows/s, 1,200 tok/s, 480 committed, 16 in flight, ETA 50s"
+
+
+def test_ctrl_c_when_every_row_is_admitted_finishes_them_instead_of_promising_75(tmp_path, model, monkeypatch, capfd):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(6)])
+    out = tmp_path / "out"
+    signal_at_step(monkeypatch, {5: signal.SIGINT})
+    run("--model", model, "--input", src, "--output", out, "--max-tokens", 12, "--ignore-eos", "--no-progress")
+    said = capfd.readouterr().err  # the signal handler writes to fd 2 itself
+    assert "SIGINT: every row is admitted: finishing the 6 rows in flight" in said
+    assert "exiting with 75" not in said
+    assert Manifest.load(out).done_rows().count() == 6
+
+
+def test_status_after_a_double_ctrl_c_says_stopped(tmp_path, model, monkeypatch):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(40)])
+    out = tmp_path / "out"
+    signal_at_step(monkeypatch, {6: signal.SIGINT, 7: signal.SIGINT})
+    run("--model", model, "--input", src, "--output", out, "--max-tokens", 10, "--ignore-eos", "--max-num-seqs", 4,
+        "--part-rows", 2, "--no-progress", code=130)
+    assert Manifest.load(out).extra["run"]["state"] == "stopped"
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert status.output.startswith(f"{out}: stopped") and "killed" not in status.output
+
+
+def test_plain_prompts_that_stop_at_their_first_token_suggest_chat(tmp_path, model):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(8)])
+    every_token = ",".join(str(i) for i in range(400))  # whatever comes first ends the row: an instruct model's EOS
+    common = ["--model", model, "--input", src, "--max-tokens", 5, "--stop-token-ids", every_token, "--no-progress"]
+    result = run(*common, "--output", tmp_path / "plain")
+    assert "8 of 8 rows ended at their first token" in result.stderr and "--chat" in result.stderr
+    chat = run(*common, "--output", tmp_path / "chat", "--chat")
+    assert "first token" not in chat.stderr
+
+
+def test_a_folder_fingerprinted_before_content_hashes_resumes_and_is_upgraded(tmp_path, model):
+    """Outputs written by an earlier batchjob know their input by path and mtime: same names, sizes and
+    columns still resume (no --restart), and the next commit stores the content fingerprint."""
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(6)])
+    out = tmp_path / "out"
+    args = ["--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--no-progress"]
+    run(*args, "--limit", 3)
+    manifest = Manifest.load(out)
+    new_identity = manifest.fingerprint["input"]
+    manifest.fingerprint["input"] = {"path": str(src), "files": [[f[0], f[1], 1_700_000_000] for f in new_identity["files"]],
+                                     "columns": new_identity["columns"]}
+    manifest.commit(out)
+    (out / "manifest.json.prev").unlink(missing_ok=True)
+    run(*args)
+    assert Manifest.load(out).done_rows().count() == 6 and Manifest.load(out).fingerprint["input"] == new_identity
+    (tmp_path / "in.jsonl").write_text(src.read_text().replace("row 5", "row 9"))  # one changed byte: refused
+    refused = run(*args, code=1)
+    assert "input.files[0]" in refused.stderr and "--restart" in refused.stderr
+
+
+def test_a_template_error_on_a_row_says_so_once(tmp_path, model):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}"
+                        "{% endif %}{{ m['content'] }}{% endfor %}")
+    src = jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                        {"messages": [{"role": "tool", "content": "x"}]}])
+    out = tmp_path / "out"
+    run("--model", model, "--input", src, "--output", out, "--chat-template", template, "--max-tokens", 2, "--no-progress")
+    errors = [r["error"] for p in out.glob("part-*.arrow") for r in pa.ipc.open_file(p).read_all().to_pylist() if r["error"]]
+    assert errors == ["chat template failed: no tools here"]
+
+
+def test_the_terminal_bar_moves_before_any_row_has_finished():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream, t = Tty(), [0.0]
+    p = Progress(total_rows=100, rows_before=0, log_every=30, stream=stream, clock=lambda: t[0])
+    for step in range(1, 5):  # four steps, tokens generated, no row finished yet
+        t[0] = step * 0.6
+        p.update(Snapshot(rows_done=0, rows_committed=0, rows_in_flight=8, tokens=8 * step))
+    drawn = stream.getvalue()
+    assert "0/100" in drawn and "13 tok/s, 0 committed, 8 in flight" in drawn
+    p.close()
+
+
+def test_progress_by_bytes_counts_the_rows_in_flight_once_the_input_is_all_read():
+    p = Progress(total_rows=None, rows_before=0, log_every=30, enabled=False, total_bytes=1000, clock=lambda: 0.0)
+    line = p.line(Snapshot(rows_done=100, rows_committed=0, rows_in_flight=50, tokens=0, bytes_read=1000), now=10.0)
+    assert line.endswith("input 100.0% read, 10.0 rows/s, 0 tok/s, 0 committed, 50 in flight, ETA 5s")
+    half = p.line(Snapshot(rows_done=100, rows_committed=0, rows_in_flight=50, tokens=0, bytes_read=500), now=10.0)
+    assert half.endswith("ETA 20s")  # 150 more rows in the unread half, then the 50 in flight: 200 rows at 10/s

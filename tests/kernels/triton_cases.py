@@ -1,0 +1,260 @@
+"""The Triton kernel checks, run by tests/kernels/test_triton_kernels.py in a process of their own: the
+interpreter flag (TRITON_INTERPRET=1) must be set before anything imports triton, and the rest of the
+suite imports it through the package. On a GPU the same cases run on CUDA: `python -m tests.kernels.triton_cases --device cuda`.
+
+    TRITON_INTERPRET=1 python -m tests.kernels.triton_cases [--device cpu|cuda] [-k NAME]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+from batchjob.kernels import AttentionMetadata, RotaryEmbedding
+from batchjob.kernels.reference.kernel_set import TorchKernels
+from batchjob.kernels.triton.ops import TritonKernels
+
+
+def random_step(spec, kv_heads, gqa, head_dim, block_size, dtype, device, seed=0):
+    """(q, per-row context K/V, metadata) for rows of (cached, new) tokens over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    need = [-(-(c + n) // block_size) for c, n in spec]
+    perm = torch.randperm(sum(need) + 2, generator=g).tolist()
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(spec))]
+    slot = lambda t, p: t[p // block_size] * block_size + p % block_size  # noqa: E731
+    ctx_slots = [slot(t, p) for (c, n), t in zip(spec, tables) for p in range(c + n)]
+    k, v = rnd(len(ctx_slots), kv_heads, head_dim), rnd(len(ctx_slots), kv_heads, head_dim)
+    q = rnd(sum(n for _, n in spec), kv_heads * gqa, head_dim)
+    bt = torch.zeros(len(spec), max(need), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = [0]
+    for _, n in spec:
+        qsl.append(qsl[-1] + n)
+    lens = [c + n for c, n in spec]
+    meta = AttentionMetadata(bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                             torch.tensor(qsl, dtype=torch.int32, device=device),
+                             torch.tensor([slot(t, p) for (c, n), t in zip(spec, tables) for p in range(c, c + n)], device=device),
+                             sum(n == 1 for _, n in spec), host={"query_start_loc": qsl, "seq_lens": lens})
+    return q.to(device), k.to(device), v.to(device), torch.tensor(ctx_slots, device=device), len(perm), meta
+
+
+def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None):
+    kern = TritonKernels(head_dim, gqa, dtype, block_size)
+    q, k, v, slots, nb, meta = random_step(spec, 2, gqa, head_dim, block_size, dtype, device, seed=head_dim + gqa)
+    shape, _ = kern.kv_cache_shapes(nb, block_size, 2, head_dim)
+    kc, vc = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    kern.store_kv(k, v, kc, vc, slots)
+    ref_k, ref_v = torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32)
+    TorchKernels.store_kv(k.float().cpu(), v.float().cpu(), ref_k, ref_v, slots.cpu())
+    assert torch.equal(kc.float().cpu(), ref_k) and torch.equal(vc.float().cpu(), ref_v), "KV store"
+    out = kern.attention(q, kc, vc, meta, head_dim ** -0.5, window)
+    ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
+                                 meta.slot_mapping.cpu(), meta.num_decodes)
+    ref = TorchKernels.attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window)
+    tol = {torch.float32: 2e-5 if device == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    err = (out.float().cpu() - ref).abs().max().item()
+    assert err < tol, f"max error {err:.2e} >= {tol:.0e}"
+    if window:  # the window is applied: rows with longer contexts come out otherwise without it
+        full = TorchKernels.attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, None)
+        assert (full - ref).abs().max().item() > 100 * tol, "the window changed nothing"
+    return err
+
+
+# decodes (one split, and several 512-token splits), fresh prompts, continued chunks, prefix hits
+SPEC = [(0, 1), (37, 1), (700, 1), (1100, 1), (0, 9), (0, 40), (33, 20), (90, 17)]
+ATTENTION = [(hd, g, bs, dt) for hd, g, bs in [(64, 1, 16), (64, 3, 32), (80, 4, 16), (128, 3, 16), (128, 1, 32), (80, 1, 32)]
+             for dt in (torch.float32, torch.float16)]
+
+
+def run(device: str, only: str | None = None) -> int:
+    cases = []
+    for hd, g, bs, dt in ATTENTION:
+        for window in (None, 48):
+            name = f"attention d{hd} g{g} b{bs} {str(dt)[6:]}" + (f" window {window}" if window else "")
+            cases.append((name, lambda hd=hd, g=g, bs=bs, dt=dt, w=window: attention_case(hd, g, bs, dt, device, SPEC, w)))
+    for dt in (torch.float32, torch.float16):
+        cases.append((f"norms {str(dt)[6:]}", lambda dt=dt: norm_case(dt, device)))
+        cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))
+        cases.append((f"silu_mul {str(dt)[6:]}", lambda dt=dt: silu_case(dt, device)))
+    cases.append(("decode batch invariance", lambda: invariance_case(device)))
+    for bits in (8, 4):
+        cases.append((f"decode batch invariance, int{bits} KV cache", lambda b=bits: invariance_case(device, b)))
+    cases.append(("decode CUDA graphs", lambda: graphs_case(device)))
+    cases.append(("auto's start-up check", lambda: startup_check_case(device)))
+    for bits, hd, g, bs in [(8, 64, 3, 16), (8, 128, 1, 32), (4, 64, 3, 16), (4, 128, 1, 32)]:
+        cases.append((f"int{bits} KV cache d{hd} g{g} b{bs}",
+                      lambda b=bits, hd=hd, g=g, bs=bs: quantized_case(b, hd, g, bs, device)))
+    failed = 0
+    for name, fn in cases:
+        if only and only not in name:
+            continue
+        t = time.perf_counter()
+        try:
+            detail = fn()
+            print(f"ok   {name} ({time.perf_counter() - t:.1f} s){'' if detail is None else f' err {detail:.1e}'}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every case, fail at the end
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+    return failed
+
+
+def norm_case(dtype, device):
+    kern = TritonKernels(64, 1, dtype, 16)
+    g = torch.Generator().manual_seed(0)
+    x, h = (torch.randn(5, 100, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(100, generator=g)).to(dtype)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    got = kern.rms_norm(h.to(device), w.to(device), 1e-5).cpu()
+    torch.testing.assert_close(got, TorchKernels.rms_norm(h, w, 1e-5), **tol)
+    h1, h2 = h.clone().to(device), h.clone()
+    got = kern.add_rms_norm(x.to(device), h1, w.to(device), 1e-6).cpu()
+    want = TorchKernels.add_rms_norm(x, h2, w, 1e-6)
+    assert torch.equal(h1.cpu(), h2), "residual"
+    torch.testing.assert_close(got, want, **tol)
+
+
+def rotary_case(dtype, device):
+    kern = TritonKernels(64, 3, dtype, 16)
+    rope = RotaryEmbedding(64, 512, 10000.0, {"factor": 8.0, "original_max_position_embeddings": 128}, dtype)
+    qkv = torch.randn(6, 5 * 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    pos = torch.tensor([0, 3, 100, 255, 300, 511])
+    q, k = qkv[:, :192].view(6, 3, 64), qkv[:, 192:256].view(6, 1, 64)
+    want = TorchKernels.rotary(q.clone(), k.clone(), TorchKernels.prepare_rotary(rope, pos))
+    qkv_d = qkv.to(device)
+    rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
+    qd, kd = qkv_d[:, :192].view(6, 3, 64), qkv_d[:, 192:256].view(6, 1, 64)
+    got = kern.rotary(qd, kd, kern.prepare_rotary(rope, pos.to(device)))
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), "rotary"
+
+
+def silu_case(dtype, device):
+    kern = TritonKernels(64, 1, dtype, 16)
+    gu = (3 * torch.randn(4, 2 * 100, generator=torch.Generator().manual_seed(2))).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(kern.silu_mul(gu.to(device)).cpu(), TorchKernels.silu_mul(gu), **tol)
+
+
+def invariance_case(device, bits=0):
+    """A decode row's output is bitwise the same alone and in a shuffled batch (fixed 512-token splits),
+    over a plain cache and over int8/int4 ones."""
+    from batchjob.kernels.reference.kv_quant import QuantizedKV
+
+    kern = TritonKernels(64, 3, torch.float32, 16)
+    rng = random.Random(0)
+    spec = [(rng.randint(0, 1200 if not bits else 700), 1) for _ in range(6)]  # quantized: slower under the interpreter
+    q, k, v, slots, nb, meta = random_step(spec, 2, 3, 64, 16, torch.float32, device)
+    shape, _ = kern.kv_cache_shapes(nb, 16, 2, 64)
+    if bits:
+        kc, vc = (QuantizedKV.zeros(bits, nb, 16, 2, 64, device) for _ in range(2))
+    else:
+        kc, vc = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    kern.store_kv(k, v, kc, vc, slots)
+    batched = kern.attention(q, kc, vc, meta, 0.125)
+    for r in (0, 3, 5):
+        one = AttentionMetadata(meta.block_tables[r:r + 1], meta.seq_lens[r:r + 1],
+                                torch.tensor([0, 1], dtype=torch.int32, device=device), meta.slot_mapping[r:r + 1], 1,
+                                host={"query_start_loc": [0, 1], "seq_lens": [spec[r][0] + 1]})
+        assert torch.equal(kern.attention(q[r:r + 1], kc, vc, one, 0.125), batched[r:r + 1]), r
+
+
+def quantized_case(bits, head_dim, gqa, block_size, device):
+    """The int8/int4 KV store equals QuantizedKV.store (codes and scales), and attention over the quantized
+    cache equals the torch reference reading the same cache."""
+    from batchjob.kernels.reference.kv_quant import QuantizedKV
+
+    kern = TritonKernels(head_dim, gqa, torch.float32, block_size)
+    spec = [(0, 1), (37, 1), (600, 1), (0, 9), (33, 20)]  # SPEC's kinds of rows, shorter (two splits at most)
+    q, k, v, slots, nb, meta = random_step(spec, 2, gqa, head_dim, block_size, torch.float32, device, seed=head_dim)
+    k = k * torch.linspace(0.1, 20, k.shape[0], device=k.device)[:, None, None]  # scales over a wide range
+    caches = [QuantizedKV.zeros(bits, nb, block_size, 2, head_dim, device) for _ in range(2)]
+    refs = [QuantizedKV.zeros(bits, nb, block_size, 2, head_dim, "cpu") for _ in range(2)]
+    kern.store_kv(k, v, *caches, slots)
+    TorchKernels.store_kv(k.cpu(), v.cpu(), *refs, slots.cpu())
+    for got, want in zip(caches, refs):
+        assert torch.equal(got.scale.cpu(), want.scale) and torch.equal(got.data.cpu(), want.data), f"int{bits} KV store"
+    out = kern.attention(q, *caches, meta, head_dim ** -0.5)
+    ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
+                                 meta.slot_mapping.cpu(), meta.num_decodes)
+    ref = TorchKernels.attention(q.cpu(), *refs, ref_meta, head_dim ** -0.5)
+    err = (out.cpu() - ref).abs().max().item()
+    assert err < (1e-4 if device == "cpu" else 5e-3), f"max error {err:.2e}"  # keys up to 20x: larger scores
+    return err
+
+
+def startup_check_case(device):
+    """kernels/triton/check.py passes the kernels over several shapes, and catches a wrong one."""
+    from batchjob.kernels.triton.check import check
+
+    for hd, g, bs, dt in [(64, 3, 16, torch.float32), (80, 4, 32, torch.float16), (128, 1, 16, torch.float32)]:
+        why = check(TritonKernels(hd, g, dt, bs), torch.device(device))
+        assert why is None, why
+
+    class Broken(TritonKernels):
+        def silu_mul(self, gate_up):
+            return super().silu_mul(gate_up) * 1.1
+
+    why = check(Broken(64, 3, torch.float32, 16), torch.device(device))
+    assert why is not None and why.startswith("SiLU * up differs"), why
+
+
+def graphs_case(device):
+    """Decode steps through engine/worker/cuda_graphs.py (captured on CUDA; on the CPU the same padded static
+    buffers without a graph) give the eager engine's greedy tokens, as the batch shrinks through padded
+    sizes 8, 4, 2, 1 and stale rows linger in the static buffers."""
+    from batchjob.bench.gpu_check import random_llama
+    from batchjob.engine.worker.cuda_graphs import DecodeGraphs
+    from batchjob.engine.engine import Engine, EngineConfig
+    from batchjob.engine.sample.row_keys import row_key
+    from batchjob.engine.core.scheduler import SchedulerConfig
+    from batchjob.engine.core.sequence import SamplingParams, Sequence
+    from batchjob.models.llama import LlamaModel
+
+    cfg, weights = random_llama(512, 64, 128, 2, 4, 2, device=device, dtype=torch.float32, max_positions=256)
+    model = LlamaModel(cfg, weights, torch.float32, device, kernels="triton")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (5 + 7 * i,), generator=g).tolist() for i in range(7)]
+
+    def run(graphs: bool):
+        # graphs with async scheduling (placeholders filled on the device into the static buffer) against
+        # the eager synchronous engine
+        engine = Engine(model, [], EngineConfig(num_blocks=128, cuda_graphs=graphs, async_scheduling=graphs,
+                                                scheduler=SchedulerConfig(max_num_seqs=8)))
+        if graphs and device == "cpu":
+            engine.runner.decode_graphs = DecodeGraphs(model, engine.runner.kv.layers, 16, 8, engine.max_model_len,
+                                                       capture=False)
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=2 + 2 * i, ignore_eos=True), rng_key=row_key(0, i))
+                for i, p in enumerate(prompts)]
+        for s in seqs:
+            engine.add(s)
+        while engine.has_work:
+            engine.step()
+        return [s.output_ids for s in seqs], engine.runner.decode_graphs
+
+    eager, none = run(False)
+    graphed, graphs = run(True)
+    assert none is None and graphs is not None and graphs.replays >= 10, "graphs not used"
+    assert graphs.capture or not graphs.graphs
+    assert graphed == eager, f"graphs changed the greedy tokens: {graphed} vs {eager}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("-k", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 to run the Triton kernels on the CPU", file=sys.stderr)
+        return 2
+    failed = run(args.device, args.k)
+    print(f"{failed} failed" if failed else "all passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

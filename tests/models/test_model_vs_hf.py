@@ -1,0 +1,128 @@
+"""Our model against HF transformers: logits within 1e-4 (fp32) and identical greedy continuations, with the
+torch reference kernels and with the native ones (where the CPU has AVX-512)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.engine.core.scheduler import SchedulerConfig, Step
+from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.worker.input_batch import step_inputs
+from batchjob.kernels.native.build import cpu_identity
+from batchjob.models.llama import LlamaModel
+from batchjob.models.loader import load_model
+from tests.builders import TINY_ARCHS
+
+ARCHS = (*TINY_ARCHS, "mistral_window")
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_identity()[1]
+# (kernels, KV block size): the native kernels need blocks of a multiple of 16 tokens
+KERNELS = [pytest.param(("torch", 8), id="torch"),
+           pytest.param(("native", 16), id="native", marks=pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512"))]
+
+
+def our_model(path, kernels="auto") -> LlamaModel:
+    loaded = load_model(str(path), dtype=torch.float32)
+    return LlamaModel(loaded.config, loaded.weights, torch.float32, kernels=kernels)
+
+
+def all_logits(model: LlamaModel, prompts: list[list[int]], block_size: int = 8) -> list[torch.Tensor]:
+    """Logits of every prompt position, all prompts in ONE flattened forward."""
+    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size))
+    seqs = [Sequence(i, p, SamplingParams()) for i, p in enumerate(prompts)]
+    step = Step()
+    for s in seqs:
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
+        step.seqs.append(s)
+        step.num_new.append(s.num_tokens)
+    runner = engine.runner
+    inputs = step_inputs(step, runner.block_size, False)
+    ids, pos, meta = inputs.input_ids, inputs.positions, inputs.meta
+    hidden = model.forward(ids, pos, meta, runner.kv.layers)
+    # prepare() puts 1-token rows (decodes) first; map each row back to its tokens
+    order = sorted(range(len(seqs)), key=lambda i: step.num_new[i] != 1)
+    out, start = [None] * len(seqs), 0
+    for i in order:
+        n = step.num_new[i]
+        out[i] = model.logits(hidden[start:start + n])
+        start += n
+    return out
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def prompts(vocab: int, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers_single_and_mixed_batch(arch, kernels, tiny_model_dir):
+    name, block_size = kernels
+    path = tiny_model_dir(arch)
+    ours, ref = our_model(path, name), hf_model(path)
+    ps = prompts(ours.config.vocab_size, [1, 7, 33, 64, 120])
+    with torch.no_grad():
+        expected = [ref(torch.tensor([p])).logits[0].float() for p in ps]
+    for p, e in zip(ps, expected):  # one prompt at a time
+        (got,) = all_logits(ours, [p], block_size)
+        torch.testing.assert_close(got, e, atol=1e-4, rtol=0)
+    for got, e in zip(all_logits(ours, ps, block_size), expected):  # all prompts in one mixed batch
+        torch.testing.assert_close(got, e, atol=1e-4, rtol=0)
+    assert ours.kernels.name == name
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuations_match_transformers(arch, kernels, tiny_model_dir):
+    name, block_size = kernels
+    path = tiny_model_dir(arch, tie_word_embeddings=arch == "qwen2")
+    ours, ref = our_model(path, name), hf_model(path)
+    ps = prompts(ours.config.vocab_size, [3, 10, 25, 50, 90, 5], seed=1)
+    engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=block_size,
+                                           scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    got = engine.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))
+    for p, s in zip(ps, got):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)
+        assert s.output_ids == out[0, len(p):].tolist()
+
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "In 2024 I paid 12345 dollars for",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "Translate to French: Good morning, how are you?",
+    "List three fruits:",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smollm2_hf_model):
+    loaded = smollm2_loaded
+    ours = LlamaModel(loaded.config, loaded.weights, torch.float32, kernels=kernels[0])
+    tok = loaded.tokenizer
+    ps = [tok.encode(p) for p in SMOL_PROMPTS]
+    engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=16))
+    assert ours.kernels.name == kernels[0]
+    got = engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
+    for p, s in zip(ps, got):
+        with torch.no_grad():
+            out = smollm2_hf_model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                            pad_token_id=0, eos_token_id=None)
+        assert s.output_ids == out[0, len(p):].tolist(), tok.decode(p)
+    france = tok.decode(got[0].output_ids)
+    assert "Paris" in france
