@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from batchjob.errors import EXIT_USAGE, ConfigError
+from batchjob.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RESUMABLE, EXIT_USAGE, ConfigError
 from batchjob.job.config import load_job
 from batchjob.cli.run_options import run_options
 
@@ -23,41 +23,62 @@ def main() -> None:
 @run_options
 def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     """Run JOB (a TOML file whose keys are the option names below, with underscores; optional
-    [sampling] and [engine] tables). Flags override the file. Re-running the same command
-    on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed,
-    75 stopped by a signal (rerun to continue), 130 stopped at once by a second Ctrl-C."""
-    from batchjob.io.recovery import SinkError
-    from batchjob.io.sources import SourceError
-    from batchjob.engine.worker.kv_budget import KvBudgetError
-    from batchjob.kernels import KernelError
-    from batchjob.models.config import UnsupportedModelError
-    from batchjob.models.loader import ModelLoadError
-    from batchjob.errors import EXIT_RESUMABLE
-    from batchjob.job.error_budget import TooManyErrors
+    [sampling], [engine] and [output] tables). Flags override the file. Re-running the same command
+    on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed
+    (also on a rerun of a failed job), 2 a bad flag or job file, 75 stopped by a signal (rerun to
+    continue), 130 stopped at once (a second Ctrl-C, or Ctrl-C during start-up)."""
+    started = False
+    try:  # the imports too: torch's takes seconds, and a Ctrl-C there is a start-up interrupted
+        from batchjob.engine.worker.kv_budget import KvBudgetError
+        from batchjob.io.recovery import SinkError
+        from batchjob.io.sources import SourceError
+        from batchjob.job.error_budget import TooManyErrors
+        from batchjob.job.run import Job
+        from batchjob.kernels import KernelError
+        from batchjob.models.config import UnsupportedModelError
+        from batchjob.models.loader import ModelLoadError
 
-    try:
-        cfg = load_job(job, overrides)
-    except ConfigError as e:
-        _fail(e, EXIT_USAGE)
-    try:
-        from batchjob.job.run import run_job
+        try:
+            cfg = load_job(job, overrides)
+        except ConfigError as e:
+            _fail(e, EXIT_USAGE)
+        import contextlib
 
-        summary = run_job(cfg, restart=restart)
+        with contextlib.ExitStack() as held:  # the output lock goes back however the job ends
+            running = Job(cfg, restart=restart, resources=held)
+            started = True
+            summary = running.run()
+    except KeyboardInterrupt:
+        _ignore_sigint()
+        if not started:
+            click.echo("batchjob: interrupted during start-up: nothing ran and nothing was written", err=True)
+        else:
+            click.echo("batchjob: interrupted: stopped at once; committed rows are kept, the rows in flight run "
+                       "again when you rerun the same command", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     except ConfigError as e:
         _fail(e, EXIT_USAGE)
     except (SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError, KvBudgetError) as e:
-        _fail(e, 1)
-    except KeyboardInterrupt:
-        click.echo("batchjob: interrupted: stopped at once; committed rows are kept, the rows in flight run again "
-                   "when you rerun the same command", err=True)
-        sys.exit(130)
+        _ignore_sigint()
+        _fail(e, EXIT_FAILED)
     except Exception as e:  # noqa: BLE001 - a bug: one line for the operator, the traceback kept in a file
         _internal_error(e, cfg.output)
+    _ignore_sigint()  # the final commit is done: a Ctrl-C now changes nothing, and the exit code is the job's
     click.echo(summary.line())
     if summary.stopped:
         click.echo(f"batchjob: stopped by {summary.stopped}; everything finished is committed — rerun the same "
                    f"command to continue (`batchjob status {summary.output}` shows progress)", err=True)
         sys.exit(EXIT_RESUMABLE)
+
+
+def _ignore_sigint() -> None:
+    """Past the job's end (or its failure), Ctrl-C is ignored until exit: no KeyboardInterrupt from an echo
+    or from torch's exit handlers turns a finished job's exit code into 130 or a traceback."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 
@@ -144,11 +165,11 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
         from batchjob.cluster.sharded_output import export_openai_batch
 
         try:
-            n = export_openai_batch(out, to)
+            files = export_openai_batch(out, to)
         except (ExportError, ManifestError, _ShardError) as e:
             click.echo(f"batchjob: error: {e}", err=True)
             sys.exit(1)
-        click.echo(f"batchjob: {n} response lines -> {to}")
+        click.echo(f"batchjob: {files.lines} response lines -> {to}; failed requests ({files.errors}) -> {files.errors_path}")
         return
     from batchjob.cluster.sharded_output import ShardError, export_shards, has_job_file
 

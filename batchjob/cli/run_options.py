@@ -30,6 +30,8 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--chat-template", "chat_template", str, "Jinja chat template file overriding the model's own"),
     ("--system-prompt", "system_prompt", str, "system message prepended to chat rows that have none"),
     ("--keep-columns", "keep_columns", str, "comma-separated input columns copied into the output"),
+    ("--id-column", "id_column", str, "the input column that identifies a row, copied into the output (default: id "
+     "or custom_id when the input has one; 'none': no id column)"),
     ("--max-tokens", "max_tokens", int, "maximum generated tokens per row (default: 256)"),
     ("--temperature", "temperature", float, "sampling temperature; 0 = greedy (default: 0)"),
     ("--top-p", "top_p", float, "nucleus sampling mass (default: 1.0 = off)"),

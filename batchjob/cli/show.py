@@ -1,4 +1,6 @@
-"""`python -m batchjob.cli.show OUT_DIR [-n 5]`: where a job's results are, their schema, the first rows."""
+"""`python -m batchjob.cli.show OUT_DIR [-n 5]`: where a job's results are, their schema, the first rows in input
+order, each with its prompt (from the output when a column holds it, else read from the job's input by row
+index: nothing needs copying into the output to read results against their inputs)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from pathlib import Path
 
 from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.parts import read_results
+from batchjob.io.sink import INPUT_PATH
+from batchjob.io.sources import SourceError, open_source
 
 PROMPT_COLUMNS = ("prompt", "messages", "question", "instruction", "input", "text")
 
@@ -28,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(summary(args.out_dir, manifest, table))
     print()
-    print(preview(table, args.n, args.width))
+    shown = table.sort_by("row_index").slice(0, args.n)
+    print(preview(shown, args.n, args.width, input_prompts(manifest, shown)))
     return 0
 
 
@@ -48,13 +53,42 @@ def summary(out_dir: Path, manifest: Manifest, table) -> str:
     return "\n".join(lines)
 
 
-def preview(table, n: int, width: int) -> str:
+def input_prompts(manifest: Manifest, table) -> tuple[str, dict[int, object]] | None:
+    """(column, {row index: its prompt}) for the rows of `table`, read from the job's input (recorded in the
+    manifest) when the output holds no prompt column; None when there is nothing to read."""
+    if any(c in table.schema.names for c in PROMPT_COLUMNS) or not table.num_rows:
+        return None
+    path = manifest.extra.get(INPUT_PATH)
+    params = manifest.fingerprint.get("params") or {}
+    if not path or not Path(path).exists():
+        return None
+    wanted = set(table.column("row_index").to_pylist())
+    columns = [params.get("messages_column") or "messages", params.get("prompt_column") or "prompt"]
+    found: dict[int, object] = {}
+    name = columns[1]
+    try:
+        source = open_source(path)
+        for row in source.rows():
+            if row.row_index in wanted and row.record:
+                col = next((c for c in columns if row.record.get(c) is not None), None)
+                if col is not None:
+                    name, found[row.row_index] = col, row.record[col]
+            if row.row_index >= max(wanted):
+                break
+    except (SourceError, OSError):
+        return None  # the input moved or changed: the results still show
+    return name, found
+
+
+def preview(table, n: int, width: int, prompts: tuple[str, dict[int, object]] | None = None) -> str:
     prompt_col = next((c for c in PROMPT_COLUMNS if c in table.schema.names), None)
-    lines = [f"first {min(n, table.num_rows)} rows:"]
+    lines = [f"first {min(n, table.num_rows)} rows (input order):"]
     for row in table.slice(0, n).to_pylist():
         lines.append(f"[{row['row_index']}]")
         if prompt_col:
             lines.append(f"  {prompt_col}: {trim(prompt_text(row[prompt_col]), width)}")
+        elif prompts is not None and row["row_index"] in prompts[1]:
+            lines.append(f"  {prompts[0]}: {trim(prompt_text(prompts[1][row['row_index']]), width)}")
         if row["error"]:
             lines.append(f"  error: {trim(row['error'], width)}")
         else:

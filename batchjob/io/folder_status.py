@@ -60,7 +60,7 @@ def status(out: str | Path, *, now: float | None = None) -> dict:
     states = {f.state for f in folders}
     state = "running" if running else states.pop() if len(states) == 1 else "stopped"
     if total is not None and done >= total and not running:
-        state = "finished"
+        state = "failed" if "failed" in states or state == "failed" else "finished"
     lanes: dict[str, dict] = {}
     for f in folders:
         for name, counts in f.lanes.items():
@@ -98,7 +98,9 @@ def folder_status(out: Path, folder: Path, now: float) -> FolderStatus:
         st.state = "running"
     elif run.get("state") in ("finished", "stopped", "failed"):
         st.state = run["state"]
-        if run["state"] == "stopped" and run.get("signal"):
+        if run["state"] == "stopped" and run.get("reason"):
+            st.note = f"stopped: {run['reason']}; free space and rerun the same command to continue"
+        elif run["state"] == "stopped" and run.get("signal"):
             st.note = f"stopped by {run['signal']}; rerun the same command to continue"
         elif run["state"] == "failed":
             st.note = run.get("error")
@@ -118,8 +120,8 @@ def folder_status(out: Path, folder: Path, now: float) -> FolderStatus:
         st.missing = missing.to_json()[:20]
         if st.state == "running" and st.rows_per_s:
             st.eta_s = missing.count() / st.rows_per_s
-        if not missing and st.state != "running":
-            st.state = "finished"
+        if not missing and st.state not in ("running", "failed"):
+            st.state = "finished"  # every row is in, however the last run ended
     else:
         st.total_estimate = _estimate_total(manifest)
         if st.total_estimate is not None and st.state == "running" and st.rows_per_s:

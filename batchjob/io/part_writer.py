@@ -21,9 +21,11 @@ class OutputError(SinkError, OSError):
 
 
 def output_error(path: Path, e: OSError) -> OutputError:
-    return OutputError(f"cannot write {path}: {e.strerror or e}; the rows committed before are kept and "
-                       "nothing half-written is left: free space (or fix the folder) and rerun the same "
-                       "command to continue")
+    err = OutputError(f"cannot write {path}: {e.strerror or e}; the rows committed before are kept and "
+                      "nothing half-written is left: free space (or fix the folder) and rerun the same "
+                      "command to continue")
+    err.errno = e.errno  # ENOSPC / EDQUOT: the job records "disk full" for `batchjob status`
+    return err
 
 
 class PartWriter:

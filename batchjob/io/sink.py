@@ -29,6 +29,7 @@ from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import SinkError, check_same_job, load_manifest, recover
 
 RESUME_POSITION = "resume_position"  # manifest extra: where a reader resumes (first row not committed)
+INPUT_PATH = "input_path"  # extra: the input the rows were read from (`show` reads prompts there by row index)
 COMPACT_MIN_BYTES = 256 << 10  # the log is folded into a new snapshot once it is larger than this and the snapshot
 WRITE_BEHIND = 2  # parts handed to the writer thread and not yet committed, at most
 
@@ -193,6 +194,22 @@ class ArrowSink:
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise self._failure
+
+    def record_after_failure(self, key: str, value) -> bool:
+        """After the writer failed (a full disk, say): store `value` as extra[key] in one small commit-log
+        record, no part, so `batchjob status` can say why the job stopped. Best effort: False when the
+        disk refuses that too (the log is left as it was)."""
+        self._queue.join()  # the writer is idle: it skips every job after its failure
+        size = self._log.path.stat().st_size if self._log.path.exists() else 0
+        if size != self._log.bytes:
+            return False
+        try:
+            self._log.append({"seq": self.manifest.seq + 1, "extra": {key: value}})
+        except OSError:
+            return False
+        self.manifest.extra = {**self.manifest.extra, key: value}
+        self.manifest.seq += 1
+        return True
 
     def close(self) -> None:
         if self._closed:

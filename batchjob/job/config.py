@@ -23,6 +23,8 @@ class JobConfig:
     chat_template: str | None = None  # a file overriding the model's template
     system_prompt: str | None = None
     keep_columns: list[str] = field(default_factory=list)
+    # the input column that identifies a row, copied into the output; None: `id` or `custom_id` when the input has one
+    id_column: str | None = None
     # sampling
     max_tokens: int = 256
     temperature: float = 0.0
@@ -226,7 +228,7 @@ TABLES: dict[str, tuple[str, ...]] = {
                "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",
                "read_ahead", "async_scheduling", "cuda_graphs", "speculative", "draft_model",
                "num_speculative_tokens", "speculative_max_rows"),
-    "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns"),
+    "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns", "id_column"),
 }
 SECTIONS = (*TABLES, "job")  # optional TOML tables; their keys are fields too
 

@@ -1,8 +1,9 @@
 """What a running job shows while it runs: on a terminal a progress bar that moves every step, elsewhere
 (Slurm logs, cron, `> log`) a plain line every `log_every` seconds. Both count the whole job (rows
 committed before this run included), tell committed rows from rows in flight, and estimate the time
-left from this run's rate. When the number of rows is unknown (JSONL read for the first time), progress
-is the byte position in the input."""
+left from this run's rate. When the number of rows is unknown (JSONL read for the first time), the rows
+known are estimated from the input read so far (rows per byte, exact once the whole input is read), and
+progress is rows finished of those."""
 from __future__ import annotations
 
 import sys
@@ -37,18 +38,16 @@ class Progress:
         if enabled and tty:
             from tqdm import tqdm
 
-            if self.total_bytes is not None:
-                self.bar = tqdm(total=self.total_bytes, initial=bytes_before, unit="B", unit_scale=True,
-                                desc="batchjob (input read)", dynamic_ncols=True, file=self.stream)
-            else:
-                self.bar = tqdm(total=total_rows, initial=rows_before, unit="row", desc="batchjob",
-                                dynamic_ncols=True, file=self.stream)
+            self.bar = tqdm(total=total_rows, initial=rows_before, unit="row", desc="batchjob",
+                            dynamic_ncols=True, file=self.stream)
 
     def update(self, s: Snapshot) -> None:
         """Called once per engine step: cheap unless it is time to draw."""
         now = self.clock()
         if self.bar is not None:
-            self.bar.n = s.bytes_read if self.total_bytes is not None and s.bytes_read is not None else s.rows_done
+            self.bar.n = s.rows_done
+            if self.total_rows is None:
+                self.bar.total = self.known_rows(s)[0]  # None until some input is read: tqdm counts up
             self.bar.set_postfix_str(self._postfix(s, now), refresh=False)
             self.bar.refresh() if now - self.last_line >= 0.5 else None
             if now - self.last_line >= 0.5:
@@ -61,6 +60,21 @@ class Progress:
         elapsed = max(now - self.t0, 1e-9)
         return f"{s.tokens / elapsed:,.0f} tok/s, {s.rows_committed:,} committed, {s.rows_in_flight:,} in flight"
 
+    def known_rows(self, s: Snapshot) -> tuple[int | None, bool]:
+        """(the job's rows as far as known, whether that is exact): the input's count when known; else,
+        for a JSONL input, the rows read so far scaled by the bytes left (exact once it is all read)."""
+        if self.total_rows is not None:
+            return self.total_rows, True
+        if not self.total_bytes or s.bytes_read is None:
+            return None, False
+        rows_read = s.rows_done - self.rows_before + s.rows_in_flight  # by this run: finished or in the engine
+        if s.bytes_read >= self.total_bytes:
+            return s.rows_done + s.rows_in_flight, True
+        read = s.bytes_read - self.bytes_before
+        if read <= 0 or rows_read <= 0:
+            return None, False
+        return self.rows_before + round(rows_read * (self.total_bytes - self.bytes_before) / read), False
+
     def line(self, s: Snapshot, now: float | None = None) -> str:
         """rows done/total (percent), rows/s, tok/s, committed, in flight, ETA: for logs and tests."""
         now = self.clock() if now is None else now
@@ -68,21 +82,14 @@ class Progress:
         run_rows = s.rows_done - self.rows_before
         rate = run_rows / elapsed
         parts = []
-        if self.total_rows is not None:
-            share = s.rows_done / self.total_rows if self.total_rows else 1.0
-            parts.append(f"{s.rows_done:,}/{self.total_rows:,} rows ({share:.1%})")
-            eta = (self.total_rows - s.rows_done) / rate if rate > 0 else None
+        known, exact = self.known_rows(s)
+        if known is not None:
+            share = s.rows_done / known if known else 1.0
+            parts.append(f"{s.rows_done:,}/{'' if exact else '~'}{known:,} rows ({share:.1%})")
+            eta = max(0, known - s.rows_done) / rate if rate > 0 else None
         else:
             parts.append(f"{s.rows_done:,} rows")
             eta = None
-            if self.total_bytes and s.bytes_read is not None:
-                share = s.bytes_read / self.total_bytes
-                parts.append(f"input {share:.1%} read")
-                # rows still to come: those in the unread bytes (at this run's rows per byte) and those in flight
-                read = s.bytes_read - self.bytes_before
-                rows_read = run_rows + s.rows_in_flight
-                ahead = (self.total_bytes - s.bytes_read) * rows_read / read if read > 0 else None
-                eta = (ahead + s.rows_in_flight) / rate if ahead is not None and rate > 0 else None
         parts += [f"{rate:,.1f} rows/s", f"{s.tokens / elapsed:,.0f} tok/s", f"{s.rows_committed:,} committed",
                   f"{s.rows_in_flight:,} in flight", f"ETA {format_duration(eta)}" if eta is not None else "ETA ?"]
         return ", ".join(parts)

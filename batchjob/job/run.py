@@ -7,6 +7,7 @@ the number of rows."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -24,13 +25,14 @@ from batchjob.job.heap import QuietCollector
 from batchjob.cluster.shards import ShardSource, ShardSpec, check_unsharded, claim_shard
 from batchjob.io.export import write_openai_batch
 from batchjob.io.lock import OutputLock
+from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import JsonlSource, Source
 from batchjob.job.engine_setup import build_engine
 from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.job.progress import Progress, Snapshot
 from batchjob.job.stats import StatsRecorder
-from batchjob.job.error_budget import AllRowsFailed, ErrorBudget
+from batchjob.job.error_budget import AllRowsFailed, ErrorBudget, TooManyErrors
 from batchjob.job.signals import StopSignals
 from batchjob.job.streams import (OpenedInput, clear_for_restart, input_folders, open_inputs, open_streams,
                               remove_bare_folders, uncommitted_rows)
@@ -111,6 +113,9 @@ class Job:
         self.summary.total_rows = total
         if self._already_finished():
             self.summary.already_finished = True
+            failure = self._failure(*self.before, first_error=self._recorded_error(), rerun=True)
+            if failure is not None:  # a rerun exits as the job did: cron and retry loops see the failure
+                raise failure
             return self.summary
         print(start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
                          self.before[0], self.summary.output), file=sys.stderr, flush=True)
@@ -153,12 +158,20 @@ class Job:
                 self._mark_run("stopped", signal="SIGINT (twice: at once)")
                 raise
             except Exception as e:
-                self._mark_run("failed", error=str(e))
-                self._close_sinks()  # what finished is committed, if the disk lets us
+                if isinstance(e, OutputError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._record_disk_full()
+                else:
+                    self._mark_run("failed", error=str(e))
+                self._close_sinks(e)  # what finished is committed, if the disk lets us
                 raise
             complete = not feed.rows_in_flight and not feed.dropped and all(s.exhausted for s in self.streams)
             self.summary.stopped = None if complete else stop.received  # a signal after the last row changes nothing
-            self._mark_run("stopped" if self.summary.stopped else "finished")
+            rows, errors = self.before[0] + self.summary.rows, self.before[1] + self.summary.errors
+            failure = None if self.summary.stopped else self._failure(rows, errors, feed.first_error)
+            if failure is not None:
+                self._mark_run("failed", error=str(failure))
+            else:
+                self._mark_run("stopped" if self.summary.stopped else "finished")
             for stream in self.streams:
                 stream.sink.close()
                 limited = cfg.limit is not None and stream.source.num_rows != stream.sink.done.count()
@@ -175,11 +188,30 @@ class Job:
         hint = chat_hint(cfg, self.loaded, any(self.use_messages.values()), feed.one_token_stops)
         if hint:
             print(hint, file=sys.stderr, flush=True)
-        rows, errors = self.before[0] + self.summary.rows, self.before[1] + self.summary.errors
-        if not self.summary.stopped and rows and errors == rows:
-            raise AllRowsFailed(f"every row failed ({errors:,} of {rows:,}; committed in {self.summary.output}); "
-                                f"the first error: {feed.first_error or 'see the error column'}")
+        if failure is not None:
+            raise failure
         return self.summary
+
+    def _failure(self, rows: int, errors: int, first_error: str | None, rerun: bool = False) -> TooManyErrors | None:
+        """How a job whose rows are all in ended: every row failed, or more than max_errors (the same
+        verdict on a rerun of a finished job, with the max_errors it is run with now)."""
+        if rows and errors == rows:
+            again = "already finished, and " if rerun else ""
+            return AllRowsFailed(f"{again}every row failed ({errors:,} of {rows:,}; committed in {self.summary.output}); "
+                                 f"the first error: {first_error or 'see the error column'}")
+        try:
+            ErrorBudget(self.cfg.max_errors, self.summary.total_rows).check(errors, rows, final=True)
+        except TooManyErrors as e:
+            return TooManyErrors(f"already finished, and {e}") if rerun else e
+        return None
+
+    def _recorded_error(self) -> str | None:
+        """The first row error a failed run recorded (its message names it), for a rerun's verdict."""
+        for stream in self.streams:
+            error = (stream.sink.manifest.extra.get("run") or {}).get("first_error")
+            if error:
+                return error
+        return None
 
     def _already_finished(self) -> bool:
         """Every input row committed (a rerun from cron or Slurm after the end): nothing to do."""
@@ -236,6 +268,8 @@ class Job:
             run["state"] = state
             if error:
                 run["error"] = error[:1000]
+            if self.feed.first_error:
+                run["first_error"] = self.feed.first_error[:1000]
             if state == "stopped":
                 run["signal"] = signal or self.summary.stopped
             sink.set_extra("run", run)
@@ -246,12 +280,22 @@ class Job:
                     if state == "running":
                         raise
 
-    def _close_sinks(self) -> None:
+    def _record_disk_full(self) -> None:
+        """A full disk stopped the job: say so in each manifest if one more small record fits, so `status`
+        tells "stopped: disk full" from a crash."""
+        for stream in self.streams:
+            sink = stream.sink
+            run = {**sink.extra.get("run", {}), "ended": time.time(), "state": "stopped",
+                   "reason": f"disk full at row {sink.done.count():,}"}
+            sink.record_after_failure("run", run)
+
+    def _close_sinks(self, raising: BaseException) -> None:
         for stream in self.streams:
             try:
                 stream.sink.close()
             except Exception as e:  # e.g. the disk is still full: the rows run again on resume
-                log.warning("could not commit the last rows of %s: %s", stream.sink.out_dir, e)
+                if e is not raising:  # the error on its way to the operator is said once, there
+                    log.warning("could not commit the last rows of %s: %s", stream.sink.out_dir, e)
 
 
 def run_job(cfg: JobConfig, *, restart: bool = False) -> JobSummary:

@@ -13,8 +13,10 @@ import torch
 from batchjob.job.config import JobConfig
 from batchjob.job.fingerprint import fingerprint
 from batchjob.io.export import RESULTS_FILE
+from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
+from batchjob.io.parts import part_schema
 from batchjob.io.recovery import clear_results
-from batchjob.io.sink import RESUME_POSITION, ArrowSink
+from batchjob.io.sink import INPUT_PATH, RESUME_POSITION, ArrowSink
 from batchjob.io.sources import (InputRow, JsonlSource, OpenAIBatchSource, Source, SourceError, open_source,
                                  validate_columns)
 from batchjob.models.loader import LoadedModel
@@ -61,7 +63,7 @@ def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
         if not uses and path not in empty_inputs:
             validate_columns(source, [cfg.prompt_column])
         if path not in empty_inputs:
-            validate_columns(source, cfg.keep_columns)
+            validate_columns(source, cfg.keep_columns + ([cfg.id_column] if cfg.id_column not in (None, "none") else []))
         use_messages[id(source)] = uses
     return sources, use_messages, empty_inputs
 
@@ -78,17 +80,40 @@ def _is_empty(source: Source, path: str) -> bool:
 def open_streams(cfg: JobConfig, sources: list[OpenedInput], loaded: LoadedModel, dtype: torch.dtype,
                  lane_column_out: bool) -> list[Stream]:
     """A sink per input, under the job's fingerprint, with the output columns its rows will have."""
-    keep = list(cfg.keep_columns) + (["lane"] if lane_column_out else [])
     defaults = cfg.sampling_defaults()
-    columns = {id(source): output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name)
-               for source, *_ in sources}
-    return [
-        Stream(source, ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, loaded, dtype),
-                                 keep_columns=columns[id(source)].names, part_rows=cfg.part_rows,
-                                 part_seconds=cfg.part_seconds, total_rows=source.num_rows, part_format=cfg.part_format),
-               lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns[id(source)])
-        for source, path, folder, lane in sources
-    ]
+    streams = []
+    for source, path, folder, lane in sources:
+        keep = [*id_columns(cfg, source, folder), *cfg.keep_columns] + (["lane"] if lane_column_out else [])
+        keep = list(dict.fromkeys(keep))  # the id once, first
+        columns = output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name)
+        sink = ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, loaded, dtype), keep_columns=columns.names,
+                         part_rows=cfg.part_rows, part_seconds=cfg.part_seconds, total_rows=source.num_rows,
+                         part_format=cfg.part_format)
+        sink.set_extra(INPUT_PATH, str(Path(path).resolve()))  # `show` reads prompts from it, by row index
+        streams.append(Stream(source, sink, lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns))
+    return streams
+
+
+ID_COLUMNS = ("id", "custom_id")  # an input's id-like columns, kept in the output by default
+
+
+def id_columns(cfg: JobConfig, source: Source, folder: Path) -> list[str]:
+    """The id column copied into the output: --id-column, else the input's `id` or `custom_id`. A folder
+    with parts from before ids were kept stays as it is (every part of a folder has the same columns)."""
+    if cfg.id_column == "none":
+        return []
+    if cfg.id_column is not None:
+        return [cfg.id_column]
+    found = next((c for c in ID_COLUMNS if c in source.columns), None)
+    if found is None:
+        return []
+    try:
+        manifest = Manifest.load(folder) if (folder / MANIFEST).exists() else None
+    except ManifestError:
+        return [found]  # the sink repairs or refuses the folder, and says why
+    if manifest is not None and manifest.parts and found not in {f.name for f in part_schema(folder / manifest.parts[-1].name)}:
+        return []
+    return [found]
 
 
 def clear_for_restart(out: Path, folders: list[Path]) -> None:

@@ -109,7 +109,7 @@ def test_not_a_terminal_gets_a_plain_progress_line_every_log_every_seconds(tmp_p
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("batchjob: progress: ")]
     assert len(lines) >= 3, result.stderr
     # rows done (no total yet: a JSONL read for the first time shows how much of the file is read), rates, ETA
-    assert re.search(r"\d+ rows, input \d+\.\d% read, [\d.,]+ rows/s, [\d,]+ tok/s, \d+ committed, \d+ in flight, ETA", lines[-1])
+    assert re.search(r"\d+/~?[\d,]+ rows \(\d+\.\d%\), [\d.,]+ rows/s, [\d,]+ tok/s, \d+ committed, \d+ in flight, ETA", lines[-1])
 
 
 def test_progress_line_with_a_known_total_counts_the_whole_job():
@@ -203,6 +203,127 @@ def test_the_terminal_bar_moves_before_any_row_has_finished():
 def test_progress_by_bytes_counts_the_rows_in_flight_once_the_input_is_all_read():
     p = Progress(total_rows=None, rows_before=0, log_every=30, enabled=False, total_bytes=1000, clock=lambda: 0.0)
     line = p.line(Snapshot(rows_done=100, rows_committed=0, rows_in_flight=50, tokens=0, bytes_read=1000), now=10.0)
-    assert line.endswith("input 100.0% read, 10.0 rows/s, 0 tok/s, 0 committed, 50 in flight, ETA 5s")
+    assert line == "100/150 rows (66.7%), 10.0 rows/s, 0 tok/s, 0 committed, 50 in flight, ETA 5s"
     half = p.line(Snapshot(rows_done=100, rows_committed=0, rows_in_flight=50, tokens=0, bytes_read=500), now=10.0)
-    assert half.endswith("ETA 20s")  # 150 more rows in the unread half, then the 50 in flight: 200 rows at 10/s
+    assert half == "100/~300 rows (33.3%), 10.0 rows/s, 0 tok/s, 0 committed, 50 in flight, ETA 20s"  # 150 rows read per half
+
+
+def test_a_rerun_of_a_job_whose_every_row_failed_fails_again_and_status_says_failed(tmp_path, model):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": ""} for _ in range(3)])  # every row: an empty prompt
+    out = tmp_path / "out"
+    first = run("--model", model, "--input", src, "--output", out, "--no-progress", code=1)
+    assert "every row failed (3 of 3" in first.stderr
+    again = run("--model", model, "--input", src, "--output", out, "--no-progress", code=1)  # cron, a retry loop
+    assert "already finished, and every row failed (3 of 3" in again.stderr and "empty" in again.stderr
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert status.output.startswith(f"{out}: failed") and "every row failed" in status.output
+
+
+def test_a_rerun_over_max_errors_fails_until_max_errors_is_raised(tmp_path, model):
+    rows = [{"prompt": "" if i % 3 == 0 else f"row {i}"} for i in range(9)]  # 3 of 9 fail
+    src, out = jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out"
+    args = ("--model", model, "--input", src, "--output", out, "--max-tokens", 4, "--no-progress")
+    run(*args, "--max-errors", "0.2", code=1)
+    again = run(*args, "--max-errors", "0.2", code=1)
+    assert "more than max_errors allows" in again.stderr
+    assert "already finished" in run(*args, "--max-errors", "0.5").stdout
+
+
+def test_a_jsonl_jobs_terminal_bar_counts_rows_of_the_rows_known_not_bytes_read():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream, t = Tty(), [0.0]
+    p = Progress(total_rows=None, rows_before=0, log_every=30, stream=stream, total_bytes=1000, clock=lambda: t[0])
+    t[0] = 1.0  # the reader has buffered the whole (small) file at once: 10 rows done, 90 in the engine
+    p.update(Snapshot(rows_done=10, rows_committed=0, rows_in_flight=90, tokens=500, bytes_read=1000))
+    drawn = stream.getvalue()
+    assert "10/100" in drawn and "input read" not in drawn and "500 tok/s, 0 committed, 90 in flight" in drawn
+    p.close()
+
+
+def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, smollm2_gguf_path):
+    import subprocess
+    import sys
+    import time
+
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": "row"}])
+    proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", "--model", str(smollm2_gguf_path), "--input", str(src),
+                             "--output", str(tmp_path / "out"), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # inside start-up: Python, torch and loading SmolLM2 take seconds before the start line
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if " <- " in err:  # the start line: the job had started
+        pytest.skip(f"the job had started before the signal: {err!r}")  # a fast machine: not start-up any more
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["batchjob: interrupted during start-up: nothing ran and nothing was written"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_after_the_final_commit_keeps_the_jobs_exit_code(tmp_path, model, monkeypatch):
+    from batchjob.job.summary import JobSummary
+
+    line = JobSummary.line
+
+    def line_then_ctrl_c(self):
+        os.kill(os.getpid(), signal.SIGINT)  # the operator presses Ctrl-C as the job prints its end
+        return line(self)
+
+    monkeypatch.setattr(JobSummary, "line", line_then_ctrl_c)
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(3)])
+    try:
+        result = run("--model", model, "--input", src, "--output", tmp_path / "out", "--max-tokens", 3, "--no-progress")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert "batchjob: finished: 3 rows" in result.stdout and "Aborted" not in result.output
+
+
+def test_a_full_disk_is_said_once_and_status_says_where_it_stopped(tmp_path, model, monkeypatch):
+    import errno
+
+    parts = set()
+    real = os.fsync
+
+    def fsync_until_full(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if "part-" in name:
+            parts.add(name)
+            if len(parts) > 2:  # the first two parts fit, the third does not
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr("batchjob.io.part_writer.os.fsync", fsync_until_full)
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(30)])
+    out = tmp_path / "out"
+    result = run("--model", model, "--input", src, "--output", out, "--max-tokens", 3, "--part-rows", 4,
+                 "--max-num-seqs", 4, "--no-progress", code=1)
+    assert result.stderr.count("No space left on device") == 1, result.stderr
+    assert result.stderr.startswith("batchjob: ") or "\nbatchjob: error: cannot write" in result.stderr
+    status = CliRunner().invoke(main, ["status", str(out)])
+    assert Manifest.load(out).done_rows().count() == 8  # two parts of four rows
+    assert status.output.startswith(f"{out}: stopped") and "stopped: disk full at row 8" in status.output, status.output
+
+
+def test_results_keep_the_inputs_id_and_show_prints_each_prompt_beside_its_text(tmp_path, model, capsys):
+    from batchjob.cli import show
+    from batchjob.io.parts import read_results
+
+    src = jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"question {i}"} for i in range(4)])
+    out = tmp_path / "out"
+    run("--model", model, "--input", src, "--output", out, "--max-tokens", 3, "--no-progress")
+    table = read_results(out).sort_by("row_index")
+    assert table.column("id").to_pylist() == ["q0", "q1", "q2", "q3"] and "prompt" not in table.column_names
+    assert show.main([str(out), "-n", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert "[0]\n  prompt: question 0\n  -> " in shown and "[1]\n  prompt: question 1\n" in shown
+    other = jsonl(tmp_path / "other.jsonl", [{"key": f"k{i}", "prompt": f"q {i}"} for i in range(2)])
+    run("--model", model, "--input", other, "--output", tmp_path / "by-key", "--id-column", "key", "--max-tokens", 2,
+        "--no-progress")
+    assert read_results(tmp_path / "by-key").column("key").to_pylist() == ["k0", "k1"]
+    run("--model", model, "--input", src, "--output", tmp_path / "no-id", "--id-column", "none", "--max-tokens", 2,
+        "--no-progress")
+    assert "id" not in read_results(tmp_path / "no-id").column_names
