@@ -1,9 +1,15 @@
-"""The Python API: `generate()` runs prompts in memory and `run()` runs a job, with the engine, sampling and
-chat handling of `batchjob run`. An `LLM` holds one loaded model and its engine; `generate()` keeps the
-last few in a cache keyed by model and engine knobs, so a notebook does not reload a model per call."""
+"""The Python API: `generate()` runs prompts (and `chat()` conversations) in memory and `run()` runs a job,
+with the engine, sampling and chat handling of `batchjob run`. An `LLM` holds one loaded model and its
+engine; `generate()` keeps the last few in a cache keyed by model and engine knobs, so a notebook does not
+reload a model per call."""
 from __future__ import annotations
 
+import contextlib
+import difflib
+import re
+import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,14 +18,15 @@ from typing import Any
 
 import torch
 
-from batchjob.job.config import FIELDS, SECTIONS, ConfigError, JobConfig, load_job
+from batchjob.errors import ChatHintWarning
+from batchjob.job.config import FIELDS, ConfigError, JobConfig, job_values, load_job
 from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.engine import Engine
 from batchjob.job.run import run_job
 from batchjob.job.engine_setup import build_engine
 from batchjob.models.loader import load_model, resolve_model_path
-from batchjob.job.prompt_records import prompt_records
+from batchjob.job.prompt_records import conversation_records, prompt_records
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
 from batchjob.job.results import Completion, OutputColumns, PendingRow
 from batchjob.job.rows_in_flight import RowsInFlight
@@ -33,7 +40,7 @@ SAMPLING_OPTIONS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p",
 CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
-                  "prefix_caching", "read_ahead", "threads")
+                  "prefix_caching", "read_ahead", "threads", "max_model_len")
 assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
 
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
@@ -60,19 +67,24 @@ def failed(error: str, prompt_tokens: int = 0) -> Result:
 
 class LLM:
     """A model loaded once, with its engine: `LLM(model="smollm2", dtype=..., max_num_seqs=...)`, then
-    `.generate(prompts, temperature=..., ...)` as often as needed. Calls are serialized (one engine)."""
+    `.generate(prompts, temperature=..., ...)` or `.chat(conversations, ...)` as often as needed. `model`:
+    "smollm2" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file; the keywords are
+    the engine fields of a job file (batchjob.api.ENGINE_OPTIONS: dtype, device, kernels, max_num_seqs, max_model_len,
+    kv_cache_gb, kv_cache_dtype, ...). Raises ConfigError (a bad keyword or value), ModelLoadError,
+    UnsupportedModelError, KernelError or KvBudgetError. Calls are serialized (one engine)."""
 
     def __init__(self, model: str = "smollm2", **engine: Any):
         _check_names(engine, ENGINE_OPTIONS, "LLM()")
-        self.options = {k: v for k, v in engine.items() if v is not None}
-        self.config = job_config({"model": model, **self.options})
-        self.device = choose_device(self.config.device)
-        self.dtype = choose_dtype(self.config.dtype, self.device)
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
-        self.loaded = load_model(model, dtype=self.dtype)
-        self.tokenizer = self.loaded.tokenizer
-        self._engine: Engine | None = build_engine(self.config, self.loaded, self.device, self.dtype)
+        with api_words():
+            self.options = {k: v for k, v in engine.items() if v is not None}
+            self.config = job_config({"model": model, **self.options})
+            self.device = choose_device(self.config.device)
+            self.dtype = choose_dtype(self.config.dtype, self.device)
+            if self.config.threads:
+                torch.set_num_threads(self.config.threads)
+            self.loaded = load_model(model, dtype=self.dtype)
+            self.tokenizer = self.loaded.tokenizer
+            self._engine: Engine | None = build_engine(self.config, self.loaded, self.device, self.dtype)
         self._lock = threading.Lock()
 
     @property
@@ -82,30 +94,63 @@ class LLM:
     @property
     def engine(self) -> Engine:
         if self._engine is None:  # the last call stopped midway (Ctrl-C): its rows are still in the old engine
-            self._engine = build_engine(self.config, self.loaded, self.device, self.dtype)
+            with api_words():
+                self._engine = build_engine(self.config, self.loaded, self.device, self.dtype)
         return self._engine
 
     def generate(self, prompts: Any, **options: Any) -> list[Result]:
-        """One Result per prompt, in input order. `options`: sampling parameters and chat, chat_template,
-        system_prompt. A bad keyword or value raises ValueError; a bad prompt is a Result with an error."""
+        """One Result per prompt, in input order. `prompts`: a prompt or a list of them, each a string, a list
+        of token ids, a conversation (a list of {role, content}) or a dict of a job row's fields (prompt or
+        prompt_token_ids, messages, per-prompt sampling). `options`: sampling parameters (SAMPLING_OPTIONS)
+        and chat, chat_template, system_prompt. A bad keyword or value raises ValueError (ConfigError); a bad
+        prompt is a Result with an error. Plain prompts that end at their first token from a model with a chat
+        template warn (ChatHintWarning): the model probably wants chat=True."""
         _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS, "generate()")
+        return self._run(prompt_records(prompts), options)
+
+    def chat(self, conversations: Any, **options: Any) -> list[Result]:
+        """One Result per conversation, as vLLM's `LLM.chat`: `conversations` is one conversation (a list of
+        {role, content} messages) or a list of them, each rendered with the model's chat template (or
+        chat_template=, a file or the Jinja text) and a generation prompt. `options`: sampling parameters,
+        chat_template, system_prompt (prepended to a conversation that has no system message)."""
+        _check_names(options, SAMPLING_OPTIONS + ("chat_template", "system_prompt"), "chat()")
+        return self._run(conversation_records(conversations), options)
+
+    def _run(self, records: list[dict | str], options: dict) -> list[Result]:
         template = chat_template_text(options.pop("chat_template", None))
         if isinstance(options.get("stop"), str):  # one stop string, never the job flag's JSON list text
             options["stop"] = [options["stop"]]
         system_prompt = options.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a string, got {system_prompt!r}")
-        cfg = job_config({"model": self.config.model, **self.options, **options})
-        records = prompt_records(prompts)
+        with api_words():
+            cfg = job_config({"model": self.config.model, **self.options, **options})
         if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
             check_template(template or self.tokenizer.chat_template)
-        builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template)
+        builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True)
         with self._lock:
             try:
-                return self._generate(cfg, builder, records)
+                results = self._generate(cfg, builder, records)
             except BaseException:  # e.g. Ctrl-C in a notebook: rows are left in the engine; start clean next time
                 self._engine = None
                 raise
+        self._chat_hint(cfg, records, results)
+        return results
+
+    def _chat_hint(self, cfg: JobConfig, records: list[dict | str], results: list[Result]) -> None:
+        """Plain prompts into a model with a chat template that ended at their first token (an instruct model's
+        end of turn, so the text is empty): warn, as `batchjob run` prints its hint. Any such prompt warns: a
+        call's results are all in hand, and an empty text is a lost answer."""
+        if cfg.chat or self.tokenizer.chat_template is None:
+            return
+        plain = [r for rec, r in zip(records, results)  # text prompts (token ids may be a rendered chat already)
+                 if isinstance(rec, dict) and rec.get("messages") is None and isinstance(rec.get("prompt"), str)
+                 and r.finish_reason != "error"]
+        first = sum(r.finish_reason == "stop" and len(r.token_ids) <= 1 for r in plain)
+        if first:
+            warnings.warn(f"{first} of {len(plain)} prompts ended at their first token; {self.loaded.name} has a chat "
+                          "template, so it probably expects chat input: pass chat=True (each prompt becomes a user "
+                          "message) or call LLM.chat(conversations)", ChatHintWarning, stacklevel=_caller_level())
 
     def _generate(self, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
         """The job's loop in memory: rows enter the engine with the read-ahead a job uses, their random streams
@@ -129,7 +174,7 @@ class LLM:
                     continue
                 try:
                     ids = builder.token_ids(record)
-                    params = row_sampling(record, base)
+                    params = row_sampling(record, base, in_memory=True)
                 except RowError as e:
                     results[index] = failed(str(e))
                     continue
@@ -163,10 +208,11 @@ def cached_llm(model: str = "smollm2", **engine: Any) -> LLM:
     one goes when more than CACHE_SIZE are held. `threads` is process-wide, so it is set, not keyed."""
     _check_names(engine, ENGINE_OPTIONS, "generate()")
     threads = engine.pop("threads", None)
-    cfg = job_config({"model": model, "threads": threads, **engine})
-    device = choose_device(cfg.device)
-    key = (str(resolve_model_path(model)), device, str(choose_dtype(cfg.dtype, device)),
-           *((name, getattr(cfg, name)) for name in ENGINE_OPTIONS if name not in ("dtype", "device", "threads")))
+    with api_words():
+        cfg = job_config({"model": model, "threads": threads, **engine})
+        device = choose_device(cfg.device)
+        key = (str(resolve_model_path(model)), device, str(choose_dtype(cfg.dtype, device)),
+               *((name, getattr(cfg, name)) for name in ENGINE_OPTIONS if name not in ("dtype", "device", "threads")))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with _cache_lock:
@@ -186,30 +232,63 @@ def clear_cache() -> None:
 
 
 def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Result]:
-    """Run `prompts` in memory: a string, a list of token ids, a chat conversation (a list of {role,
-    content}) or a dict of those fields plus per-prompt sampling parameters (a job's input row), or a list
-    of any of these. Returns one Result per prompt, in order. `options`: the job file's sampling, chat
-    and engine fields (docs/guide/python-api.md); the engine for (model, engine fields) is loaded once and cached."""
+    """Generate text for `prompts` in memory, with the engine and sampling of `batchjob run`.
+
+    prompts: one prompt or a list of prompts; each is
+      - a string: a plain completion prompt (as vLLM's generate; chat=True makes it a user message),
+      - a list of token ids: used as they are,
+      - a conversation: a list of {"role", "content"} messages, rendered with the model's chat template,
+      - a dict of a job row's fields: "prompt" (text or token ids) or "prompt_token_ids", or "messages",
+        plus per-prompt sampling ("max_tokens", "temperature", "seed", a "sampling" dict, ...).
+    model: "smollm2" (the embedded SmolLM2-135M-Instruct, the default), a Hugging Face folder or a .gguf file.
+    Sampling keywords: max_tokens (256), min_tokens, temperature (0 = greedy), top_k, top_p, min_p,
+      repetition_penalty, presence_penalty, frequency_penalty, stop (a string or a list), stop_token_ids,
+      include_stop_str_in_output, ignore_eos, logprobs (top-N per token), n (completions per prompt), seed
+      (prompt i's random stream comes from (seed, i), as row i of a job).
+    Chat keywords: chat (wrap plain prompts as user messages), chat_template (a file or the Jinja text),
+      system_prompt.
+    Engine keywords (the engine is loaded once per model and engine keywords, and cached): dtype, device,
+      kernels, threads, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_gb, kv_cache_dtype,
+      gpu_memory_utilization, block_size, prefix_caching, speculative, ... (batchjob.api.ENGINE_OPTIONS).
+
+    Returns one Result per prompt, in order: text, finish_reason (stop | length | error), prompt_tokens,
+    completion_tokens, error, logprobs, completions (n > 1), token_ids. A prompt that cannot run (empty, too
+    long, a bad per-prompt parameter) is a Result with finish_reason "error", the others still run.
+    Raises ConfigError (a ValueError) for an unknown keyword or a bad value; ModelLoadError or
+    UnsupportedModelError for a model that cannot load; KernelError or KvBudgetError for an engine that
+    cannot run here. Warns (ChatHintWarning) when plain prompts end at their first token from a model with
+    a chat template: it probably wants chat=True or batchjob.chat()."""
     _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).generate(prompts, **call)
 
 
+def chat(conversations: Any, *, model: str = "smollm2", **options: Any) -> list[Result]:
+    """Chat in memory, as vLLM's `LLM.chat`: `conversations` is one conversation (a list of {"role",
+    "content"} messages) or a list of them, each rendered with the model's chat template and a generation
+    prompt. Returns one Result per conversation. The keywords are generate()'s, less `chat`: sampling,
+    chat_template, system_prompt and the engine's; the same errors."""
+    _check_names(options, SAMPLING_OPTIONS + ("chat_template", "system_prompt") + ENGINE_OPTIONS, "chat()")
+    engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+    call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
+    return cached_llm(model, **engine).chat(conversations, **call)
+
+
 def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrides: Any) -> JobSummary:
     """Run a job as `batchjob run` does: `job` is a TOML job file or a dict of the same fields (with
-    optional sampling/engine/output/job tables); `overrides` are job fields that win over it. Returns the
-    summary; failures raise the project's errors (ConfigError, SourceError, ModelLoadError, ...)."""
-    unknown = sorted(set(overrides) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"run(): unknown field {unknown[0]!r}; known fields: {', '.join(sorted(FIELDS))}")
-    if isinstance(job, Mapping):
-        cfg = load_job(None, {**job_fields(job), **overrides})
-    elif isinstance(job, (str, Path)):
-        cfg = load_job(job, overrides)
-    else:
-        raise ConfigError(f"run(): job: expected a job file path or a dict of job fields, got {type(job).__name__}")
-    return run_job(cfg, restart=restart)
+    optional sampling/engine/output/job tables); `overrides` are job fields that win over it; restart=True
+    deletes the output folder's results first. Returns the summary; failures raise the project's errors
+    (ConfigError, SourceError, ModelLoadError, SinkError, TooManyErrors, KernelError, ...)."""
+    with api_words():
+        values = job_values(overrides, "run()")
+        if isinstance(job, Mapping):
+            cfg = load_job(None, {**job_values(job, "run()"), **values})
+        elif isinstance(job, (str, Path)):
+            cfg = load_job(job, values)
+        else:
+            raise ConfigError(f"run(): job: expected a job file path or a dict of job fields, got {type(job).__name__}")
+        return run_job(cfg, restart=restart)
 
 
 # arguments
@@ -219,23 +298,54 @@ def job_config(values: dict) -> JobConfig:
     return load_job(None, {"input": IN_MEMORY, "output": IN_MEMORY, **values})
 
 
-def job_fields(job: Mapping[str, Any]) -> dict:
-    """A dict job, flattened as load_job flattens a job file's tables."""
-    values = {}
-    for key, value in job.items():
-        table = key in SECTIONS and isinstance(value, Mapping)
-        for name, v in (value.items() if table else [(key, value)]):
-            if name not in FIELDS:
-                shown = f"{key}.{name}" if table else name
-                raise ConfigError(f"run(): unknown field {shown!r}; known fields: {', '.join(sorted(FIELDS))}")
-            values[name] = v
-    return values
+_KEYWORDS = frozenset(FIELDS) | {"restart"}
+_NOT_VALUES = "or|and|to|in|of|with|for|is|at|on|as"
+_FLAG = re.compile(rf"--(?P<no>no-)?(?P<name>[a-z][a-z0-9-]*)"
+                   rf"(?P<value> (?!(?:{_NOT_VALUES})\b)(?:[a-z0-9][\w.]*|[A-Z]+)\b(?: or [a-z0-9][\w.]*\b)?)?")
+
+
+def api_message(text: str) -> str:
+    """A message written for `batchjob run` in the API's words: each flag of a keyword argument becomes that
+    keyword ("use --kernels auto or torch" -> "use kernels='auto' or 'torch'", "--restart" -> "restart=True")."""
+    def keyword(m: re.Match) -> str:
+        name = m["name"].replace("-", "_")
+        if name not in _KEYWORDS:
+            return m[0]
+        if name == "restart" or isinstance(FIELDS[name].default, bool):
+            return f"{name}={not m['no']}{m['value'] or ''}"
+        if m["no"] or not m["value"]:
+            return m[0] if m["no"] else name
+        values = m["value"].strip().split(" or ")
+        return f"{name}=" + " or ".join(v if v.isupper() or v.replace(".", "", 1).isdigit() else repr(v) for v in values)
+
+    return _FLAG.sub(keyword, text)
+
+
+@contextlib.contextmanager
+def api_words():
+    """Errors raised inside speak of keyword arguments, not of `batchjob run`'s flags (the same error types)."""
+    try:
+        yield
+    except Exception as e:
+        if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, OSError):
+            e.args = (api_message(e.args[0]),)
+        raise
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel that names the caller's line: the first frame outside batchjob."""
+    frame, level, here = sys._getframe(1), 1, str(Path(__file__).parent)
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_names(given: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        raise ValueError(f"{unknown[0]}: unknown keyword argument to {where}; known: {', '.join(allowed)}")
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{unknown[0]}: unknown keyword argument to {where}{meant}; known: {', '.join(allowed)}")
 
 
 def chat_template_text(value: str | None) -> str | None:

@@ -1,5 +1,6 @@
-"""The errors a caller can catch and the exit codes of `batchjob run`: one leaf module that every layer may
-import, so an error keeps its type from the layer that raises it to the command line or the Python API."""
+"""The errors a caller can catch, the API's chat warning, and the exit codes of `batchjob run`: one leaf module
+that every layer may import, so an error keeps its type from the layer that raises it to the command line or
+the Python API."""
 from __future__ import annotations
 
 EXIT_OK = 0
@@ -11,3 +12,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once (a second Ctrl-C, or Ctr
 
 class ConfigError(ValueError):
     """A job file, flag or argument that cannot run as given; the message names the field and what to do."""
+
+
+class ChatHintWarning(UserWarning):
+    """`generate()` of plain prompts into a model with a chat template gave texts that ended at their first
+    token: the model probably expects chat input (`chat=True` or `LLM.chat`)."""

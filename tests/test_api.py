@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -232,3 +233,101 @@ def test_importing_batchjob_does_not_import_torch():
     code = "import sys, batchjob; assert 'torch' not in sys.modules; assert 'generate' in dir(batchjob)"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert batchjob.generate is api.generate and batchjob.run is api.run and batchjob.LLM is api.LLM
+
+
+def test_plain_prompts_that_end_at_their_first_token_warn_that_the_model_wants_chat(llm, model_dir):
+    every_token = list(range(llm.tokenizer.vocab_size))  # whatever comes first ends the prompt: an instruct model's EOS
+    with pytest.warns(batchjob.ChatHintWarning, match=r"4 of 4 prompts ended at their first token.*chat=True") as caught:
+        results = llm.generate(PROMPTS, stop_token_ids=every_token, max_tokens=4)
+    assert [r.completion_tokens for r in results] == [1] * 4
+    assert caught[0].filename == __file__  # the warning names the caller's line, not batchjob's
+    with pytest.warns(batchjob.ChatHintWarning, match="1 of 1 prompts"):
+        batchjob.generate(PROMPTS[0], model=str(model_dir), stop_token_ids=every_token, **SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", batchjob.ChatHintWarning)  # chat input: nothing to say
+        llm.generate(PROMPTS, chat=True, stop_token_ids=every_token, max_tokens=4)
+        llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], stop_token_ids=every_token, max_tokens=4)
+        llm.generate(PROMPTS, max_tokens=4)  # text that goes on
+        llm.generate([llm.tokenizer.encode(p) for p in PROMPTS], stop_token_ids=every_token)  # ids: maybe chat already
+
+
+def test_chat_takes_conversations_as_vllm_does(llm, model_dir):
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    results = llm.chat(conversations, max_tokens=5)
+    assert results == llm.generate(conversations, max_tokens=5) == llm.generate(PROMPTS[:3], chat=True, max_tokens=5)
+    assert llm.chat(conversations[1], max_tokens=5) == [results[1]]  # one conversation is a list of one
+    assert batchjob.chat(conversations, model=str(model_dir), max_tokens=5, **SMALL) == results
+    [with_system] = llm.chat(conversations[0], system_prompt="Be brief.", max_tokens=5)
+    assert [with_system] == llm.generate([conversations[0]], system_prompt="Be brief.", max_tokens=5)
+    assert with_system.prompt_tokens != results[0].prompt_tokens
+    mixed = llm.chat([conversations[0], "not a conversation", []], max_tokens=5)
+    assert mixed[0] == results[0] and [r.error for r in mixed[1:]] == [
+        "conversation 1: expected a non-empty list of {role, content} messages, got str",
+        "conversation 2: expected a non-empty list of {role, content} messages, got list"]
+    with pytest.raises(ValueError, match="chat: unknown keyword argument to chat"):
+        llm.chat(conversations, chat=True)
+
+
+def test_the_errors_a_caller_catches_are_exported_without_importing_torch(tmp_path, model_dir):
+    code = ("import sys, batchjob\n"
+            "from batchjob import ConfigError, ChatHintWarning, SourceError, SinkError, TooManyErrors, AllRowsFailed\n"
+            "assert 'torch' not in sys.modules\n"
+            "assert issubclass(ConfigError, ValueError) and issubclass(ChatHintWarning, UserWarning)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from batchjob.engine.worker.kv_budget import KvBudgetError
+    from batchjob.io.sources import SourceError
+    from batchjob.job.error_budget import TooManyErrors
+    from batchjob.kernels import KernelError
+    from batchjob.models.loader import ModelLoadError
+
+    assert (batchjob.ConfigError, batchjob.SourceError, batchjob.ModelLoadError, batchjob.KernelError,
+            batchjob.TooManyErrors, batchjob.KvBudgetError) == (ConfigError, SourceError, ModelLoadError, KernelError,
+                                                               TooManyErrors, KvBudgetError)
+    assert {"ConfigError", "SourceError", "ModelLoadError", "KernelError", "TooManyErrors", "chat"} <= set(dir(batchjob))
+    with pytest.raises(batchjob.ModelLoadError):
+        batchjob.LLM(str(tmp_path / "no-such-model"))
+    with pytest.raises(batchjob.SourceError, match=r"input not found: .*none\.jsonl \(input\)"):
+        batchjob.run({"model": str(model_dir), "input": str(tmp_path / "none.jsonl"), "output": str(tmp_path / "out")})
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": ""}, {"prompt": ""}])
+    with pytest.raises(batchjob.TooManyErrors, match="every row failed"):
+        batchjob.run({"model": str(model_dir), "input": str(src), "output": str(tmp_path / "bad"), "progress": False,
+                      "engine": SMALL})
+
+
+def test_api_messages_name_keyword_arguments_not_flags_or_columns(llm, model_dir):
+    results = llm.generate(["", {"prompt": 3}, [{"role": "user"}], {"prompt": "x", "sampling": "{"}])
+    assert [r.error.split(":")[0] for r in results] == ["prompt is empty", "prompt", "messages", "sampling"]
+    assert not any("column '" in r.error for r in results)  # `batchjob run` says: column 'prompt' is empty
+    with pytest.raises(batchjob.KernelError) as raised:
+        batchjob.LLM(str(model_dir), kernels="triton", **SMALL)  # no Triton on this CPU
+    assert "use kernels='auto' or 'torch'" in str(raised.value) and "--" not in str(raised.value)
+    with pytest.raises(ConfigError, match=r"draft_model=PATH"):
+        batchjob.LLM(str(model_dir), speculative="draft")
+    with pytest.raises(ConfigError, match=r"temprature: unknown keyword argument to generate\(\) \(did you mean 'temperature'\?\)"):
+        batchjob.generate("x", model=str(model_dir), temprature=0.5)
+    with pytest.raises(ConfigError, match=r"input: no input given; pass input=PATH"):
+        batchjob.run({"model": str(model_dir)})
+    assert api.api_message("raise --gpu-memory-utilization or lower --max-num-seqs; rerun with --restart to start "
+                           "over; pip install --no-deps x; --no-prefix-caching") == (
+        "raise gpu_memory_utilization or lower max_num_seqs; rerun with restart=True to start over; "
+        "pip install --no-deps x; prefix_caching=False")
+
+
+def test_run_reports_every_unknown_field_with_what_it_probably_meant(tmp_path, model_dir):
+    job = {"model": str(model_dir), "input": "x.jsonl", "temperatur": 1, "engine": {"max_tokens": 3, "max_num_seq": 2}}
+    with pytest.raises(ConfigError) as raised:
+        batchjob.run(job)
+    assert str(raised.value) == ("run(): unknown field 'temperatur' (did you mean 'temperature'?); [engine] max_tokens: "
+                                 "belongs in [sampling] (or at the top level), not in [engine]; unknown field "
+                                 "'engine.max_num_seq' (did you mean 'max_num_seqs'?)")
+    with pytest.raises(ConfigError, match=r"unknown field 'max_token' \(did you mean 'max_tokens'\?\)"):
+        batchjob.run(job, max_token=3)
+
+
+def test_help_of_generate_says_what_it_takes_returns_and_raises():
+    doc = batchjob.generate.__doc__
+    for said in ("a string", "a list of token ids", "a conversation", "a dict of a job row's fields", "max_tokens",
+                 "temperature", "stop_token_ids", "chat_template", "max_num_seqs", "kv_cache_dtype", "max_model_len",
+                 "Returns one Result per prompt", "Raises ConfigError", "ModelLoadError", "ChatHintWarning"):
+        assert said in doc, said
+    assert "conversation" in batchjob.LLM.chat.__doc__ and "conversation" in batchjob.chat.__doc__

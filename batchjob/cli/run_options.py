@@ -18,11 +18,12 @@ class RunOption:
 # Every job-file field has a flag; a flag overrides the job file. docs/reference/run-options.md is made from
 # this table (cli/reference.py).
 RUN_OPTIONS = [RunOption(*entry) for entry in [
-    ("--model", "model", str, "'smollm2' (embedded SmolLM2-135M-Instruct GGUF, the default) or a path to a HF folder or .gguf file"),
+    ("--model", "model", str, "'smollm2' (embedded SmolLM2-135M-Instruct GGUF, the default), a path to a HF folder or .gguf file, or an "
+     "org/name[@revision] id found in the local Hugging Face cache (no network)"),
     ("--input", "input", str, "input: .jsonl (also .jsonl.gz/.jsonl.zst), .csv/.tsv, .parquet, a folder of JSONL or Parquet "
      "files, a hive-partitioned Parquet folder, a `datasets` save_to_disk folder, or an OpenAI Batch file"),
     ("--input-format", "input_format", click.Choice(["jsonl", "jsonl.gz", "jsonl.zst", "csv", "tsv", "parquet", "datasets", "openai-batch"]),
-     "input format (default: detected from the path; a JSONL file of OpenAI Batch requests is detected by its first line)"),
+     "input format (default: detected from the path; a JSONL file of OpenAI Batch requests is detected by its first 20 lines)"),
     ("--output", "output", str, "output folder of Arrow parts + manifest.json (default: out/<job file name>)"),
     ("--prompt-column", "prompt_column", str, "column with the prompt text (default: prompt)"),
     ("--messages-column", "messages_column", str, "column with chat messages [{role, content}] (default: messages; used when present)"),
@@ -60,6 +61,9 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step (default: 2048)"),
     ("--prefill-chunk", "prefill_chunk", int, "cap on one row's prompt chunk per step (default: 0 = budget only)"),
     ("--block-size", "block_size", int, "KV cache block size in tokens (default: 16)"),
+    ("--max-model-len", "max_model_len", int, "cap on a row's prompt + generated tokens, below the model's context: "
+     "a row reaching it ends with `length`, a longer prompt is a row error (default: the model's context, and what "
+     "the KV cache holds)"),
     ("--kv-cache-gb", "kv_cache_gb", float, "KV cache memory in GiB (default: 1.0 on the CPU; on CUDA, what --gpu-memory-utilization leaves)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", click.FloatRange(0, 1, min_open=True),
      "CUDA: share of the GPU's memory for weights, activations and the KV cache, sized after a profiling forward at the largest step (default: 0.9)"),
@@ -100,7 +104,7 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--max-errors", "max_errors", str, "fail the job (exit 1, everything done so far committed) when more rows fail "
      "than this: a count (10) or a fraction of the rows (0.1 or 10%) (default: no limit)"),
     ("--output-format", "output_format", click.Choice(["arrow", "openai-batch"]),
-     "openai-batch: also write OUTPUT/results.jsonl (OpenAI Batch responses, input order) at the end (default: arrow)"),
+     "openai-batch: also write OUTPUT/results.jsonl (OpenAI Batch responses) and OUTPUT/errors.jsonl (failed requests) at the end (default: arrow)"),
     ("--shard", "shard", str, "K/N: run the K-th (0-based) of N contiguous slices of the input into OUTPUT/shard-K-of-N/ "
      "(default inside a Slurm array task: from SLURM_ARRAY_TASK_ID/COUNT; 'none': no sharding)"),
 ]]

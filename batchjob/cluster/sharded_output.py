@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from batchjob.cluster.shards import JOB_FILE, JobFile, ShardError, ShardRange, ShardSpec
-from batchjob.io.export import export_folder_responses, write_responses
+from batchjob.io.export import ResponseFiles, export_folder_responses, write_responses
 from batchjob.io.lock import lock_holder
 from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.merge import FORMATS, ExportError, write_merged
@@ -159,9 +159,10 @@ def export_shards(out: str | Path, to: str | Path, *, partial: bool = False) -> 
     return write_merged(out, parts, to, kind, check=check), missing
 
 
-def export_openai_batch(out: str | Path, to: str | Path, *, created: int | None = None) -> int:
+def export_openai_batch(out: str | Path, to: str | Path, *, created: int | None = None) -> ResponseFiles:
     """`batchjob export OUT --format openai-batch --to FILE`: OUT is one output folder or a sharded job
-    folder (its shards in order). Refuses when input rows are missing. Returns the lines written."""
+    folder (its shards in order); the errors go beside FILE (`errors_file_for`). Refuses when input rows
+    are missing."""
     out = Path(out)
     if not has_job_file(out):
         return export_folder_responses(out, to, created=created)

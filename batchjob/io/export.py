@@ -1,7 +1,8 @@
 """Export of one output folder: its committed rows as one file in input order (.parquet, .jsonl or
-.arrow, merged by `merge.py`), or as an OpenAI Batch response file (one line per input line)."""
+.arrow, merged by `merge.py`), or as an OpenAI Batch response file and its errors file."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -9,11 +10,12 @@ from pathlib import Path
 
 from batchjob.io.manifest import Manifest, ManifestError, result_folders
 from batchjob.io.merge import CHUNK_ROWS, FORMATS, ExportError, write_merged
-from batchjob.io.openai_batch import openai_batch_lines
+from batchjob.io.openai_batch import response_lines
 from batchjob.io.parts import read_results
 from batchjob.io.ranges import RowRanges
 
 RESULTS_FILE = "results.jsonl"  # an OpenAI Batch job's response file, in its output folder
+ERRORS_FILE = "errors.jsonl"  # and its errors file, beside it
 
 
 @dataclass(slots=True)
@@ -75,18 +77,30 @@ def _one_folder(out: Path) -> Path:
 # OpenAI Batch response files
 
 
-def write_openai_batch(out_dir: str | Path, to: str | Path | None = None, *, created: int | None = None) -> Path:
-    """Write the committed rows of one output folder as an OpenAI Batch response file (default
-    OUTPUT/results.jsonl)."""
+@dataclass(slots=True)
+class ResponseFiles:
+    path: Path  # a line per request that has a custom_id, answered or failed
+    lines: int
+    errors_path: Path  # a line per failed request, also those without a custom_id (OpenAI's error file)
+    errors: int
+
+
+def errors_file_for(to: str | Path) -> Path:
+    """Where `export --format openai-batch --to FILE` puts the errors: FILE's name without .jsonl, plus
+    .errors.jsonl, beside it (responses.jsonl -> responses.errors.jsonl)."""
+    to = Path(to)
+    return to.with_name(to.name.removesuffix(".jsonl") + ".errors.jsonl")
+
+
+def write_openai_batch(out_dir: str | Path, *, created: int | None = None) -> ResponseFiles:
+    """Write the committed rows of one output folder as OUTPUT/results.jsonl and OUTPUT/errors.jsonl."""
     out_dir = Path(out_dir)
-    target = Path(to) if to is not None else out_dir / RESULTS_FILE
-    write_responses([out_dir], target, created)
-    return target
+    return write_responses([out_dir], out_dir / RESULTS_FILE, created, errors_to=out_dir / ERRORS_FILE)
 
 
-def export_folder_responses(out: str | Path, to: str | Path, *, created: int | None = None) -> int:
-    """`batchjob export OUT --format openai-batch --to FILE` for one output folder. Refuses when input
-    rows are missing. Returns the lines written."""
+def export_folder_responses(out: str | Path, to: str | Path, *, created: int | None = None) -> ResponseFiles:
+    """`batchjob export OUT --format openai-batch --to FILE` for one output folder (the errors to
+    `errors_file_for(FILE)`). Refuses when input rows are missing."""
     out = Path(out)
     manifest = Manifest.load(out)
     if manifest is None:
@@ -94,29 +108,42 @@ def export_folder_responses(out: str | Path, to: str | Path, *, created: int | N
     done = manifest.num_rows()
     if manifest.total_rows is not None and done < manifest.total_rows:
         raise ExportError(f"{out} holds {done} of {manifest.total_rows} rows; rerun the job to finish it "
-                          "(a response file has one line per input line)")
+                          "(the response files need every input line)")
     return write_responses([out], Path(to), created)
 
 
-def write_responses(folders: list[Path], target: Path, created: int | None) -> int:
-    """The response lines of `folders`' rows, in that order, to `target`. Atomically: a temp file,
-    fsynced, then renamed. One folder's rows in memory at a time."""
+def write_responses(folders: list[Path], target: Path, created: int | None, *,
+                    errors_to: Path | None = None) -> ResponseFiles:
+    """The response lines of `folders`' rows, in that order: to `target` each line with a custom_id (a
+    line without one cannot be matched to its request, and the OpenAI schema has no null id), to
+    `errors_to` (default `errors_file_for(target)`) each line with an error. Both files are always
+    written, the errors file empty when nothing failed; each atomically (a temp file, fsynced, then
+    renamed). One folder's rows in memory at a time."""
     created = int(time.time()) if created is None else created
     model = model_name(folders[0]) if folders else "batchjob"
-    tmp = target.with_name(f".{target.name}.tmp")
-    written = 0
+    errors_to = errors_file_for(target) if errors_to is None else errors_to
+    tmp, errors_tmp = (p.with_name(f".{p.name}.tmp") for p in (target, errors_to))
+    written = failed = 0
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as results, open(errors_tmp, "w", encoding="utf-8") as errors:
             for folder in folders:
-                for text in openai_batch_lines(read_results(folder), model=model, created=created):
-                    f.write(text + "\n")
-                    written += 1
-            f.flush()
-            os.fsync(f.fileno())
+                for line in response_lines(read_results(folder), model=model, created=created):
+                    text = json.dumps(line, ensure_ascii=False) + "\n"
+                    if line["custom_id"]:
+                        results.write(text)
+                        written += 1
+                    if line["error"] is not None:
+                        errors.write(text)
+                        failed += 1
+            for file in (results, errors):
+                file.flush()
+                os.fsync(file.fileno())
+        os.replace(errors_tmp, errors_to)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    return written
+        errors_tmp.unlink(missing_ok=True)
+    return ResponseFiles(target, written, errors_to, failed)
 
 
 def model_name(out_dir: str | Path) -> str:

@@ -5,7 +5,8 @@ request files, `export.py` writes response files).
 In: a line {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}
 becomes a record {custom_id, endpoint, messages | prompt, sampling}; the body's fields map to the
 sampling parameters (docs/guide/openai-batch.md).
-Out: one response line per result row (the Arrow output's columns), in input order.
+Out: one response line per result row (the Arrow output's columns), in input order; `export.py` sends
+a line with an error to the errors file too, and a line without a custom_id to the errors file only.
 """
 from __future__ import annotations
 
@@ -32,9 +33,16 @@ _SAMPLING = {
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls", "modalities"}
 
 
-def is_openai_batch_line(value) -> bool:
-    """Auto-detection: a first line with custom_id, url and body is a batch request file."""
-    return isinstance(value, dict) and {"custom_id", "url", "body"} <= value.keys()
+REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+
+
+def is_request_shaped(value) -> bool:
+    """Auto-detection, one line: an object with three of a request line's four fields (so one misspelt or
+    left out still counts), or with custom_id and body. Whether it is a valid request is `request_record`'s."""
+    if not isinstance(value, dict):
+        return False
+    keys = value.keys()
+    return len(REQUEST_FIELDS & keys) >= 3 or {"custom_id", "body"} <= keys
 
 
 def request_record(line) -> dict:
@@ -42,8 +50,12 @@ def request_record(line) -> dict:
     if not isinstance(line, dict):
         raise ValueError(f"expected a JSON object, got {type(line).__name__}")
     cid = line.get("custom_id")
+    if "custom_id" not in line:
+        unknown = sorted(k for k in line if k not in REQUEST_FIELDS)
+        instead = f" (the line has {', '.join(map(repr, unknown))} instead?)" if unknown else ""
+        raise ValueError(f"custom_id: missing{instead}; each line needs a unique non-empty string custom_id")
     if not isinstance(cid, str) or not cid:
-        raise ValueError("custom_id: a non-empty string is required")
+        raise ValueError(f"custom_id: a non-empty string is required, got {cid!r}")
     if line.get("method") != "POST":
         raise ValueError(f"method: expected \"POST\", got {line.get('method')!r}")
     url = line.get("url")
@@ -121,18 +133,24 @@ def _prompt(value):
 
 
 def openai_batch_lines(rows: pa.Table | Iterable[dict], *, model: str = "batchjob", created: int | None = None) -> Iterator[str]:
-    """Result rows (the Arrow output's columns, in input order) -> OpenAI Batch response lines (JSON text,
-    no newline). Rows without custom_id/endpoint columns (a plain input) get "row-<row_index>" and the
-    completions endpoint."""
+    """`response_lines` as JSON text, no newline."""
+    for line in response_lines(rows, model=model, created=created):
+        yield json.dumps(line, ensure_ascii=False)
+
+
+def response_lines(rows: pa.Table | Iterable[dict], *, model: str = "batchjob", created: int | None = None) -> Iterator[dict]:
+    """Result rows (the Arrow output's columns, in input order) -> OpenAI Batch response lines. Rows
+    without custom_id/endpoint columns (a plain input) get "row-<row_index>" and the completions endpoint."""
     created = int(time.time()) if created is None else created
     if isinstance(rows, pa.Table):
         rows = (row for batch in rows.to_batches() for row in batch.to_pylist())
     for row in rows:
-        yield json.dumps(response_line(row, model, created), ensure_ascii=False)
+        yield response_line(row, model, created)
 
 
 def response_line(row: dict, model: str, created: int) -> dict:
-    # an OpenAI input's line that did not parse has no custom_id (null); a plain input's rows get one
+    # an OpenAI input's line without a usable custom_id gets null (its line goes to the errors file only);
+    # a plain input's rows get one
     custom_id = row["custom_id"] if "custom_id" in row else f"row-{row['row_index']}"
     rid = hashlib.sha256(f"{row['row_index']}\0{custom_id}".encode()).hexdigest()[:24]
     line = {"id": f"batch_req_{rid}", "custom_id": custom_id, "response": None, "error": None}

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported
 @dataclass(slots=True)
 class JobConfig:
     # what to run
-    model: str = "smollm2"  # "smollm2" (embedded GGUF) or a path: HF folder or .gguf file
+    model: str = "smollm2"  # "smollm2" (embedded GGUF), a path (HF folder or .gguf file), or an org/name id in the HF cache
     input: str = ""
     output: str = ""  # default: out/<job file name>
     input_format: str | None = None
@@ -62,6 +65,7 @@ class JobConfig:
     speculative_max_rows: int = 32  # no proposals in a step with more decoding rows than this
     draft_model: str | None = None  # speculative = "draft": a smaller model with the target's tokenizer
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
+    max_model_len: int | None = None  # cap on a row's prompt + generated tokens; None: the model's context
     threads: int = 0  # 0 = torch's default (all cores)
     limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
     # scheduler (docs/guide/scheduling.md)
@@ -111,6 +115,8 @@ class JobConfig:
             raise ConfigError(f"threads: must be >= 1 (or 0 = every core), got {self.threads}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit: must be >= 1 rows, got {self.limit}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be >= 2 tokens (a prompt token and a generated one), got {self.max_model_len}")
         if self.log_every <= 0:
             raise ConfigError(f"log_every: must be > 0 seconds, got {self.log_every}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
@@ -227,14 +233,15 @@ TABLES: dict[str, tuple[str, ...]] = {
                "max_num_batched_tokens", "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization",
                "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",
                "read_ahead", "async_scheduling", "cuda_graphs", "speculative", "draft_model",
-               "num_speculative_tokens", "speculative_max_rows"),
+               "num_speculative_tokens", "speculative_max_rows", "max_model_len"),
     "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns", "id_column"),
 }
 SECTIONS = (*TABLES, "job")  # optional TOML tables; their keys are fields too
 
 
 def load_job(path: str | Path | None, overrides: dict) -> JobConfig:
-    """Job file values, then every non-None override; relative paths in the file are taken from the cwd."""
+    """Job file values, then every non-None override; relative paths in the file are taken from the cwd.
+    A bad value that came from the file is reported with the file's name."""
     values: dict = {}
     if path is not None:
         p = Path(path)
@@ -244,32 +251,74 @@ def load_job(path: str | Path | None, overrides: dict) -> JobConfig:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
-        for key, value in data.items():
-            if key in SECTIONS and isinstance(value, dict):
-                for k, v in value.items():
-                    values[_field(p, f"{key}.{k}", k)] = v
-            else:
-                values[_field(p, key, key)] = value
-        values.setdefault("output", str(Path("out") / p.stem))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+        values = job_values(data, str(p))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    from_file = set(values) - set(given)
+    if path is not None:
+        values.setdefault("output", str(Path("out") / Path(path).stem))
+    values.update(given)
     if not values.get("output"):
         values["output"] = str(Path("out") / (Path(values.get("input") or "job").stem or "job"))
     cfg = JobConfig(job_file=str(path) if path is not None else None)
-    for k, v in values.items():
-        setattr(cfg, k, _coerce(k, v))
-    return cfg.validate()
+    try:
+        for k, v in values.items():
+            setattr(cfg, k, _coerce(k, v))
+        return cfg.validate()
+    except ConfigError as e:
+        raise _naming_the_file(e, path, from_file) from None
 
 
-def _field(path: Path, shown: str, key: str) -> str:
-    if key not in FIELDS:
-        raise ConfigError(f"{path}: unknown field {shown!r}; known fields: {', '.join(sorted(FIELDS))}")
-    return key
+def job_values(data: Mapping, where: str) -> dict:
+    """A job's fields from a job file's tables (or run()'s dict of them). Every unknown key is reported at once,
+    each with the field it probably meant, and a field in another table's place is refused; `where` (the
+    file) starts the message."""
+    values, problems = {}, []
+    for key, value in data.items():
+        table = key in SECTIONS and isinstance(value, Mapping)
+        for name, v in (value.items() if table else [(key, value)]):
+            if name not in FIELDS:
+                problems.append((f"unknown field {f'{key}.{name}' if table else name!r}", _close_field(name)))
+            elif table and key in TABLES and name not in TABLES[key]:
+                problems.append((f"[{key}] {name}: belongs {_place_of(name)}, not in [{key}]", None))
+            else:
+                values[name] = v
+    if problems:
+        text = "; ".join(f"{what} (did you mean {close!r}?)" if close else what for what, close in problems)
+        if any(what.startswith("unknown") and not close for what, close in problems):
+            text += f"; known fields: {', '.join(sorted(FIELDS))}"
+        raise ConfigError(f"{where}: {text}")
+    return values
+
+
+def _close_field(name: str) -> str | None:
+    """The field a mistyped key probably meant (`temperatur`, `max-tokens`, `Top_P`), or None."""
+    key = str(name).lower().replace("-", "_")
+    if key in FIELDS:
+        return key
+    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _place_of(name: str) -> str:
+    table = next((t for t, names in TABLES.items() if name in names), None)
+    return f"in [{table}] (or at the top level)" if table else "at the top level (or in [job])"
+
+
+def _naming_the_file(e: ConfigError, path: str | Path | None, from_file: set[str]) -> ConfigError:
+    """A value's error, prefixed with the job file when the field it names ("top_p: ...") came from it."""
+    text = str(e)
+    named = re.match(r"[a-z_]+", text)
+    if path is None or named is None or named.group() not in from_file or text.startswith(str(path)):
+        return e
+    return ConfigError(f"{path}: {text}")
 
 
 def _coerce(name: str, value):
     default = FIELDS[name].default
     if name == "limit" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"limit: expected a number of rows, got {value!r}")
+    if name == "max_model_len" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"max_model_len: expected a number of tokens, got {value!r}")
     if name == "kv_cache_gb" and value is not None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"kv_cache_gb: expected a number of GiB, got {value!r}")

@@ -30,6 +30,8 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
     params["dtype"] = str(dtype).removeprefix("torch.")
     if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
         params["kv_cache_dtype"] = cfg.kv_cache_dtype
+    if cfg.max_model_len is not None:  # a lower cap ends long rows earlier ("length"); absent: the model's context
+        params["max_model_len"] = cfg.max_model_len
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),
           "model": loaded.identity, "params": params}
     if isinstance(source, ShardSource):

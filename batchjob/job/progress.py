@@ -94,6 +94,13 @@ class Progress:
                   f"{s.rows_in_flight:,} in flight", f"ETA {format_duration(eta)}" if eta is not None else "ETA ?"]
         return ", ".join(parts)
 
+    def say(self, line: str) -> None:
+        """A line for the operator while the job runs (above the bar on a terminal)."""
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -27,6 +27,10 @@ class PromptBuilder:
     tokenizer: object  # batchjob.models.tokenizer.Tokenizer
     use_messages: bool  # the input has the messages column
     chat_template: str | None = None
+    in_memory: bool = False  # the Python API: messages name a prompt's key (`prompt`), not an input column
+
+    def _named(self, key: str) -> str:
+        return named(key, self.in_memory)
 
     def messages(self, record: dict) -> list[dict] | None:
         cfg = self.config
@@ -39,10 +43,10 @@ class PromptBuilder:
             try:
                 msgs = json.loads(msgs)
             except ValueError as e:
-                raise RowError(f"column {cfg.messages_column!r}: invalid JSON: {e}") from None
+                raise RowError(f"{self._named(cfg.messages_column)}: invalid JSON: {e}") from None
         if not isinstance(msgs, list) or not msgs:
-            raise RowError(f"column {cfg.messages_column!r}: expected a non-empty list of {{role, content}} messages")
-        msgs = [chat_message(m, i, cfg.messages_column) for i, m in enumerate(msgs)]
+            raise RowError(f"{self._named(cfg.messages_column)}: expected a non-empty list of {{role, content}} messages")
+        msgs = [chat_message(m, i, self._named(cfg.messages_column)) for i, m in enumerate(msgs)]
         if cfg.system_prompt and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
         return msgs
@@ -51,11 +55,11 @@ class PromptBuilder:
         col = self.config.prompt_column
         value = record.get(col)
         if value is None:
-            raise RowError(f"column {col!r} is null")
+            raise RowError(f"{self._named(col)} is null")
         if not isinstance(value, str):
-            raise RowError(f"column {col!r}: expected a string, got {type(value).__name__}")
+            raise RowError(f"{self._named(col)}: expected a string, got {type(value).__name__}")
         if not value.strip():
-            raise RowError(f"column {col!r} is empty")
+            raise RowError(f"{self._named(col)} is empty")
         return value
 
     def token_ids(self, record: dict) -> list[int]:
@@ -102,18 +106,24 @@ class PromptBuilder:
         """A prompt given as token ids (vLLM's prompt_token_ids, OpenAI's token prompts): used as is."""
         col, vocab = self.config.prompt_column, self.tokenizer.vocab_size
         if not value:
-            raise RowError(f"column {col!r}: the token id list is empty")
+            raise RowError(f"{self._named(col)}: the token id list is empty")
         bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise RowError(f"column {col!r}: expected a string or a list of token ids in [0, {vocab}), found {bad[0]!r}")
+            raise RowError(f"{self._named(col)}: expected a string or a list of token ids in [0, {vocab}), found {bad[0]!r}")
         return list(value)
 
 
-def chat_message(message, index: int, column: str) -> dict:
+def named(key: str, in_memory: bool = False) -> str:
+    """How a message names where a value came from: a job's input column, or a key of the API's prompt."""
+    return key if in_memory else f"column {key!r}"
+
+
+def chat_message(message, index: int, where: str) -> dict:
     """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
     accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
-    does) and the `developer` role (its newer name for `system`). The other keys are kept."""
-    where = f"column {column!r}: message {index}"
+    does) and the `developer` role (its newer name for `system`). The other keys are kept. `where`: the
+    column (or the API's key) the messages came from."""
+    where = f"{where}: message {index}"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RowError(f"{where} needs string 'role' and 'content'")
     content = message.get("content")
@@ -130,7 +140,7 @@ def chat_message(message, index: int, column: str) -> dict:
     return {**message, "role": role, "content": content}
 
 
-def row_sampling(record: dict, base: SamplingParams) -> SamplingParams:
+def row_sampling(record: dict, base: SamplingParams, in_memory: bool = False) -> SamplingParams:
     """`base` (the job's or the lane's parameters) overridden by the row: first its `sampling` column (a
     struct, a JSON object or a JSON string of one), then columns named like a parameter. Nulls keep base."""
     values: dict = {}
@@ -139,10 +149,10 @@ def row_sampling(record: dict, base: SamplingParams) -> SamplingParams:
         try:
             given = json.loads(given)
         except ValueError as e:
-            raise RowError(f"column {SAMPLING_COLUMN!r}: invalid JSON: {e}") from None
+            raise RowError(f"{named(SAMPLING_COLUMN, in_memory)}: invalid JSON: {e}") from None
     if given is not None:
         if not isinstance(given, dict):
-            raise RowError(f"column {SAMPLING_COLUMN!r}: expected an object of sampling parameters, got {type(given).__name__}")
+            raise RowError(f"{named(SAMPLING_COLUMN, in_memory)}: expected an object of sampling parameters, got {type(given).__name__}")
         values.update(given)
     for name in SAMPLING_FIELDS:
         if record.get(name) is not None:

@@ -1,5 +1,6 @@
 """The prompts `generate()` takes (a string, token ids, a conversation, or a dict of a job row's fields, or a
-list of these) as the input records of a job; an item that is no prompt becomes its Result's message."""
+list of these), and the conversations `chat()` takes, as the input records of a job; an item that is no
+prompt becomes its Result's message."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,23 @@ def prompt_records(prompts: Any) -> list[dict | str]:
     if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray)):
         return [_record(i, p) for i, p in enumerate(prompts)]
     raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
+
+
+def conversation_records(conversations: Any) -> list[dict | str]:
+    """`LLM.chat`'s argument as input records: one conversation (a list of {role, content} messages) or a
+    list of them, as vLLM's `LLM.chat` takes; an item that is no conversation becomes its Result's message."""
+    if _is_conversation(conversations):
+        return [{"messages": [dict(m) for m in conversations]}]
+    if not isinstance(conversations, (list, tuple)):
+        raise ValueError(f"conversations: expected a conversation (a list of {{role, content}} messages) or a "
+                         f"list of conversations, got {type(conversations).__name__}")
+    return [{"messages": [dict(m) for m in c]} if _is_conversation(c) else
+            f"conversation {i}: expected a non-empty list of {{role, content}} messages, got {type(c).__name__}"
+            for i, c in enumerate(conversations)]
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(m, Mapping) for m in value)
 
 
 def _is_single(prompts: Any) -> bool:

@@ -36,7 +36,7 @@ from batchjob.job.error_budget import AllRowsFailed, ErrorBudget, TooManyErrors
 from batchjob.job.signals import StopSignals
 from batchjob.job.streams import (OpenedInput, clear_for_restart, input_folders, open_inputs, open_streams,
                               remove_bare_folders, uncommitted_rows)
-from batchjob.job.summary import JobSummary, chat_hint, start_line
+from batchjob.job.summary import ChatHint, JobSummary, start_line
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class Job:
         self.streams = open_streams(cfg, sources, self.loaded, dtype, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name)
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary)
+        self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
 
     def _claim_shard(self, source: Source, path: str, folder: Path, lane: str | None, dtype: torch.dtype) -> OpenedInput:
@@ -146,6 +147,8 @@ class Job:
                     finished = engine.step()
                     for seq in finished:
                         feed.finished(seq)
+                    if finished and (hint := self.chat_hint.due(feed.one_token_stops)):
+                        self.progress.say(hint)  # early: the operator may stop the job and rerun it with --chat
                     if engine.last_stats is not None:  # None: an async step was launched, none completed
                         self.summary.generated_tokens_live += engine.last_stats.num_sampled
                         self.stats.step(engine.last_stats, finished)
@@ -185,7 +188,7 @@ class Job:
         self.summary.stats = self.stats.summary()
         self.stats.write(self.summary.stats)
         self.summary.empty_input = bool(self.empty_inputs) and self.summary.rows == 0 and not self.before[0]
-        hint = chat_hint(cfg, self.loaded, any(self.use_messages.values()), feed.one_token_stops)
+        hint = self.chat_hint.due(feed.one_token_stops, final=True)  # a short job's, unless said while it ran
         if hint:
             print(hint, file=sys.stderr, flush=True)
         if failure is not None:

@@ -12,7 +12,7 @@ import torch
 
 from batchjob.job.config import JobConfig
 from batchjob.job.fingerprint import fingerprint
-from batchjob.io.export import RESULTS_FILE
+from batchjob.io.export import ERRORS_FILE, RESULTS_FILE
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.parts import part_schema
 from batchjob.io.recovery import clear_results
@@ -121,7 +121,7 @@ def clear_for_restart(out: Path, folders: list[Path]) -> None:
     removed = 0
     for folder in {out, *folders}:
         removed += clear_results(folder)
-        for name in ("stats.jsonl", RESULTS_FILE):
+        for name in ("stats.jsonl", RESULTS_FILE, ERRORS_FILE):
             if (folder / name).is_file():
                 (folder / name).unlink()
                 removed += 1

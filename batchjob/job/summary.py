@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchjob.job.config import JobConfig
-from batchjob.models.llama import LlamaModel
+from batchjob.models.causal_lm import CausalLM
 from batchjob.models.loader import LoadedModel
 
 
@@ -47,27 +47,41 @@ class JobSummary:
                 f"-> {self.output}")
 
 
-def start_line(cfg: JobConfig, loaded: LoadedModel, model: LlamaModel, inputs: list[str], total: int | None,
+def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: list[str], total: int | None,
                rows_before: int, output: str) -> str:
     """The first line: the model and how it runs, the inputs and their rows, the output, and a resume's start."""
     rows = f"{total:,} rows" if total is not None else "rows: not known until read"
     if cfg.limit is not None:
         rows += f" (--limit {cfg.limit:,})"
-    line = (f"batchjob: {loaded.name} ({str(model.dtype).removeprefix('torch.')}, {model.kernels.name} kernels, "
-            f"{model.device.type}, {torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
+    dtype = str(model.dtype).removeprefix('torch.')
+    kv = dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype
+    line = (f"batchjob: {loaded.name} ({dtype}, kv cache {kv}, {model.kernels.name} kernels, {model.device.type}, "
+            f"{torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line
 
 
-def chat_hint(cfg: JobConfig, loaded: LoadedModel, uses_messages: bool, one_token_stops: tuple[int, int]) -> str | None:
-    """Plain prompts into an instruct model often end at once: say that --chat is probably wanted.
-    `one_token_stops`: (rows finished without error, of those: ended at their first token)."""
-    ok, first = one_token_stops
-    if cfg.chat or uses_messages or loaded.tokenizer.chat_template is None:
-        return None
-    if ok >= 4 and first / ok >= 0.5:
-        return (f"batchjob: warning: {first:,} of {ok:,} rows ended at their first token; {loaded.name} has a "
-                f"chat template, so it probably expects chat input: rerun with --chat (each prompt becomes a user "
-                f"message) or give a `{cfg.messages_column}` column")
-    return None
+class ChatHint:
+    """Plain prompts into an instruct model often end at once (its end-of-turn token comes first): say once,
+    as soon as the first rows show it, that --chat is probably wanted, so the operator can stop the job early."""
+    EARLY_ROWS = 8  # rows finished before a running job says it
+    FINAL_ROWS = 4  # enough at the end of a short job
+
+    def __init__(self, cfg: JobConfig, loaded: LoadedModel, uses_messages: bool):
+        self.wanted = not (cfg.chat or uses_messages) and loaded.tokenizer.chat_template is not None
+        self.model, self.column = loaded.name, cfg.messages_column
+
+    def due(self, one_token_stops: tuple[int, int], final: bool = False) -> str | None:
+        """The hint the first time most of the rows finished so far (at least EARLY_ROWS of them, FINAL_ROWS
+        at the end) ended at their first token, else None. `one_token_stops`: (rows finished without error,
+        of those: ended at their first token)."""
+        ok, first = one_token_stops
+        if not self.wanted or ok < (self.FINAL_ROWS if final else self.EARLY_ROWS) or first * 2 <= ok:
+            return None
+        self.wanted = False
+        rows, then = (f"{first:,} of {ok:,} rows", "rerun") if final else \
+            (f"{first:,} of the first {ok:,} rows", "stop the job (Ctrl-C) and rerun")
+        return (f"batchjob: warning: {rows} ended at their first token; {self.model} has a chat template, so it "
+                f"probably expects chat input: {then} with --chat --restart (each prompt becomes a user message; "
+                f"--chat makes it another job) or give a `{self.column}` column")

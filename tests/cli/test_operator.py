@@ -55,12 +55,15 @@ def test_the_start_line_says_what_runs_and_a_resume_says_how_far_it_is(tmp_path,
     out = tmp_path / "out"
     first = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--limit", 4)
     line = first.stderr.splitlines()[0]
-    assert re.fullmatch(rf"batchjob: {os.path.basename(model)} \((bfloat16|float32), (native|torch) kernels, cpu, \d+ threads\) "
-                        rf"<- {src}, 4 rows \(--limit 4\) -> {out}", line), line
+    assert re.fullmatch(rf"batchjob: {os.path.basename(model)} \((bfloat16|float32), kv cache \1, (native|torch) kernels, cpu, "
+                        rf"\d+ threads\) <- {src}, 4 rows \(--limit 4\) -> {out}", line), line
     assert "finished: 4 rows (0 errors) in all" in first.stdout
     again = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2)
     assert again.stderr.splitlines()[0].endswith("10 rows -> " + str(out) + "; resuming: 4 of 10 rows committed")
     assert "finished: 10 rows (0 errors) in all; this run 6 rows (0 errors)" in again.stdout  # the whole job, then this run
+    quantized = run("--model", model, "--input", src, "--output", tmp_path / "int8", "--max-tokens", 2, "--limit", 1,
+                    "--kv-cache-dtype", "int8")
+    assert ", kv cache int8, " in quantized.stderr.splitlines()[0]  # a quantized KV cache says so
 
 
 def test_a_finished_job_run_again_says_so_and_does_nothing(tmp_path, model):
@@ -141,12 +144,21 @@ def test_status_after_a_double_ctrl_c_says_stopped(tmp_path, model, monkeypatch)
     assert status.output.startswith(f"{out}: stopped") and "killed" not in status.output
 
 
-def test_plain_prompts_that_stop_at_their_first_token_suggest_chat(tmp_path, model):
-    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(8)])
+def test_plain_prompts_that_stop_at_their_first_token_suggest_chat_once_while_the_job_runs(tmp_path, model):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(40)])
     every_token = ",".join(str(i) for i in range(400))  # whatever comes first ends the row: an instruct model's EOS
-    common = ["--model", model, "--input", src, "--max-tokens", 5, "--stop-token-ids", every_token, "--no-progress"]
-    result = run(*common, "--output", tmp_path / "plain")
-    assert "8 of 8 rows ended at their first token" in result.stderr and "--chat" in result.stderr
+    common = ["--model", model, "--input", src, "--max-tokens", 5, "--stop-token-ids", every_token,
+              "--max-num-seqs", 4, "--log-every", 1e-6]  # 4 rows a step, a plain progress line after each
+    lines = run(*common, "--output", tmp_path / "plain").stderr.splitlines()
+    hints = [i for i, line in enumerate(lines) if "ended at their first token" in line]
+    assert len(hints) == 1, lines  # once, not again at the end
+    hint = lines[hints[0]]
+    assert hint.startswith("batchjob: warning: 8 of the first 8 rows ended at their first token") and "--chat" in hint
+    later = [int(m[1]) for line in lines[hints[0]:] if (m := re.match(r"batchjob: progress: (\d+)/", line))]
+    assert later and min(later) < 40  # said while most rows were still to run
+    short = jsonl(tmp_path / "short.jsonl", [{"prompt": f"row {i}"} for i in range(5)])
+    ended = run(*common, "--input", short, "--output", tmp_path / "short", "--no-progress")
+    assert "5 of 5 rows ended at their first token" in ended.stderr  # too few rows to say it early: at the end
     chat = run(*common, "--output", tmp_path / "chat", "--chat")
     assert "first token" not in chat.stderr
 
@@ -245,20 +257,19 @@ def test_a_jsonl_jobs_terminal_bar_counts_rows_of_the_rows_known_not_bytes_read(
     p.close()
 
 
-def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, smollm2_gguf_path):
+def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, model):
     import subprocess
     import sys
     import time
 
-    src = jsonl(tmp_path / "in.jsonl", [{"prompt": "row"}])
-    proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", "--model", str(smollm2_gguf_path), "--input", str(src),
+    src = tmp_path / "in.jsonl"
+    os.mkfifo(src)  # a stream no writer has opened yet: the job waits in start-up until interrupted
+    proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", "--model", model, "--input", str(src),
                              "--output", str(tmp_path / "out"), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # inside start-up: Python, torch and loading SmolLM2 take seconds before the start line
+    time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    if " <- " in err:  # the start line: the job had started
-        pytest.skip(f"the job had started before the signal: {err!r}")  # a fast machine: not start-up any more
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["batchjob: interrupted during start-up: nothing ran and nothing was written"]
     assert not (tmp_path / "out").exists()

@@ -1,5 +1,6 @@
-"""OpenAI Batch JSONL: request lines -> records (field mapping, per-line errors, duplicate custom_ids),
-and a whole file through `batchjob run` to a response file that parses line by line."""
+"""OpenAI Batch JSONL: detection by the first lines, request lines -> records (field mapping, per-line
+errors, duplicate custom_ids), and a whole file through `batchjob run` to a response file that parses
+line by line and an errors file (where a line without a custom_id goes, and only there)."""
 from __future__ import annotations
 
 import json
@@ -65,6 +66,10 @@ def write_lines(path: Path, lines: list) -> Path:
     return path
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 def test_detection_duplicates_and_errors_keep_the_custom_id(tmp_path):
     src = write_lines(tmp_path / "batch.jsonl", [
         "{oops", chat_line("a"), completion_line("b"), chat_line("a"), {"custom_id": "c", "method": "POST", "url": "/v1/x", "body": {}},
@@ -86,6 +91,56 @@ def test_detection_duplicates_and_errors_keep_the_custom_id(tmp_path):
     plain = write_lines(tmp_path / "plain.jsonl", [{"prompt": "x", "custom_id": "a"}])
     assert type(open_source(plain)) is JsonlSource
     assert isinstance(open_source(plain, input_format="openai-batch"), OpenAIBatchSource)
+
+
+def misspelt_custom_id(cid: str) -> dict:
+    """A chat request whose custom_id is misspelt as `invalid_field` (issue 21)."""
+    return {"invalid_field": cid, **{k: v for k, v in chat_line(cid).items() if k != "custom_id"}}
+
+
+def test_detection_reads_the_first_lines_so_a_bad_first_line_is_that_rows_error(tmp_path):
+    src = write_lines(tmp_path / "batch.jsonl", [misspelt_custom_id("req-1"), chat_line("req-2"), completion_line("req-3")])
+    source = open_source(src)  # detected by the first 20 lines, not by line 1 alone
+    assert isinstance(source, OpenAIBatchSource) and source.num_rows == 3
+    rows = list(source.rows())
+    assert rows[0].record == {"custom_id": None, "endpoint": CHAT}
+    assert rows[0].error.startswith("batch.jsonl line 1: custom_id: missing (the line has 'invalid_field' instead?)")
+    assert [r.error for r in rows[1:]] == [None, None] and rows[2].record["prompt"] == "The quick brown fox"
+    alone = write_lines(tmp_path / "alone.jsonl", [misspelt_custom_id("req-1")])  # three of the four fields
+    assert isinstance(open_source(alone), OpenAIBatchSource)
+    # plain files stay plain: a stray request-like line among prompts, or url and body without the rest
+    stray = write_lines(tmp_path / "stray.jsonl", [chat_line("a"), {"prompt": "x"}, {"prompt": "y"}])
+    assert type(open_source(stray)) is JsonlSource
+    web = write_lines(tmp_path / "web.jsonl", [{"url": "https://example.com", "body": "<p>hi</p>", "prompt": "Sum up"}])
+    assert type(open_source(web)) is JsonlSource
+    with pytest.raises(ValueError, match=r"custom_id: a non-empty string is required, got 7"):
+        request_record({**chat_line("x"), "custom_id": 7})
+
+
+def test_a_line_without_custom_id_goes_to_the_errors_file_only(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama", max_positions=1024)
+    src = write_lines(tmp_path / "batch.jsonl", [misspelt_custom_id("req-1"), chat_line("req-2", max_tokens=3),
+                                                 completion_line("req-3", max_tokens=3)])
+    runner = CliRunner()
+    for name, extra in (("detected", []), ("named", ["--input-format", "openai-batch"])):
+        out = tmp_path / name
+        r = runner.invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(out),
+                                 "--output-format", "openai-batch", "--no-progress", *extra], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        results = read_jsonl(out / "results.jsonl")  # never a null custom_id in the response file
+        assert [x["custom_id"] for x in results] == ["req-2", "req-3"] and all(x["response"] for x in results)
+        failed = read_jsonl(out / "errors.jsonl")
+        assert len(failed) == 1 and failed[0]["custom_id"] is None and failed[0]["response"] is None
+        assert failed[0]["id"].startswith("batch_req_") and failed[0]["error"]["code"] == "invalid_request"
+        assert failed[0]["error"]["message"].startswith("batch.jsonl line 1: custom_id: missing") and \
+            "invalid_field" in failed[0]["error"]["message"]
+
+    to = tmp_path / "exported" / "responses.jsonl"  # export writes the errors beside --to
+    r = runner.invoke(main, ["export", str(out), "--format", "openai-batch", "--to", str(to)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    errors_to = tmp_path / "exported" / "responses.errors.jsonl"
+    assert r.output.strip() == f"batchjob: 2 response lines -> {to}; failed requests (1) -> {errors_to}"
+    assert [x["custom_id"] for x in read_jsonl(to)] == ["req-2", "req-3"] and read_jsonl(errors_to) == failed
 
 
 def check_response_line(line: dict, request: dict | None) -> None:
@@ -142,37 +197,39 @@ def test_openai_batch_file_runs_to_a_response_file(tmp_path, tiny_model_dir):
     r = CliRunner().invoke(main, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "10 rows (6 errors)" in r.output
-    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert len(lines) == len(requests)
-    assert [x["custom_id"] for x in lines] == ["chat-1", "cmpl-1", None, "bad-url", "no-body", "chat-1", "bad-temp",
+    lines = read_jsonl(out / "results.jsonl")  # every line with a custom_id: the one that is not JSON has none
+    assert [x["custom_id"] for x in lines] == ["chat-1", "cmpl-1", "bad-url", "no-body", "chat-1", "bad-temp",
                                                "chat-2", "cmpl-2", "too-long"]
-    for line, req in zip(lines, requests):
-        check_response_line(line, req if isinstance(req, dict) else None)
+    for line, req in zip(lines, [x for x in requests if isinstance(x, dict)]):
+        check_response_line(line, req)
     ok = [i for i, x in enumerate(lines) if x["error"] is None]
-    assert ok == [0, 1, 7, 8]
+    assert ok == [0, 1, 6, 7]
+    failed = read_jsonl(out / "errors.jsonl")  # every failed line, in input order
+    assert [x["custom_id"] for x in failed] == [None, "bad-url", "no-body", "chat-1", "bad-temp", "too-long"]
+    assert failed[1:] == [x for x in lines if x["error"]]
+    assert "invalid JSON" in failed[0]["error"]["message"] and "line 3" in failed[0]["error"]["message"]
     errors = {x["custom_id"]: x["error"] for x in lines if x["error"]}
-    assert "invalid JSON" in lines[2]["error"]["message"] and "line 3" in lines[2]["error"]["message"]
     assert "url" in errors["bad-url"]["message"] and "body" in errors["no-body"]["message"]
-    assert "duplicate custom_id" in lines[5]["error"]["message"] and "temperature" in errors["bad-temp"]["message"]
+    assert "duplicate custom_id" in lines[4]["error"]["message"] and "temperature" in errors["bad-temp"]["message"]
     assert errors["too-long"]["code"] == "context_length_exceeded" and errors["bad-url"]["code"] == "invalid_request"
     choices = lines[0]["response"]["body"]["choices"]
     assert len(choices) == 2 and choices[0]["message"]["content"] != choices[1]["message"]["content"]
-    assert lines[7]["response"]["body"]["usage"]["completion_tokens"] <= 4
-    assert lines[8]["response"]["body"]["usage"]["prompt_tokens"] == 4
+    assert lines[6]["response"]["body"]["usage"]["completion_tokens"] <= 4
+    assert lines[7]["response"]["body"]["usage"]["prompt_tokens"] == 4
 
     # the export path gives the same lines from the Arrow output; a rerun commits nothing new
     table = read_results(out)
     assert {"custom_id", "endpoint", "logprobs", "completions"} <= set(table.schema.names)
     created = lines[0]["response"]["body"]["created"]
     again = [json.loads(x) for x in openai_batch_lines(table, model=lines[0]["response"]["body"]["model"], created=created)]
-    assert again == lines
+    assert [x for x in again if x["custom_id"]] == lines and [x for x in again if x["error"]] == failed
     r = CliRunner().invoke(main, args, catch_exceptions=False)
     assert r.exit_code == 0 and "0 rows" in r.output
-    rerun = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    rerun = read_jsonl(out / "results.jsonl")
     for a, b in zip(rerun, lines):
         if a["response"]:
             a["response"]["body"]["created"] = created
-    assert rerun == lines
+    assert rerun == lines and read_jsonl(out / "errors.jsonl") == failed
 
 
 def test_plain_rows_as_openai_completions(tmp_path, tiny_model_dir):
@@ -214,6 +271,8 @@ def test_export_openai_batch_from_one_folder_and_from_shards(tmp_path, tiny_mode
     assert [x["custom_id"] for x in sharded] == [x["custom_id"] for x in whole] == [
         "p0", "c1", "p2", "c1", "c3", "p4"]
     assert "duplicate custom_id 'c1'" in sharded[3]["error"]["message"]
+    assert read_jsonl(tmp_path / "sh.errors.jsonl") == [sharded[3]]  # the errors beside each --to file
+    assert read_jsonl(tmp_path / "one.errors.jsonl") == [whole[3]]
     for a, b in zip(sharded, whole):
         assert (a["response"] is None) == (b["response"] is None)
         if a["response"]:

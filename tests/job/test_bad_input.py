@@ -86,6 +86,15 @@ CASES = [
     Case("--output is a file", lambda e: run_args(e, out=write(e["tmp"] / "afile", "x")), 2, "afile is a file, not a folder"),
     Case("unknown job-file field", lambda e: [write(e["tmp"] / "j.toml", f'input = "{e["input"]}"\ntemperatur = 1\n')], 2,
          "unknown field 'temperatur'"),
+    Case("two typos in a job file", lambda e: [write(e["tmp"] / "j.toml", f'input = "{e["input"]}"\ntemperatur = 1\n'
+                                                                         '[engine]\nmax_num_seq = 4\n')], 2,
+         "j.toml: unknown field 'temperatur' (did you mean 'temperature'?)",
+         also=["unknown field 'engine.max_num_seq' (did you mean 'max_num_seqs'?)"]),
+    Case("a field in another table", lambda e: [write(e["tmp"] / "j.toml", f'input = "{e["input"]}"\n[engine]\nmax_tokens = 4\n')],
+         2, "j.toml: [engine] max_tokens: belongs in [sampling] (or at the top level), not in [engine]"),
+    Case("a bad value in a job file", lambda e: [write(e["tmp"] / "j.toml", f'input = "{e["input"]}"\n[sampling]\ntop_p = 1.5\n')],
+         2, "j.toml: top_p: must be in (0, 1]"),
+    Case("--max-model-len 1", lambda e: run_args(e, "--max-model-len", 1), 2, "max_model_len: must be >= 2 tokens"),
     Case("job file is not TOML", lambda e: [write(e["tmp"] / "j.toml", "input = [\n")], 2, "j.toml: invalid TOML"),
     Case("job file without input", lambda e: [write(e["tmp"] / "j.toml", f'model = "{e["model"]}"\n')], 2,
          "input: no input given", also=["j.toml"]),
@@ -162,6 +171,22 @@ def test_bad_input_fails_in_one_clear_line(case, env, tmp_path):
     if "committed" in e:  # refused: what was committed is as it was
         now = {p.name: p.read_bytes() for p in out.iterdir() if p.name.startswith("part-")}
         assert now == e["committed"]
+
+
+def test_max_model_len_caps_each_row_and_a_longer_prompt_is_that_rows_error(env, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "word " * 40}) + "\n")
+    out = tmp_path / "out"
+    args = ["run", "--model", env["model"], "--input", str(src), "--output", str(out), "--max-tokens", "50",
+            "--ignore-eos", "--no-progress"]
+    result = CliRunner().invoke(main, [*args, "--max-model-len", "16"])
+    assert result.exit_code == 0, result.stderr
+    short, long = sorted(pa.concat_tables(pa.ipc.open_file(p).read_all() for p in out.glob("part-*.arrow")).to_pylist(),
+                         key=lambda r: r["row_index"])
+    assert short["finish_reason"] == "length" and short["prompt_tokens"] + short["completion_tokens"] == 16
+    assert long["finish_reason"] == "error" and "at most 15 fit (the context is capped at max_model_len 16" in long["error"]
+    again = CliRunner().invoke(main, [*args, "--max-model-len", "32"])  # other text: another job
+    assert again.exit_code == 1 and "max_model_len" in again.stderr
 
 
 def test_export_creates_the_folder_it_writes_into(env, tmp_path):

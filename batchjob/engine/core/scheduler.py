@@ -59,8 +59,10 @@ class Scheduler:
         """`context_len`: the model's context (max position embeddings); `config` is read, never changed."""
         self.config = config
         # a row can never hold more KV than the pool: it ends with "length" there instead of thrashing
-        self.max_model_len = min(config.max_model_len, context_len or config.max_model_len,
-                                 (pool.num_blocks - config.watermark_blocks) * pool.block_size)
+        caps = {"max_model_len": config.max_model_len, "context": context_len or config.max_model_len,
+                "kv": (pool.num_blocks - config.watermark_blocks) * pool.block_size}
+        self.context_cap = min(caps, key=caps.get)  # which one sets it (the first of equals): for never_fits
+        self.max_model_len = caps[self.context_cap]
         self.pool = pool
         self.host_pool = host_pool
         self.clock = clock
@@ -94,8 +96,10 @@ class Scheduler:
         if n == 0:
             return "empty prompt: it has no tokens"
         if n + 1 > limit:
-            return (f"prompt has {n} tokens; at most {limit - 1} fit (the model's context and the KV "
-                    f"cache of {self.pool.num_blocks * self.pool.block_size} tokens; prompt + 1 generated token must fit)")
+            why = {"max_model_len": f"the context is capped at max_model_len {limit}",
+                   "context": f"the model's context is {limit} tokens",
+                   "kv": f"the KV cache holds {self.pool.num_blocks * self.pool.block_size} tokens"}[self.context_cap]
+            return f"prompt has {n} tokens; at most {limit - 1} fit ({why}; prompt + 1 generated token must fit)"
         return None
 
     # the step

@@ -1,5 +1,5 @@
 """Which source reads an input: the format table (`input_format`, or detected from the path's name, its
-folder's contents or a JSONL file's first line), `open_source`, and checking a job's columns against it."""
+folder's contents or a JSONL file's first lines), `open_source`, and checking a job's columns against it."""
 
 from __future__ import annotations
 

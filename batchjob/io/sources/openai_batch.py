@@ -1,14 +1,17 @@
 """The OpenAI Batch source: a request file (one uncompressed .jsonl) whose lines become records through
-the codec's `request_record`. A bad line, or a repeated custom_id, becomes a per-row error that still
-carries its custom_id, so the response file has a line for it."""
+the codec's `request_record`, and telling such a file from plain JSONL by its first lines. A bad line,
+or a repeated custom_id, becomes a per-row error that still carries its custom_id when it has one."""
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
 
-from batchjob.io.openai_batch import CHAT, COLUMNS, COMPLETIONS, is_openai_batch_line, request_record
+from batchjob.io.openai_batch import CHAT, COLUMNS, COMPLETIONS, is_request_shaped, request_record
 from batchjob.io.sources.base import InputRow, SourceError, narrow
 from batchjob.io.sources.jsonl import JsonlSource, codec_of
+
+DETECT_LINES = 20  # non-blank lines read to tell a request file from plain JSONL
 
 
 def open_openai_batch(path: Path) -> OpenAIBatchSource:
@@ -18,19 +21,23 @@ def open_openai_batch(path: Path) -> OpenAIBatchSource:
 
 
 def is_openai_batch_file(path: Path) -> bool:
-    """Auto-detection of a .jsonl input: one uncompressed file whose first line that parses is a request."""
-    return path.is_file() and codec_of(path) is None and _first_line_is_openai_batch(path)
-
-
-def _first_line_is_openai_batch(path: Path) -> bool:
-    with open(path, "rb") as f:  # decided by the first line that parses (a bad first line is a row error)
-        for _, line in zip(range(100), f):
+    """Auto-detection of a .jsonl input: one uncompressed file where at least half of the objects among
+    its first DETECT_LINES non-blank lines are request-shaped (`is_request_shaped`). So one bad or
+    misspelt line (it becomes that row's error) does not make a request file plain JSONL, and a plain
+    file with a stray request-like line stays plain; lines that are not JSON do not count."""
+    if not path.is_file() or codec_of(path) is not None:
+        return False
+    objects = requests = 0
+    with open(path, "rb") as f:
+        for line in islice((x for x in f if x.strip()), DETECT_LINES):
             try:
-                return is_openai_batch_line(json.loads(line)) if line.strip() else None
+                value = json.loads(line)
             except ValueError:
                 continue
-    return False
-
+            if isinstance(value, dict):
+                objects += 1
+                requests += is_request_shaped(value)
+    return requests > 0 and 2 * requests >= objects
 
 
 class OpenAIBatchSource(JsonlSource):
