@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchjob.models.config import ModelConfig
-from batchjob.models.llama import LlamaModel
+from batchjob.models.causal_lm import CausalLM
 from tests.builders import VOCAB, random_llama, write_gguf
 
 # ChatML with a default system message, like SmolLM2's.
@@ -64,6 +64,9 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return folder
 
 
+NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
     import transformers as tf
 
@@ -82,14 +85,42 @@ def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
         cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM  # q/k/v biases
     elif arch == "qwen3":
         cfg, cls = tf.Qwen3Config(**common, head_dim=32), tf.Qwen3ForCausalLM  # head_dim != hidden / heads
+    elif arch == "gemma2":  # soft-caps, alternating 24-token sliding window and global layers, GELU-tanh
+        cfg = tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=24, pad_token_id=0,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        cls = tf.Gemma2ForCausalLM
+    elif arch == "gemma3_text":  # q/k norm, a sliding layer with its own rotary base, then a global one
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=24, pad_token_id=0,
+                                  layer_types=["sliding_attention", "full_attention"])
+        cls = tf.Gemma3ForCausalLM
+    elif arch == "phi3":  # fused qkv_proj / gate_up_proj, half of each head rotates
+        cfg, cls = tf.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0), tf.Phi3ForCausalLM
+    elif arch == "olmo2":  # norms after each block, q/k norm over the whole projection
+        cfg, cls = tf.Olmo2Config(**common, pad_token_id=0), tf.Olmo2ForCausalLM
+    elif arch == "mixtral":  # 4 experts, top 2 renormalised
+        cfg, cls = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0), tf.MixtralForCausalLM
+    elif arch == "qwen2_moe":  # 4 small experts, top 2, a shared expert behind a sigmoid gate, q/k/v biases
+        cfg = tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, pad_token_id=0)
+        cls = tf.Qwen2MoeForCausalLM
+    elif arch == "qwen3_moe":  # experts on every other layer (decoder_sparse_step 2), norm_topk_prob, q/k norm
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                norm_topk_prob=True, decoder_sparse_step=2, pad_token_id=0)
+        cls = tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(0)
     model = cls(cfg).eval()
     g = torch.Generator().manual_seed(1)
+    redraw = arch in NEW_FAMILIES  # HF's init gives near-flat logits (greedy near-ties): draw weights that vary
+    embed_std, weight_std = (0.02, 0.2) if arch.startswith("gemma") else (1.0, 0.08)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if redraw and p.dim() == 2:
+                p.copy_((embed_std if "embed_tokens" in name else weight_std) * torch.randn(p.shape, generator=g))
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's norms are x * (1 + w)
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
@@ -172,8 +203,18 @@ def smollm2_hf_tokenizer(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> LlamaModel:
+def tiny_model() -> CausalLM:
     """A 2-layer random Llama (vocabulary 512, fp32), built in memory."""
     torch.manual_seed(0)
     return random_llama(ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024))
+
+
+@pytest.fixture(autouse=True)
+def _sigint_restored():
+    """`batchjob run` ignores SIGINT once its job has ended (cli/main.py); in-process CLI tests must not leave
+    that to later tests, nor to the subprocesses they start (an ignored signal is inherited)."""
+    import signal
+
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)

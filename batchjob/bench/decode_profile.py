@@ -26,12 +26,12 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
     from batchjob.engine.core.sequence import SamplingParams, Sequence
-    from batchjob.models.llama import LlamaModel
+    from batchjob.models.registry import build_model
     from batchjob.models.loader import load_model
 
     torch_dtype = choose_dtype(dtype, "cpu")
     loaded = load_model(model_path, dtype=torch_dtype)
-    model = LlamaModel(loaded.config, loaded.weights, torch_dtype, kernels=kernels)
+    model = build_model(loaded.config, loaded.weights, torch_dtype, kernels=kernels)
     engine = Engine(model, [], EngineConfig(scheduler=SchedulerConfig(max_num_seqs=rows)))
     wl = make(workload).head(rows)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)  # nobody finishes while we look

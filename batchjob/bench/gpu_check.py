@@ -84,7 +84,7 @@ def decode_attention(device: torch.device, rows: int, ctx: int, kv_heads: int, g
 def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, device, dtype,
                  max_positions: int = 4096):
     from batchjob.models.config import ModelConfig
-    from batchjob.models.llama import LlamaModel
+    from batchjob.models.registry import build_model
 
     d = hidden // heads
     cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
@@ -110,9 +110,9 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
     from batchjob.engine.core.sequence import SamplingParams, Sequence
-    from batchjob.models.llama import LlamaModel
+    from batchjob.models.registry import build_model
 
-    model = LlamaModel(cfg, weights, dtype, str(device), kernels=kernels)
+    model = build_model(cfg, weights, dtype, str(device), kernels=kernels)
     sched = SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=max(2048, rows))
     engine = Engine(model, [], EngineConfig(scheduler=sched, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, kv_cache_bytes=rows * (prompt + out + 16) * 2 * cfg.num_layers
                                             * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 + (64 << 20)))

@@ -53,7 +53,7 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
 def measure(num_prompts: int = 64, max_tokens: int = 64, log=print, only: list[str] | None = None) -> dict:
     from batchjob.api import LLM
     from batchjob.kernels.reference import kv_quant
-    from batchjob.models.llama import LlamaModel
+    from batchjob.models.registry import build_model
 
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:num_prompts]
     text = (ROOT / "jobs/data/perplexity.txt").read_text()
@@ -72,7 +72,7 @@ def measure(num_prompts: int = 64, max_tokens: int = 64, log=print, only: list[s
         llm = LLM("smollm2", kernels=kernels, kv_cache_dtype=kv, max_num_seqs=64, dtype=dtype)
         texts = [r.token_ids for r in llm.generate(prompts, chat=True, max_tokens=max_tokens)]
         loaded = llm.loaded
-        model = LlamaModel(loaded.config, loaded.weights, llm.dtype, "cpu", kernels=kernels, kv_cache_dtype=kv)
+        model = build_model(loaded.config, loaded.weights, llm.dtype, "cpu", kernels=kernels, kv_cache_dtype=kv)
         ids = loaded.tokenizer.encode(text)
         logits = teacher_forced_logits(model, ids)
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))

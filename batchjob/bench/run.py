@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import kv_speed, report, speculative
+from batchjob.bench import kv_speed, moe, report, speculative
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--speculative-batches", default="1,4,16,64",
                     help="batch sizes of the speculative workload (SmolLM2 rewriting texts); empty: skip it")
     ap.add_argument("--no-kv-speed", action="store_true", help="skip the quantized-KV speed runs (bench/kv_speed.py)")
+    ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
     ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
@@ -215,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                                               ["--rows", "16", "--max-tokens", "16"] if args.quick else [], args.timeout)
         log(kv_speed.text(kv_rows) if err is None else f"  failed: {err}")
 
+    moe_rows = None
+    if not args.no_moe and not args.pipeline_only:
+        log("MoE: a small Qwen3-MoE and its dense equivalent of the same active parameters, batchjob vs HF ...")
+        moe_rows, err = launch.run_json_module("batchjob.bench.moe", ["--rows", "8", "--max-tokens", "8"] if args.quick else [],
+                                               args.timeout)
+        log(moe.text(moe_rows) if err is None else f"  failed: {err}")
+
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
     result = {
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
-        "speculative": spec_rows, "kv_speed": kv_rows,
+        "speculative": spec_rows, "kv_speed": kv_rows, "moe": moe_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -257,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if kv_rows:
         log("quantized KV cache (native kernels; auto = bf16):")
         log(kv_speed.text(kv_rows))
+        log("")
+    if moe_rows:
+        log("MoE vs its dense equivalent (same active parameters):")
+        log(moe.text(moe_rows))
         log("")
     log("targets (issue 7):")
     log(report.targets_text(tgts))

@@ -39,12 +39,12 @@ class BatchjobRunner:
 
     def __init__(self, model_path: str, static: int = 0, dtype: str | None = None, kernels: str = "auto"):
         from batchjob.device import choose_dtype
-        from batchjob.models.llama import LlamaModel
+        from batchjob.models.registry import build_model
         from batchjob.models.loader import load_model
 
         self.dtype = choose_dtype(dtype, "cpu")
         loaded = load_model(model_path, dtype=self.dtype)
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, kernels=kernels)
+        self.model = build_model(loaded.config, loaded.weights, self.dtype, kernels=kernels)
         self.kernels = self.model.kernels.name
         self.eos = loaded.tokenizer.eos_token_ids
         self.static = static

@@ -1,6 +1,7 @@
-"""docs/reference/run-options.md, generated from the options table (run_options.py) and the job file's tables
-(job/config.py): `python -m batchjob.cli.reference > docs/reference/run-options.md`. A test fails when the
-committed page differs from what this prints."""
+"""The generated reference pages: docs/reference/run-options.md from the options table (run_options.py) and the
+job file's tables (job/config.py), `python -m batchjob.cli.reference > docs/reference/run-options.md`; and
+docs/reference/models.md from the model registry, `python -m batchjob.cli.reference models > ...`. A test fails
+when a committed page differs from what this prints."""
 from __future__ import annotations
 
 import click
@@ -48,5 +49,21 @@ def render() -> str:
     return "\n".join(out)
 
 
+def render_models() -> str:
+    from batchjob.models.registry import FAMILIES
+
+    out = ["# Supported models", "",
+           "Generated from the model registry (`batchjob/models/registry.py`) by `python -m batchjob.cli.reference models`;",
+           "do not edit by hand. A model folder's `config.json` `architectures` (or `model_type`), or a GGUF file's",
+           "`general.architecture`, picks the family; anything else is refused with one line listing these.", "",
+           "| family | HF architectures | GGUF architectures |", "|---|---|---|"]
+    for fam in FAMILIES:
+        gguf = ", ".join(f"`{a}`" for a in fam.gguf_architectures) if fam.parse_gguf is not None else "-"
+        out.append(f"| {fam.name} | {', '.join(f'`{a}`' for a in fam.hf_architectures)} | {gguf} |")
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
-    print(render(), end="")
+    import sys
+
+    print(render_models() if sys.argv[1:] == ["models"] else render(), end="")

@@ -20,7 +20,7 @@ from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.kernels.native.build import default_log
-from batchjob.models.llama import LlamaModel
+from batchjob.models.causal_lm import CausalLM
 
 
 @dataclass(slots=True)
@@ -79,8 +79,8 @@ def add_placeholders(step: Step, tokens: StepTokens) -> None:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, eos_token_ids: list[int], config: EngineConfig | None = None,
-                 draft_model: LlamaModel | None = None):
+    def __init__(self, model: CausalLM, eos_token_ids: list[int], config: EngineConfig | None = None,
+                 draft_model: CausalLM | None = None):
         """`draft_model`: the proposer of `--speculative draft` (its KV shares the pool's blocks and bytes)."""
         config = config or EngineConfig()
         per_block = KVCache.bytes_per_block(model, config.block_size)

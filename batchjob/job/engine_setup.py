@@ -9,7 +9,7 @@ from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.lanes import Lane
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.spec_decode.config import speculative_config
-from batchjob.models.llama import LlamaModel
+from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
 
 
@@ -20,7 +20,7 @@ def lanes_of(cfg: JobConfig) -> list[Lane]:
 
 
 def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
-    model = LlamaModel(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
+    model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
                        kv_cache_dtype=cfg.kv_cache_dtype)
     if model.device.type != "cpu":
         loaded.weights.clear()  # the device holds them now: release the host copy (a CPU model shares it)
@@ -31,6 +31,7 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
         max_num_batched_tokens=1 << 20 if static else cfg.max_num_batched_tokens,
         static_batch=cfg.batch_size if static else 0, admission=cfg.admission, preemption=cfg.preemption,
         max_wait=cfg.max_wait, lanes=lanes_of(cfg),
+        **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),  # else the model's context
     )
     # --kv-cache-gb wins; else 1 GiB on the CPU, and on CUDA what gpu_memory_utilization leaves (kv_budget.py)
     ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
@@ -51,6 +52,6 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
             raise ModelLoadError(f"draft model {cfg.draft_model}: its tokenizer has {proposer.tokenizer.vocab_size:,} "
                                  f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
                                  "target's tokenizer (e.g. a smaller model of the same family)")
-        draft = LlamaModel(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
+        draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype)
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg, draft_model=draft)

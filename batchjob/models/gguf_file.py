@@ -9,11 +9,16 @@ import gguf
 import numpy as np
 import torch
 
-from batchjob.models.config import ModelConfig
+from batchjob.models.registry import config_from_gguf
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights, sha256_file
 
-_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # the ones the tests cover
+# What llama.cpp writes for dense weights and gguf's dequantize reads (tests/models/test_gguf_quants.py): the
+# floats, the 32-weight block types, the 256-weight K-quants, and IQ4_NL, which llama.cpp puts in Q2_K/Q3_K files
+# where a row is not a multiple of 256. Not the other i-quants (IQ4_XS, IQ3_S, ...), the ternary or FP4 types.
+_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL",
+              "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
+_CHUNK_ELEMENTS = 1 << 22  # dequantize this many weights at a time (16 MB of float32), so a tensor never costs 2 copies
 
 # GGUF per-block tensor name -> HF name under model.layers.{i}.
 _GGUF_BLOCK_NAMES = {
@@ -47,7 +52,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
                              f"download it again") from None
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, tensors.keys(), source=str(path))
+    config = config_from_gguf(meta, tensors.keys(), source=str(path))
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta, source=str(path))
     except ValueError as e:
@@ -61,13 +66,11 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     weights = {}
     for t in reader.tensors:
         name = _hf_name(t.name, path)
-        array = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, HF layout (rows = out features)
-        if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
-            array = array.copy()
+        tensor = dequantized(t, dtype)
         if meta["general.architecture"] == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_heads if t.name.split(".")[-2] == "attn_q" else config.num_kv_heads
-            array = unpermute_rotary(array, heads)
-        weights[name] = torch.from_numpy(array).to(dtype)
+            tensor = unpermute_rotary(tensor, heads)
+        weights[name] = tensor
     weights = checked_weights(config, weights, source=str(path))
 
     identity = {
@@ -92,14 +95,32 @@ def _hf_name(gguf_name: str, source: Path) -> str:
     raise ModelLoadError(f"{source}: unexpected GGUF tensor {gguf_name!r} (not a llama/qwen2/qwen3 dense model?)")
 
 
-def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+def dequantized(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+    """One GGUF tensor as a `dtype` tensor in HF layout (rows = out features), through gguf's own dequantize.
+
+    Row chunks go straight into the result, so loading holds the weights once in `dtype` plus one chunk:
+    gguf's dequantize of a whole tensor would hold it twice in float32.
+    """
+    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+    rows = t.data.reshape(-1, t.data.shape[-1])  # F32/F16: elements; the others: each row's bytes
+    out = torch.empty((rows.shape[0], shape[-1]), dtype=dtype)
+    step = max(1, _CHUNK_ELEMENTS // shape[-1])
+    for start in range(0, rows.shape[0], step):
+        chunk = gguf.quants.dequantize(rows[start:start + step], t.tensor_type)  # float32
+        if not chunk.flags.writeable:  # F32 comes back as a view of the read-only mapping
+            chunk = chunk.copy()
+        out[start:start + step] = torch.from_numpy(chunk)
+    return out.reshape(shape)
+
+
+def unpermute_rotary(w: np.ndarray | torch.Tensor, heads: int) -> np.ndarray | torch.Tensor:
     """Undo llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (HF's half-split rotary -> interleaved).
 
     llama.cpp stores each head's rows as pairs (x0, x_half, x1, x_half+1, ...); HF wants both halves
     contiguous. Same as transformers' `LlamaTensorProcessor._reverse_permute_weights`.
     """
     half = w.shape[0] // heads // 2
-    return np.ascontiguousarray(w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # a contiguous copy
 
 
 class _FastGGUFReader(gguf.GGUFReader):

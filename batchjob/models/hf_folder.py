@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchjob.models.config import ModelConfig
+from batchjob.models.registry import config_from_hf
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights, sha256_file
 
@@ -17,7 +17,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), source=str(folder / "config.json"))
+    config = config_from_hf(json.loads((folder / "config.json").read_text()), source=str(folder / "config.json"))
     shards = _safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:

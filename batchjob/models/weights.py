@@ -25,34 +25,11 @@ class LoadedModel:
     name: str
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, c.hidden_size),
-            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-        }
-        if c.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
-        if c.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
-    return shapes
-
-
 def checked_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Exactly the parameters the config implies, with their shapes; extras (a tied lm_head, rotary buffers) dropped."""
-    expected = _expected_shapes(config)
+    from batchjob.models.registry import weight_shapes
+
+    expected = weight_shapes(config)
     missing = [n for n in expected if n not in weights]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

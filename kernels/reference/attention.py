@@ -24,8 +24,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: t
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float, window: int | None = None) -> torch.Tensor:
-    """q: [T, H, D] (new tokens, rotated; their K/V already stored). Returns [T, H, D]."""
+                          scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q: [T, H, D] (new tokens, rotated; their K/V already stored). Returns [T, H, D]. `softcap`: attention
+    logits become tanh(s / cap) * cap before the softmax (Gemma 2)."""
+    sdpa = F.scaled_dot_product_attention if softcap is None else _softcapped(softcap)
     key = ("torch", window)  # the masks depend on the window
     plan = meta.plans.get(key)
     if plan is None:
@@ -34,15 +36,30 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for rows, slots, mask in plan.decode_groups:
         k = _gather(k_cache, slots, q.dtype)
         v = _gather(v_cache, slots, q.dtype)
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = sdpa(q[rows].unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o.squeeze(2)
     for gather, valid, slots, mask in plan.prefill_groups:
         k = _gather(k_cache, slots, q.dtype)
         v = _gather(v_cache, slots, q.dtype)
         qp = q[gather].transpose(1, 2)  # [n, H, Qmax, D]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        o = sdpa(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         out[gather[valid]] = o.transpose(1, 2)[valid]
     return out
+
+
+def _softcapped(cap: float):
+    """SDPA's signature, with the logits soft-capped (SDPA itself cannot): softmax in fp32."""
+    def attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=True):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        s = torch.tanh(s / cap) * cap
+        if is_causal:
+            attn_mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+    return attend
 
 
 def _gather(cache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,8 +23,8 @@ class TorchKernels:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     @staticmethod
-    def attention(q, k_cache, v_cache, meta, scale, window=None):
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+    def attention(q, k_cache, v_cache, meta, scale, window=None, softcap=None):
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
 
     @staticmethod
     def rms_norm(x, weight, eps):

@@ -7,7 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.cli.reference import render
+from batchjob.cli.reference import render, render_models
 from batchjob.cli.run_options import RUN_OPTIONS
 from batchjob.job.config import FIELDS
 
@@ -22,3 +22,8 @@ def test_every_job_field_has_a_flag_and_every_flag_is_in_the_help():
     assert {o.field for o in RUN_OPTIONS} == set(FIELDS) - {"lanes"}
     help_text = CliRunner().invoke(main, ["run", "--help"], terminal_width=400).output
     assert all(o.flag.split("/")[0] in help_text for o in RUN_OPTIONS)
+
+
+def test_the_supported_models_page_is_the_registrys():
+    page = PAGE.parent / "models.md"
+    assert page.read_text() == render_models(), "regenerate: python -m batchjob.cli.reference models > docs/reference/models.md"

@@ -16,7 +16,8 @@ from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.kernels.native.build import cpu_identity
 from batchjob.models.config import ModelConfig
-from batchjob.models.llama import LlamaModel
+from batchjob.models.registry import build_model
+from batchjob.models.causal_lm import CausalLM
 
 FLAGS = cpu_identity()[1]
 pytestmark = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS, reason="native kernels need AVX-512")
@@ -24,7 +25,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if "avx512_bf16" in FLAGS else [])
 VOCAB = 384
 
 
-def tiny_model(dtype: torch.dtype, kernels: str = "native") -> LlamaModel:
+def tiny_model(dtype: torch.dtype, kernels: str = "native") -> CausalLM:
     """Random weights, SmolLM2's attention shape in small: head_dim 64, 3 query heads per KV head."""
     h, inter, layers = 192, 256, 2
     cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=h, intermediate_size=inter, num_layers=layers,
@@ -43,7 +44,7 @@ def tiny_model(dtype: torch.dtype, kernels: str = "native") -> LlamaModel:
             p + "self_attn.o_proj.weight": w(h, h), p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
             p + "mlp.down_proj.weight": w(h, inter),
         })
-    model = LlamaModel(cfg, weights, dtype, kernels=kernels)
+    model = build_model(cfg, weights, dtype, kernels=kernels)
     assert model.kernels.name == kernels
     return model
 

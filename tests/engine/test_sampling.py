@@ -18,7 +18,7 @@ from batchjob.engine.sample.sampler import NUCLEUS_WINDOW, sampleable
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.io.parts import read_results
-from batchjob.models.llama import LlamaModel
+from batchjob.models.registry import build_model
 from batchjob.models.loader import load_model
 from batchjob.job.prompt_builder import RowError, row_sampling
 
@@ -30,7 +30,7 @@ def tiny(tiny_model_dir):
 
     path = tiny_model_dir("llama", max_positions=1024)
     loaded = load_model(str(path), dtype=torch.float32)
-    ours = LlamaModel(loaded.config, loaded.weights, torch.float32)
+    ours = build_model(loaded.config, loaded.weights, torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return ours, ref, loaded.tokenizer, path
 

@@ -14,12 +14,12 @@ from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.models.config import ModelConfig
-from batchjob.models.llama import LlamaModel
+from batchjob.models.causal_lm import CausalLM
 from tests.builders import VOCAB, random_llama
 
 
 @pytest.fixture(scope="module")
-def echo_model() -> LlamaModel:
+def echo_model() -> CausalLM:
     """A tiny random Llama with tied embeddings and small layer weights: its next token is often its
     current one, so its text falls into loops that lookups predict (52 of 95 proposals kept here), and
     sometimes not (the other 43 are rejected)."""
@@ -238,7 +238,7 @@ def copy_model(model):
     return other
 
 
-def small_vocab_model(seed: int, vocab: int = 16) -> LlamaModel:
+def small_vocab_model(seed: int, vocab: int = 16) -> CausalLM:
     return random_llama(ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64),
                         seed=seed, std=0.5, embed_std=0.5)

@@ -469,3 +469,18 @@ def test_a_file_size_limit_hit_while_writing_the_commit_log_leaves_a_resumable_f
     assert 0 < done < 200
     cli("run", *args)
     assert len(texts(out)) == 200
+
+
+def test_a_job_on_an_moe_model_resumes_after_sigkill_with_identical_text(tmp_path, tiny_model_dir):
+    moe = tiny_model_dir("qwen2_moe")  # experts, a shared expert, q/k/v biases
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"The fox number {i} jumps"} for i in range(300)])
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    args = ["--model", moe, "--input", src, "--max-tokens", 8, "--part-rows", 10, "--max-num-seqs", 8, *FAST]
+    cli("run", *args, "--output", ref)
+    proc = start_job(*args, "--output", out)
+    wait_for_parts(out, proc, parts=2)
+    proc.kill()  # SIGKILL: no handler, no final commit
+    proc.communicate(timeout=60)
+    assert 0 < Manifest.load(out).done_rows().count() < 300
+    cli("run", *args, "--output", out)
+    assert texts(out) == texts(ref)

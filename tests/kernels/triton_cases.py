@@ -213,10 +213,10 @@ def graphs_case(device):
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
     from batchjob.engine.core.sequence import SamplingParams, Sequence
-    from batchjob.models.llama import LlamaModel
+    from batchjob.models.registry import build_model
 
     cfg, weights = random_llama(512, 64, 128, 2, 4, 2, device=device, dtype=torch.float32, max_positions=256)
-    model = LlamaModel(cfg, weights, torch.float32, device, kernels="triton")
+    model = build_model(cfg, weights, torch.float32, device, kernels="triton")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (5 + 7 * i,), generator=g).tolist() for i in range(7)]
 

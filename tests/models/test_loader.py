@@ -152,7 +152,7 @@ def test_gguf_f32_round_trips_to_hf_weights(tiny_model_dir, tiny_gguf_path, arch
     assert g.identity["format"] == "gguf" and len(g.identity["gguf_header_sha256"]) == 64
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1"])
 def test_gguf_quantized_types_dequantize(tiny_model_dir, tiny_gguf_path, qtype):
     hf = load_model(str(tiny_model_dir("llama")))
     g = load_model(str(tiny_gguf_path("llama", qtype)))
@@ -183,8 +183,8 @@ def test_gguf_llama_matches_transformers_gguf_loader(tiny_gguf_path):
 
 def test_gguf_unsupported_quant_type_names_tensor(tiny_model_dir, tmp_path):
     path = write_gguf(tiny_model_dir("llama"), tmp_path / "f32.gguf")
-    # same file, but one tensor declared Q6_K: the loader must refuse before reading its bytes
-    w = gguf.GGUFWriter(str(tmp_path / "q6k.gguf"), "llama")
+    # same file, but one tensor declared IQ4_XS (an i-quant not read): the loader must refuse before reading its bytes
+    w = gguf.GGUFWriter(str(tmp_path / "iq4.gguf"), "llama")
     r = gguf.GGUFReader(str(path))
     for key, field in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -195,17 +195,17 @@ def test_gguf_unsupported_quant_type_names_tensor(tiny_model_dir, tmp_path):
         w.add_key_value(key, value, vtype, sub_type=sub)
     for t in r.tensors:
         if t.name == "blk.1.ffn_up.weight":
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_XS]
             rows, cols = t.data.shape[0], 256
-            w.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+            w.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
         else:
             w.add_tensor(t.name, np.array(t.data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight is Q6_K.*Q4_1"):
-        load_model(str(tmp_path / "q6k.gguf"))
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight is IQ4_XS; supported GGUF types: F32, .*Q4_K.*Q2_K$"):
+        load_model(str(tmp_path / "iq4.gguf"))
 
 
 def test_gguf_unsupported_architecture(tiny_model_dir, tmp_path):

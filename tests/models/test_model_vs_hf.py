@@ -12,7 +12,8 @@ from batchjob.engine.core.scheduler import SchedulerConfig, Step
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.kernels.native.build import cpu_identity
-from batchjob.models.llama import LlamaModel
+from batchjob.models.registry import build_model
+from batchjob.models.causal_lm import CausalLM
 from batchjob.models.loader import load_model
 from tests.builders import TINY_ARCHS
 
@@ -23,12 +24,12 @@ KERNELS = [pytest.param(("torch", 8), id="torch"),
            pytest.param(("native", 16), id="native", marks=pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512"))]
 
 
-def our_model(path, kernels="auto") -> LlamaModel:
+def our_model(path, kernels="auto") -> CausalLM:
     loaded = load_model(str(path), dtype=torch.float32)
-    return LlamaModel(loaded.config, loaded.weights, torch.float32, kernels=kernels)
+    return build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels)
 
 
-def all_logits(model: LlamaModel, prompts: list[list[int]], block_size: int = 8) -> list[torch.Tensor]:
+def all_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 8) -> list[torch.Tensor]:
     """Logits of every prompt position, all prompts in ONE flattened forward."""
     engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size))
     seqs = [Sequence(i, p, SamplingParams()) for i, p in enumerate(prompts)]
@@ -113,7 +114,7 @@ SMOL_PROMPTS = [
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smollm2_hf_model):
     loaded = smollm2_loaded
-    ours = LlamaModel(loaded.config, loaded.weights, torch.float32, kernels=kernels[0])
+    ours = build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels[0])
     tok = loaded.tokenizer
     ps = [tok.encode(p) for p in SMOL_PROMPTS]
     engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=16))

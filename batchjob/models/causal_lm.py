@@ -1,0 +1,26 @@
+"""CausalLM: what the engine, the runner, the job and the bench use of a model, whatever its family."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from batchjob.kernels import AttentionMetadata
+from batchjob.models.config import ModelConfig
+
+
+class CausalLM(Protocol):
+    config: ModelConfig  # sizes the KV cache needs per layer: num_layers, num_kv_heads, head_dim
+    dtype: torch.dtype
+    device: torch.device
+    kernels: object  # the kernel set chosen at load (kernels/dispatch.py)
+    kv_cache_dtype: str  # auto | int8 | int4
+
+    def fit_kernels(self, block_size: int) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...
+
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -1,0 +1,107 @@
+"""DecoderLM: a decoder-only model over a flattened token batch, the one CausalLM every family builds
+(models/families/): embeddings (optionally scaled), its DecoderLayers, a final norm and the LM head (with an
+optional final logit soft-cap).
+
+`forward(input_ids, positions, meta, kv_caches)` sees only flat tensors: no request objects, no padding of
+the batch, no per-row loops. The KV store and paged attention run on the kernel set chosen at load
+(kernels/dispatch.py: torch, native or triton); residual adds are fused into the next norm where a block
+has one (`add_rms_norm`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.kernels import AttentionMetadata, KernelError, Linear, RotaryEmbedding, select_kernels
+from batchjob.kernels.native.build import default_log
+from batchjob.kernels.profiling import scope
+from batchjob.models.config import ModelConfig
+from batchjob.models.layers import DecoderLayer
+
+
+class DecoderLM:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
+                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto"):
+        """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
+        tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
+        that cannot run here."""
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.kernel_choice = kernels
+        self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/reference/kv_quant.py)
+        self.layers = layers
+        self.embed = embed
+        self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
+        self.final_norm = final_norm
+        self.lm_head = Linear(lm_head)
+        self.rotaries = rotaries
+        self.partial_rotary = any(layer.attn.rotary_dim and layer.attn.rotary_dim < config.head_dim for layer in layers)
+        self.block_size = -1
+        self.fit_kernels(block_size)
+
+    def fit_kernels(self, block_size: int) -> None:
+        """Choose the kernels for KV blocks of `block_size` tokens, when they differ from the ones chosen."""
+        if block_size == self.block_size:
+            return
+        c, choice = self.config, self.kernel_choice
+        if c.attn_logit_softcap is not None and choice != "torch":
+            # attention logit soft-capping (Gemma 2) is in the torch references only, and the KV layout goes
+            # with the attention kernel: the whole set falls back
+            if choice in ("native", "triton"):
+                raise KernelError(f"--kernels {choice}: attention logit soft-capping ({c.architecture}) is in the "
+                                  "torch kernels only so far; use --kernels torch (or auto)")
+            default_log(f"{c.architecture}: attention logit soft-capping runs on the torch kernels (the native and "
+                        "Triton kernels lack it so far)")
+            choice = "torch"
+        self.kernels = select_kernels(choice, self.device, self.dtype, c.head_dim, c.num_heads // c.num_kv_heads,
+                                      block_size, kv_cache_dtype=self.kv_cache_dtype)
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
+        ops, eps = self.kernels, self.config.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place by add_rms_norm
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        ropes = [(ops.prepare_rotary(r, positions), r.table(positions) if self.partial_rotary else None)
+                 for r in self.rotaries]
+        first = self.layers[0].attn_norm
+        with scope("norm"):
+            x = ops.rms_norm(h, first, eps) if first is not None else h
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            o = layer.attn(x, ropes, meta, k_cache, v_cache, ops, eps)
+            with scope("norm"):
+                if layer.post_attn_norm is not None:
+                    o = ops.rms_norm(o, layer.post_attn_norm, eps)
+                x = _add_norm(ops, o, h, layer.mlp_norm, eps)
+            x = layer.mlp(x, ops)
+            with scope("norm"):
+                if layer.post_mlp_norm is not None:
+                    x = ops.rms_norm(x, layer.post_mlp_norm, eps)
+                after = self.final_norm if i + 1 == len(self.layers) else self.layers[i + 1].attn_norm
+                x = _add_norm(ops, x, h, after, eps)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.raw_logits(hidden).float()
+
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """In the model's dtype: the sampler widens them only where it needs to (greedy rows take the
+        argmax of bf16 logits as of their fp32 copy: the widening is exact and keeps the order). A final
+        logit soft-cap (Gemma 2) applies here, before logprobs and sampling."""
+        with scope("logits"):
+            logits = self.lm_head(hidden)
+            cap = self.config.final_logit_softcap
+            return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _add_norm(ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """residual += x; then the next block's input: the norm of the residual, or the residual itself."""
+    if weight is not None:
+        return ops.add_rms_norm(x, residual, weight, eps)
+    residual.add_(x)
+    return residual

@@ -1,0 +1,78 @@
+"""Gemma 2 and Gemma 3 (text): four RMSNorms per layer (around attention and around the GELU-tanh MLP), each
+`x * (1 + w)` (the 1 folded into the weight at load), embeddings x sqrt(hidden), attention scaled by
+query_pre_attn_scalar, sliding-window and global layers (`layer_types`), tied embeddings. Gemma 2 soft-caps
+the attention logits and the final logits; Gemma 3 norms q and k per head and gives its sliding layers their
+own rotary base."""
+from __future__ import annotations
+
+import torch
+
+from batchjob.kernels import Linear, RotaryEmbedding
+from batchjob.models.config import ModelConfig, UnsupportedModelError
+from batchjob.models.family import Family, ModelParts
+from batchjob.models.families import llama
+from batchjob.models.hf_config import common_fields, rope_of
+from batchjob.models.layers import MLP, DecoderLayer
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma's configs name its tanh GELU both ways
+
+
+def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    n = cfg["num_hidden_layers"]
+    every = 2 if arch == "gemma2" else cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    fields = common_fields(cfg, arch, source)
+    fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))  # Gemma ties unless it says not
+    local_theta = None
+    if arch == "gemma3_text":
+        theta, scaling = rope_of(cfg, source, key="full_attention")
+        fields["rope_theta"] = theta if theta is not None else 1_000_000.0
+        fields["rope_scaling"] = scaling
+        local, _ = rope_of(cfg, source, key="sliding_attention")
+        local_theta = cfg.get("rope_local_base_freq") or local or 10_000.0
+    return ModelConfig(
+        **fields, hidden_act=ACTIVATIONS[act], layer_types=list(types), sliding_window=cfg.get("sliding_window"),
+        qk_norm=arch == "gemma3_text", rope_local_theta=local_theta,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or fields["head_dim"]),
+        attn_logit_softcap=cfg.get("attn_logit_softcapping"), final_logit_softcap=cfg.get("final_logit_softcapping"),
+        embed_scale=cfg["hidden_size"] ** 0.5)
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = llama.weight_shapes(c)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "pre_feedforward_layernorm.weight": (c.hidden_size,),
+                   p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
+    return shapes
+
+
+def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
+    norm = {n: 1.0 + t.float() for n, t in w.items() if n.endswith("norm.weight")}  # Gemma's x * (1 + w)
+    w = {**w, **{n: t.to(dtype) for n, t in norm.items()}}
+    layers = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        sliding = c.layer_types[i] == "sliding_attention"
+        attn = llama.attention(c, w, i, scale=c.query_pre_attn_scalar ** -0.5, window=c.sliding_window if sliding else None,
+                               rope=1 if sliding and c.rope_local_theta is not None else 0, softcap=c.attn_logit_softcap)
+        mlp = MLP(Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                  Linear(w[p + "mlp.down_proj.weight"]), c.hidden_act)
+        layers.append(DecoderLayer(attn, mlp, attn_norm=w[p + "input_layernorm.weight"],
+                                   post_attn_norm=w[p + "post_attention_layernorm.weight"],
+                                   mlp_norm=w[p + "pre_feedforward_layernorm.weight"],
+                                   post_mlp_norm=w[p + "post_feedforward_layernorm.weight"]))
+    ropes = [RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)]
+    if c.rope_local_theta is not None:
+        ropes.append(RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_local_theta, None, dtype))
+    return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), ropes)
+
+
+FAMILY = Family(
+    name="Gemma 2, Gemma 3 (text)",
+    hf_architectures={"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"},
+    model_types={"gemma2": "gemma2", "gemma3_text": "gemma3_text"},
+    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build)

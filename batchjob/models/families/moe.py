@@ -1,0 +1,90 @@
+"""Mixture-of-experts decoders on the Llama layout: Mixtral (block_sparse_moe, experts w1/w3/w2, top-k
+renormalised), Qwen2-MoE (a shared expert with a sigmoid gate; q/k/v biases) and Qwen3-MoE (per-head q/k norm;
+norm_topk_prob; dense layers by decoder_sparse_step / mlp_only_layers)."""
+from __future__ import annotations
+
+import torch
+
+from batchjob.kernels import Linear, RotaryEmbedding
+from batchjob.models.config import ModelConfig
+from batchjob.models.family import Family, ModelParts
+from batchjob.models.families import llama
+from batchjob.models.hf_config import common_fields
+from batchjob.models.layers import MLP, DecoderLayer, MoE, fused
+
+
+def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
+    fields = common_fields(cfg, arch, source)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes num_local_experts for all
+    sliding = cfg.get("sliding_window") if arch == "mixtral" or cfg.get("use_sliding_window") else None
+    step, dense = cfg.get("decoder_sparse_step") or 1, list(cfg.get("mlp_only_layers") or [])
+    return ModelConfig(
+        **fields, attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))),
+        qk_norm=arch == "qwen3_moe", sliding_window=sliding or None,
+        extra={"num_experts": int(experts), "top_k": int(cfg["num_experts_per_tok"]),
+               "renormalize": arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+               "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or fields["intermediate_size"]),
+               "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+               "moe_layers": [i for i in range(fields["num_layers"]) if i not in dense and (i + 1) % step == 0]})
+
+
+def _expert_names(c: ModelConfig, i: int, j: int) -> tuple[str, str, str]:
+    """(gate, up, down) weight names of expert j of layer i."""
+    if c.architecture == "mixtral":
+        p = f"model.layers.{i}.block_sparse_moe.experts.{j}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{i}.mlp.experts.{j}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def _router_name(c: ModelConfig, i: int) -> str:
+    return f"model.layers.{i}.{'block_sparse_moe' if c.architecture == 'mixtral' else 'mlp'}.gate.weight"
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    x, h = c.extra, c.hidden_size
+    shapes = llama.weight_shapes(c)
+    for i in x["moe_layers"]:
+        p = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del shapes[p + name + ".weight"]
+        shapes[_router_name(c, i)] = (x["num_experts"], h)
+        for j in range(x["num_experts"]):
+            gate, up, down = _expert_names(c, i, j)
+            shapes |= {gate: (x["moe_intermediate_size"], h), up: (x["moe_intermediate_size"], h),
+                       down: (h, x["moe_intermediate_size"])}
+        if x["shared_expert_intermediate_size"]:
+            s = x["shared_expert_intermediate_size"]
+            shapes |= {p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
+                       p + "shared_expert.down_proj.weight": (h, s), p + "shared_expert_gate.weight": (1, h)}
+    return shapes
+
+
+def _moe(c: ModelConfig, w: dict[str, torch.Tensor], i: int) -> MoE:
+    x = c.extra
+    experts = []
+    for j in range(x["num_experts"]):
+        gate, up, down = _expert_names(c, i, j)
+        experts.append(MLP(Linear(fused(w, gate, up)), Linear(w[down]), c.hidden_act))
+    shared = gate = None
+    if x["shared_expert_intermediate_size"]:
+        p = f"model.layers.{i}.mlp.shared_expert."
+        shared = MLP(Linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), Linear(w[p + "down_proj.weight"]))
+        gate = Linear(w[f"model.layers.{i}.mlp.shared_expert_gate.weight"])
+    return MoE(Linear(w[_router_name(c, i)]), experts, x["top_k"], x["renormalize"], shared, gate)
+
+
+def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
+    moe_layers = set(c.extra["moe_layers"])
+    layers = [DecoderLayer(llama.attention(c, w, i), _moe(c, w, i) if i in moe_layers else llama.mlp(c, w, i),
+                           attn_norm=w[f"model.layers.{i}.input_layernorm.weight"],
+                           mlp_norm=w[f"model.layers.{i}.post_attention_layernorm.weight"]) for i in range(c.num_layers)]
+    rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
+    return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), [rope])
+
+
+FAMILY = Family(
+    name="Mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE",
+    hf_architectures={"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"},
+    model_types={"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"},
+    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build)

@@ -1,0 +1,39 @@
+"""OLMo 2: RMSNorm after attention and after the MLP (on each block's output, before the residual add; no
+norm before them), and q/k RMSNorm over the whole projection rather than per head."""
+from __future__ import annotations
+
+import torch
+
+from batchjob.kernels import RotaryEmbedding
+from batchjob.models.config import ModelConfig
+from batchjob.models.family import Family, ModelParts
+from batchjob.models.families import llama
+from batchjob.models.hf_config import common_fields
+from batchjob.models.layers import DecoderLayer
+
+
+def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
+    return ModelConfig(**common_fields(cfg, arch, source), qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {n: s for n, s in llama.weight_shapes(c).items() if "input_layernorm" not in n and "_norm." not in n}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,),
+                   p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
+    return shapes
+
+
+def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
+    layers = [DecoderLayer(llama.attention(c, w, i, qk_norm_per_head=False), llama.mlp(c, w, i),
+                           post_attn_norm=w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                           post_mlp_norm=w[f"model.layers.{i}.post_feedforward_layernorm.weight"])
+              for i in range(c.num_layers)]
+    rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
+    return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), [rope])
+
+
+FAMILY = Family(name="OLMo 2", hf_architectures={"Olmo2ForCausalLM": "olmo2"}, model_types={"olmo2": "olmo2"},
+                parse_hf=parse_hf, weight_shapes=weight_shapes, build=build)

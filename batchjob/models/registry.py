@@ -1,0 +1,67 @@
+"""Which family runs a model: HF `architectures` / `model_type` and GGUF `general.architecture` -> a Family,
+which reads its config, names its weights and builds its layers (models/families/). The engine, the job and
+the bench get a CausalLM from `build_model` and never name a family."""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from batchjob.models.causal_lm import CausalLM
+from batchjob.models.config import ModelConfig, UnsupportedModelError
+from batchjob.models.decoder import DecoderLM
+from batchjob.models.family import Family
+from batchjob.models.families import gemma, llama, moe, olmo2, phi3
+
+
+FAMILIES: list[Family] = [llama.FAMILY, gemma.FAMILY, phi3.FAMILY, olmo2.FAMILY, moe.FAMILY]
+
+
+def supported() -> list[str]:
+    """Every HF architecture we run, for error messages and the docs."""
+    return [a for f in FAMILIES for a in f.hf_architectures]
+
+
+def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    for fam in FAMILIES:
+        variant = next((fam.hf_architectures[a] for a in archs if a in fam.hf_architectures), None)
+        if variant is not None:
+            return fam.parse_hf(cfg, variant, source)
+    for fam in FAMILIES:
+        if cfg.get("model_type") in fam.model_types:
+            return fam.parse_hf(cfg, fam.model_types[cfg["model_type"]], source)
+    raise UnsupportedModelError(f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+                                f"supported: {', '.join(supported())}")
+
+
+def config_from_gguf(meta: dict, tensor_names: Collection[str], source: str = "GGUF") -> ModelConfig:
+    arch = meta.get("general.architecture")
+    for fam in FAMILIES:
+        if arch in fam.gguf_architectures and fam.parse_gguf is not None:
+            return fam.parse_gguf(meta, tensor_names, fam.gguf_architectures[arch], source)
+    known = [a for f in FAMILIES if f.parse_gguf is not None for a in f.gguf_architectures]
+    raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; supported: {', '.join(known)}")
+
+
+def family_of(config: ModelConfig) -> Family:
+    for fam in FAMILIES:
+        if config.architecture in (*fam.hf_architectures.values(), *fam.model_types.values(), *fam.gguf_architectures.values()):
+            return fam
+    raise UnsupportedModelError(f"architecture {config.architecture!r} belongs to no family")
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return family_of(config).weight_shapes(config)
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
+                kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto") -> CausalLM:
+    """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here."""
+    dev = torch.device(device)
+    w = {k: v.to(device=dev, dtype=dtype) for k, v in weights.items()}
+    parts = family_of(config).build(config, w, dtype, dev)
+    for r in parts.rotaries:
+        r.cos, r.sin = r.cos.to(dev), r.sin.to(dev)
+    return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, parts.lm_head, parts.rotaries, dtype, dev,
+                     kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype)

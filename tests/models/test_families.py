@@ -1,0 +1,110 @@
+"""The families beyond Llama (Gemma 2, Gemma 3 text, Phi-3, OLMo 2, Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers as the reference:
+greedy text identical in fp32 on tiny random models, on the torch references and on the native kernels
+(where the family's ops are native); a row's bf16 sampled text the same alone and in a batch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchjob.engine.core.scheduler import SchedulerConfig
+from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.kernels import KernelError
+from batchjob.kernels.native.build import cpu_identity
+from batchjob.models import registry
+from batchjob.models.loader import load_model
+
+FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe")
+HAS_NATIVE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_identity()[1]
+KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
+
+
+def prompts(vocab: int, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(path, ps, n):
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    outs = []
+    for p in ps:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    """(folder, prompts, transformers' greedy continuations) per family, computed once."""
+    made = {}
+    for arch in FAMILIES:
+        path = tiny_model_dir(arch, tie_word_embeddings=arch.startswith("gemma"))
+        ps = prompts(400, [3, 10, 30, 50, 5], seed=2)  # 30 and 50 run past Gemma's 24-token window
+        made[arch] = (path, ps, hf_greedy(path, ps, 16))
+    return made
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_greedy_text_matches_transformers(arch, kernels, references):
+    path, ps, expected = references[arch]
+    loaded = load_model(str(path), dtype=torch.float32)
+    if kernels == "native" and arch == "gemma2":  # soft-capped attention: in the torch kernels only so far
+        with pytest.raises(KernelError, match="soft-capping"):
+            registry.build_model(loaded.config, loaded.weights, torch.float32, kernels="native")
+        model = registry.build_model(loaded.config, loaded.weights, torch.float32, kernels="auto")
+        assert model.kernels.name == "torch"
+    else:
+        model = registry.build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels)
+        assert model.kernels.name == kernels
+    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=16, scheduler=SchedulerConfig(max_num_batched_tokens=48)))
+    got = engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [s.output_ids for s in got] == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen2_moe"])  # a new dense family, an MoE family
+def test_a_rows_sampled_bf16_text_is_the_same_alone_and_in_a_batch(arch, references):
+    path, ps, _ = references[arch]
+    loaded = load_model(str(path), dtype=torch.bfloat16)
+    model = registry.build_model(loaded.config, loaded.weights, torch.bfloat16)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, ignore_eos=True)
+
+    def run(rows):
+        engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=16))
+        return [s.output_ids for s in engine.generate(rows, params, seed=3)]
+
+    batched = run(ps)
+    assert [run([p])[0] for p in ps[:1]] == batched[:1]  # row 0 alone = row 0 among four others
+    assert run(ps[:3]) == batched[:3]
+
+
+def test_an_unsupported_architecture_is_one_line_listing_the_supported(tmp_path):
+    from batchjob.models.config import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="'BertForMaskedLM'.*supported: .*Gemma3ForCausalLM.*Olmo2ForCausalLM"):
+        registry.config_from_hf({"architectures": ["BertForMaskedLM"], "model_type": "bert"})
+
+
+def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
+    """Under the Triton interpreter (CPU), every family whose ops the Triton kernel set has."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    archs = [a for a in FAMILIES if a != "gemma2"]  # soft-capped attention: torch kernels only so far
+    ps = references[archs[0]][1]
+    assert all(references[a][1] == ps for a in archs)
+    proc = subprocess.run([sys.executable, "-m", "tests.models.triton_families", json.dumps(ps), "16",
+                           *(str(references[a][0]) for a in archs)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for a in archs:
+        assert got[str(references[a][0])] == references[a][2], a
