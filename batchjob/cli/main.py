@@ -2,6 +2,7 @@
 `slurm submit` and `bench`; an expected error is one line on stderr and an exit code."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -52,6 +53,12 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
         _ignore_sigint()
         if not started:
             click.echo("batchjob: interrupted during start-up: nothing ran and nothing was written", err=True)
+            # at once: an interrupt inside a C extension's import (torch) can leave the interpreter to re-raise
+            # SIGINT at its exit (seen: the process died by the signal, -2, instead of exiting 130), and there
+            # is nothing to flush or release (Job.__init__ took back its folders and lock)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
         else:
             click.echo("batchjob: interrupted: stopped at once; committed rows are kept, the rows in flight run "
                        "again when you rerun the same command", err=True)

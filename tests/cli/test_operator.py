@@ -266,7 +266,8 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, model):
     os.mkfifo(src)  # a stream no writer has opened yet: the job waits in start-up until interrupted
     proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", "--model", model, "--input", str(src),
                              "--output", str(tmp_path / "out"), "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
