@@ -84,7 +84,6 @@ def decode_attention(device: torch.device, rows: int, ctx: int, kv_heads: int, g
 def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, device, dtype,
                  max_positions: int = 4096):
     from batchjob.models.config import ModelConfig
-    from batchjob.models.registry import build_model
 
     d = hidden // heads
     cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
