@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from batchjob.kernels.interface import KernelSet
 from batchjob.kernels.native.build import BuildError, default_log
 from batchjob.kernels.reference.kernel_set import TorchKernels
 
@@ -23,8 +24,20 @@ class KernelError(RuntimeError):
 
 
 def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int,
-                   block_size: int = 16, log=default_log, kv_cache_dtype: str = "auto"):
-    """The kernel set for a model and KV block size; raises KernelError when an explicit choice cannot run here."""
+                   block_size: int = 16, log=default_log, kv_cache_dtype: str = "auto",
+                   softcap: float | None = None) -> KernelSet:
+    """The kernel set for a model and KV block size; raises KernelError when an explicit choice cannot run here.
+    Elementwise ops the chosen backend lacks run the torch reference, said in one log line. `softcap`: the
+    model's attention logit soft-cap (Gemma 2), which Triton's start-up check then covers."""
+    kernels = _select(choice, device, dtype, head_dim, gqa, block_size, log, kv_cache_dtype, softcap)
+    borrowed = kernels.reference_ops()
+    if borrowed:
+        log(f"{kernels.name} kernels: {', '.join(borrowed)} from the torch references (no {kernels.name} kernel yet)")
+    return kernels
+
+
+def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int, block_size: int,
+            log, kv_cache_dtype: str, softcap: float | None) -> KernelSet:
     device = torch.device(device)
     if choice not in CHOICES:
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
@@ -48,7 +61,7 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
                 if choice == "auto":  # on trust only after agreeing with the references on this GPU
                     from batchjob.kernels.triton.check import check
 
-                    why = check(kern, device)
+                    why = check(kern, device, softcap=softcap)
                 if why is None:
                     return kern
             except Exception as e:  # noqa: BLE001 - a kernel that cannot compile here: say why, run the references

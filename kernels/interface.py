@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchjob.kernels.reference import elementwise
+from batchjob.kernels.reference import norm as reference_norm
+from batchjob.kernels.reference import rotary as reference_rotary
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -23,3 +27,71 @@ class AttentionMetadata:
     # host copies when the tensors live on a GPU (query_start_loc and seq_lens as lists, block_tables as a
     # CPU tensor): plans read these, never the device tensors (no sync inside the forward)
     host: dict | None = None
+
+
+class KernelSet:
+    """The ops a model runs with, one method each; `kernels/dispatch.py` chooses the set.
+
+    The layout ops (`kv_cache_shapes`, `store_kv`, `attention`) go together: the cache layout belongs to the
+    attention kernel, so every backend defines all three. The elementwise ops default to the torch
+    references (kernels/reference/), so a backend that lacks one runs the reference for that op alone;
+    `reference_ops()` names them and dispatch logs them once.
+    """
+
+    name: str = "?"
+    captures_graphs: bool = False  # graph_plan gives plans from shapes alone (CUDA graphs can capture a step)
+    ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "gelu_tanh_mul", "softcap", "argmax")
+
+    # -- the cache layout and attention (no default: they go with the backend's cache layout)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+        raise NotImplementedError
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+        """k, v [T, Hkv, D] (rows may be strided) into their slots of the caches."""
+        raise NotImplementedError
+
+    def attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """q [T, H, D] (rotated; their K/V already stored) -> [T, H, D]. `window`: this layer's sliding window;
+        `softcap`: logits become tanh(s / cap) * cap before the softmax (Gemma 2)."""
+        raise NotImplementedError
+
+    def graph_plan(self, max_context: int) -> dict:
+        """Per-step attention plans from shapes alone, for CUDA graphs (where `captures_graphs`)."""
+        raise NotImplementedError(f"the {self.name} kernels plan each step on the host: no CUDA graphs")
+
+    # -- elementwise ops: the references unless the backend has its own
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return reference_norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place), then RMSNorm of it."""
+        residual.add_(x)
+        return reference_norm.rms_norm(residual, weight, eps)
+
+    def prepare_rotary(self, rope, positions: torch.Tensor):
+        """What `rotary` takes for this step, shared by every layer (a pair with `rotary`)."""
+        return rope.table(positions)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, prepared) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference_rotary.apply_rotary(q, k, *prepared)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return elementwise.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return elementwise.gelu_tanh_mul(gate_up)
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return elementwise.softcap(x, cap)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits.argmax(-1)` of [rows, vocab] logits: the same indices (first maximum; NaN the maximum)."""
+        return elementwise.argmax_rows(logits)
+
+    def reference_ops(self) -> list[str]:
+        """The elementwise ops this set takes from the torch references (none of its own)."""
+        mine = type(self)
+        return [op for op in self.ELEMENTWISE_OPS if getattr(mine, op) is getattr(KernelSet, op)]

@@ -252,3 +252,243 @@ def _iq4_nl(x):  # d, qs[16] (4-bit indices into a fixed table: weight j in the 
 
 
 OWN_QUANTIZERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl}
+
+
+# ---- SentencePiece vocabularies (tokenizer.ggml.model "llama"), as llama.cpp writes Llama 2's, Phi-3's, Gemma's ----
+
+_LLAMA_HEAD = [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("[INST]", 3), ("[/INST]", 3)]  # Mistral v0.3's controls
+_LLAMA_TAIL = [("<|user|>", 3), ("<|assistant|>", 3), ("<|end|>", 3), ("<think>", 4)]  # Phi-3's; one user-defined
+# Gemma: ids 0-4, its turn markers, and the user-defined runs of whitespace that llama.cpp stores with real spaces
+_GEMMA_HEAD = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<mask>", 3), ("<start_of_turn>", 3),
+               ("<end_of_turn>", 3), ("\n\n", 4), ("  ", 4), ("   ", 4), ("    ", 4)]
+
+
+def sentencepiece_vocab(corpus: str, size: int, flavour: str = "llama") -> dict:
+    """GGUF tokenizer metadata (key -> value) of a SentencePiece BPE vocabulary of exactly `size` tokens.
+
+    Laid out as llama.cpp writes one: special tokens, the 256 byte pieces <0x00>..<0xFF>, the merged pieces
+    best-scored first (score -rank), then every character of `corpus`. The pieces are learned here
+    (tokenizers' BpeTrainer over '▁'-prefixed words, as SentencePiece BPE sees text). flavour "llama": Llama 2 /
+    Mistral / Phi-3 ids (<unk> <s> </s>), newlines only through byte fallback; "gemma": Gemma's ids (<pad> <eos>
+    <bos> <unk>), "\\n" a piece. Both carry control tokens, a user-defined one, and an eot token.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trainer = Tokenizer(models.BPE())
+    trainer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    trainer.train_from_iterator(corpus.splitlines() * 4,
+                                trainer=trainers.BpeTrainer(vocab_size=4000, show_progress=False))
+    learned = json.loads(trainer.to_str())["model"]
+    merged = list(dict.fromkeys((m if isinstance(m, str) else " ".join(m)).replace(" ", "") for m in learned["merges"]))
+    chars = sorted({c for c in learned["vocab"] if len(c) == 1} | ({"\n"} if flavour == "gemma" else set()))
+
+    head, tail = (_GEMMA_HEAD, []) if flavour == "gemma" else (_LLAMA_HEAD, _LLAMA_TAIL)
+    runs = [] if flavour == "gemma" else ["▁▁", "▁▁▁", "▁▁▁▁"]  # Gemma's are the user-defined "  "...
+    pieces = runs + [m for m in merged if not set(m) <= {"▁"}]
+    room = size - len(head) - 256 - len(chars) - len(tail)
+    if room < 0 or room > len(pieces):
+        raise ValueError(f"a vocabulary of {size} cannot be made from this corpus ({len(pieces)} pieces learned)")
+    pieces = pieces[:room] + chars  # merged pieces have 2+ characters
+    tokens = [t for t, _ in head] + [f"<0x{b:02X}>" for b in range(256)] + pieces + [t for t, _ in tail]
+    types = [k for _, k in head] + [6] * 256 + [1] * len(pieces) + [k for _, k in tail]
+    scores = [-1000.0 if k == 4 else 0.0 for _, k in head] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    scores += [-1000.0 if k == 4 else 0.0 for _, k in tail]
+    assert len(tokens) == len(set(tokens)) == size
+    if flavour == "gemma":
+        names = ("<bos>", "<eos>", "<unk>", "<end_of_turn>", "<pad>")
+    else:
+        names = ("<s>", "</s>", "<unk>", "<|end|>", None)
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_eos_token": False}
+    for key, name in zip(("bos", "eos", "unknown", "eot", "padding"), names):
+        if name is not None:
+            meta[f"tokenizer.ggml.{key}_token_id"] = tokens.index(name)
+    return meta
+
+
+def write_vocab_gguf(path: Path, arch: str, vocab: dict) -> Path:
+    """A GGUF of `arch` with no tensors: a few hyperparameters (what transformers' AutoTokenizer reads a config
+    from) and the tokenizer metadata `vocab`."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(vocab["tokenizer.ggml.tokens"]))
+    for key, value in vocab.items():
+        _add_gguf_value(w, key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def with_gguf_vocab(src: Path, dst: Path, vocab: dict) -> Path:
+    """A copy of the GGUF `src` whose tokenizer metadata is `vocab` (its other keys and its tensors as they are)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "tokenizer.")) or key == "general.architecture":
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for key, value in vocab.items():
+        _add_gguf_value(w, key, value)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _add_gguf_value(w, key: str, value) -> None:
+    import gguf
+
+    t = gguf.GGUFValueType
+    if isinstance(value, list):
+        sub = t.STRING if isinstance(value[0], str) else t.FLOAT32 if isinstance(value[0], float) else t.INT32
+        w.add_key_value(key, value, t.ARRAY, sub_type=sub)
+    else:
+        kind = t.BOOL if isinstance(value, bool) else t.STRING if isinstance(value, str) else t.UINT32
+        w.add_key_value(key, value, kind)
+
+
+# ---- GGUF files of every family, as llama.cpp's convert_hf_to_gguf.py writes them ------------------------------
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2",
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}  # HF model_type -> GGUF general.architecture
+
+
+def write_family_gguf(hf_dir: Path, path: Path, qtype: str = "F32", shared_gate_vector: bool = True) -> Path:
+    """Convert a tiny HF folder of any family to GGUF as llama.cpp's convert_hf_to_gguf.py does (its model classes
+    per family): their metadata keys; tensor names from gguf's own TensorNameMap (the specification, not
+    batchjob's tables); llama's Q/K row permute (Mixtral's too); Gemma's norms stored as 1 + w and Gemma 2's lm_head
+    dropped; each layer's experts stacked into one 3-D tensor per projection. The vocabulary: `write_gguf`'s.
+
+    One liberty: a Gemma 3 file states its layer types (sliding_window_pattern, a flag a layer, which llama.cpp
+    reads) where the converter leaves llama.cpp's default, every sixth layer global: a 2-layer model keeps its
+    global layer. Matrices and expert stacks are stored as `qtype` (a type gguf.quants.quantize writes); norms,
+    biases and routers as F32, as the converter keeps them. Qwen2-MoE's shared-expert gate is a vector, as the
+    converter wrote it while it squeezed every tensor (most such files; transformers reads only that), or with
+    `shared_gate_vector=False` [1, hidden], as it writes it now.
+    """
+    import re
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    kind = cfg["model_type"]
+    arch = GGUF_ARCH[kind]
+    n, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(hf_dir.name)
+    w.add_block_count(n)  # TextModel.set_gguf_parameters: what every family writes
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
+    if experts := cfg.get("num_local_experts") or cfg.get("num_experts"):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "llama":  # LlamaModel
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
+    elif kind in ("qwen2_moe", "qwen3_moe"):  # Qwen2MoeModel
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size") is not None:
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    elif kind == "gemma2":  # Gemma2Model
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    elif kind == "gemma3_text":  # Gemma3Model
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    elif kind == "phi3":  # Phi3MiniModel
+        w.add_rope_dimension_count(int((cfg.get("partial_rotary_factor") or 1.0) * hidden) // heads)
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+    _add_gpt2_vocab(w, hf_dir)
+
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    stacks: dict[str, dict[int, torch.Tensor]] = {}  # the converter's _experts: one 3-D tensor a projection
+    for name in [k for k in weights if re.fullmatch(r"model\.layers\.\d+\.\w+\.experts\.\d+\.\w+\.weight", k)]:
+        layer, part, xid, proj = re.fullmatch(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight", name).groups()
+        stacks.setdefault(f"model.layers.{layer}.{part}.experts.{proj}.weight", {})[int(xid)] = weights.pop(name)
+    weights |= {name: torch.stack([parts[x] for x in sorted(parts)]) for name, parts in stacks.items()}
+
+    names = gguf.get_tensor_name_map(next(a for a, s in gguf.MODEL_ARCH_NAMES.items() if s == arch), n)
+    for name, t in weights.items():
+        if kind == "gemma2" and name == "lm_head.weight":  # Gemma2Model.filter_tensors
+            continue
+        a = t.float().numpy()
+        if kind.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's x * (1 + w), stored as 1 + w
+            a = a + 1
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            a = llama_cpp_permute(a, heads if ".q_proj." in name else kv_heads)
+        base, suffix = name.rsplit(".", 1)
+        gname = names.get_name(base)
+        if gname is None:
+            raise ValueError(f"gguf's tensor map for {arch} has no name for {name}")
+        gname += "." + suffix
+        if shared_gate_vector and ".ffn_gate_inp_shexp." in gname:
+            a = a.reshape(-1)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        qt = gguf.GGMLQuantizationType[qtype]
+        if a.ndim == 1 or gname.endswith("_norm.weight") or ".ffn_gate_inp" in gname or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, a)
+        else:
+            q = gguf.quants.quantize(a, qt)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_gpt2_vocab(w, hf_dir: Path) -> None:
+    """The tokenizer metadata of `write_gguf`: the folder's byte-level BPE as tokenizer.ggml.model "gpt2"."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(vocab[tcfg["bos_token"]])
+    w.add_eos_token_id(vocab[tcfg["eos_token"]])
+    w.add_add_bos_token(bool(tcfg.get("add_bos_token", False)))
+    w.add_chat_template(tcfg["chat_template"])

@@ -95,6 +95,12 @@ def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
         cls = tf.Gemma3ForCausalLM
     elif arch == "phi3":  # fused qkv_proj / gate_up_proj, half of each head rotates
         cfg, cls = tf.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0), tf.Phi3ForCausalLM
+    elif arch == "phi3_longrope":  # longrope: short factors up to 32 positions, long ones past it
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "short_factor": [1.0, 1.3, 1.7, 2.0], "long_factor": [1.5, 3.0, 6.0, 12.0], "partial_rotary_factor": 0.5}
+        cfg = tf.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0, rope_parameters=rope,
+                            original_max_position_embeddings=32)
+        cls = tf.Phi3ForCausalLM
     elif arch == "olmo2":  # norms after each block, q/k norm over the whole projection
         cfg, cls = tf.Olmo2Config(**common, pad_token_id=0), tf.Olmo2ForCausalLM
     elif arch == "mixtral":  # 4 experts, top 2 renormalised
@@ -107,12 +113,16 @@ def _hf_model(arch: str, vocab: int, tie: bool, max_positions: int = 256):
         cfg = tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
                                 norm_topk_prob=True, decoder_sparse_step=2, pad_token_id=0)
         cls = tf.Qwen3MoeForCausalLM
+    elif arch == "qwen3_moe_every_layer":  # experts on every layer, as llama.cpp's qwen3moe (GGUF) has them
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                norm_topk_prob=True, pad_token_id=0)
+        cls = tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(0)
     model = cls(cfg).eval()
     g = torch.Generator().manual_seed(1)
-    redraw = arch in NEW_FAMILIES  # HF's init gives near-flat logits (greedy near-ties): draw weights that vary
+    redraw = arch in NEW_FAMILIES or arch in ("phi3_longrope", "qwen3_moe_every_layer")  # HF's init gives near-flat logits (greedy near-ties): draw weights that vary
     embed_std, weight_std = (0.02, 0.2) if arch.startswith("gemma") else (1.0, 0.08)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -97,6 +97,11 @@ def run_one(system: str, folder: Path, n: int, prompt: int, max_tokens: int) -> 
 
 
 def _rss() -> float:
+    """This process's peak RSS in MiB: VmHWM, the high-water mark of its own address space (ru_maxrss keeps
+    the parent's RSS at fork across exec, so a child of a big parent reads the parent's peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-from batchjob.kernels import AttentionMetadata
+from batchjob.kernels import AttentionMetadata, KernelSet
 from batchjob.models.config import ModelConfig
 
 
@@ -13,10 +13,13 @@ class CausalLM(Protocol):
     config: ModelConfig  # sizes the KV cache needs per layer: num_layers, num_kv_heads, head_dim
     dtype: torch.dtype
     device: torch.device
-    kernels: object  # the kernel set chosen at load (kernels/dispatch.py)
+    kernels: KernelSet  # the kernel set chosen at load (kernels/dispatch.py)
     kv_cache_dtype: str  # auto | int8 | int4
 
     def fit_kernels(self, block_size: int) -> None: ...
+
+    def fit_context(self, max_model_len: int) -> None:
+        """What depends on the job's context length (Phi-3 longrope: which factors); before the first step."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...

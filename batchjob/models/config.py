@@ -10,6 +10,15 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class LongRope:
+    """Phi-3's longrope: the long-context factors when the job's context (max_model_len) passes `original`
+    (original_max_position_embeddings), the short ones otherwise, for every row and position alike, as vLLM
+    and llama.cpp choose. transformers picks per forward by the longest sequence and recomputes the cache
+    when a sequence crosses `original`; it agrees with this wherever no row crosses it."""
+    original: int
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str  # the family variant: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, olmo2
@@ -37,6 +46,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
     embed_scale: float | None = None  # Gemma: embeddings x sqrt(hidden)
     partial_rotary_factor: float = 1.0  # Phi-3 / Phi-4-mini: the share of each head's dims that rotate
+    long_rope: LongRope | None = None  # Phi-3 longrope: where the long-context rotary factors start
     extra: dict = field(default_factory=dict)
 
 

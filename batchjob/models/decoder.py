@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import AttentionMetadata, KernelError, Linear, RotaryEmbedding, select_kernels
+from batchjob.kernels import AttentionMetadata, Linear, RotaryEmbedding, select_kernels
 from batchjob.kernels.native.build import default_log
 from batchjob.kernels.profiling import scope
 from batchjob.models.config import ModelConfig
@@ -45,19 +45,22 @@ class DecoderLM:
         """Choose the kernels for KV blocks of `block_size` tokens, when they differ from the ones chosen."""
         if block_size == self.block_size:
             return
-        c, choice = self.config, self.kernel_choice
-        if c.attn_logit_softcap is not None and choice != "torch":
-            # attention logit soft-capping (Gemma 2) is in the torch references only, and the KV layout goes
-            # with the attention kernel: the whole set falls back
-            if choice in ("native", "triton"):
-                raise KernelError(f"--kernels {choice}: attention logit soft-capping ({c.architecture}) is in the "
-                                  "torch kernels only so far; use --kernels torch (or auto)")
-            default_log(f"{c.architecture}: attention logit soft-capping runs on the torch kernels (the native and "
-                        "Triton kernels lack it so far)")
-            choice = "torch"
-        self.kernels = select_kernels(choice, self.device, self.dtype, c.head_dim, c.num_heads // c.num_kv_heads,
-                                      block_size, kv_cache_dtype=self.kv_cache_dtype)
+        c = self.config
+        self.kernels = select_kernels(self.kernel_choice, self.device, self.dtype, c.head_dim, c.num_heads // c.num_kv_heads,
+                                      block_size, kv_cache_dtype=self.kv_cache_dtype, softcap=c.attn_logit_softcap)
         self.block_size = block_size
+
+    def fit_context(self, max_model_len: int) -> None:
+        rope = self.config.long_rope
+        if rope is None:
+            return
+        long = max_model_len > rope.original
+        for r in self.rotaries:
+            r.use_long(long)
+        if long:  # as vLLM warns: the long factors serve long contexts at some cost to short ones
+            default_log(f"{self.config.architecture}: longrope's long factors for a {max_model_len:,}-token context "
+                        f"(over the {rope.original:,} it was pre-trained for); --max-model-len {rope.original} "
+                        "uses the short ones, better for short rows")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -96,7 +99,7 @@ class DecoderLM:
         with scope("logits"):
             logits = self.lm_head(hidden)
             cap = self.config.final_logit_softcap
-            return logits if cap is None else torch.tanh(logits / cap) * cap
+            return logits if cap is None else self.kernels.softcap(logits, cap)
 
 
 def _add_norm(ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -30,5 +30,14 @@ class Family:
     parse_hf: Callable[[dict, str, str], ModelConfig]  # (config.json, variant, source) -> ModelConfig
     weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # every HF weight name the config implies
     build: Callable[[ModelConfig, dict[str, torch.Tensor], torch.dtype, torch.device], ModelParts]
+    # GGUF (llama.cpp's format): what its convert_hf_to_gguf.py wrote for this family, and how to read it back
     gguf_architectures: dict[str, str] = field(default_factory=dict)  # GGUF general.architecture -> the variant
-    parse_gguf: Callable[[dict, Collection[str], str, str], ModelConfig] | None = None
+    # (metadata, tensor names, variant, source); None: a file of that GGUF architecture that is another family's
+    parse_gguf: Callable[[dict, Collection[str], str, str], ModelConfig | None] | None = None
+    # llama.cpp's tensor name (gguf.constants.TENSOR_NAMES spelling, no .weight/.bias) -> ours, per config:
+    # "blk.{bid}.attn_q" -> "model.layers.{bid}.self_attn.q_proj". A target with {xid} is a 3-D stack of experts
+    # (llama.cpp's *_exps), split along its first dim into one HF weight per expert.
+    gguf_names: Callable[[ModelConfig], dict[str, str]] | None = None
+    # undoes what the converter did to one tensor's values, given its HF name (llama's Q/K row permute, Gemma's
+    # norms stored as 1 + w); vectors (norms, biases) arrive in float32, matrices in the load dtype
+    gguf_tensor: Callable[[ModelConfig, str, torch.Tensor], torch.Tensor] | None = None

@@ -1,5 +1,6 @@
-"""A GGUF model file (llama.cpp's format): metadata -> config and tokenizer, tensors dequantized to HF names
-and layout (Q/K rows un-permuted for llama)."""
+"""A GGUF model file (llama.cpp's format): metadata -> config and tokenizer, tensors dequantized one by one to
+HF names and layout. Which family, and how its GGUF names and values map back, the family says
+(models/families/: Family.gguf_names, gguf_tensor); nothing here names a family."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,9 @@ import gguf
 import numpy as np
 import torch
 
-from batchjob.models.registry import config_from_gguf
+from batchjob.models.config import ModelConfig
+from batchjob.models.family import Family
+from batchjob.models.registry import config_from_gguf, family_of, weight_shapes
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights, sha256_file
 
@@ -19,22 +22,6 @@ from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL",
               "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 _CHUNK_ELEMENTS = 1 << 22  # dequantize this many weights at a time (16 MB of float32), so a tensor never costs 2 copies
-
-# GGUF per-block tensor name -> HF name under model.layers.{i}.
-_GGUF_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
@@ -63,14 +50,22 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
             raise ModelLoadError(
                 f"{path}: tensor {t.name} is {t.tensor_type.name}; supported GGUF types: {', '.join(_GGUF_TYPES)}"
             )
+    family = family_of(config)
+    names = _NameMap(family, config, meta["general.architecture"], path)
+    expected = weight_shapes(config)
     weights = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, path)
-        tensor = dequantized(t, dtype)
-        if meta["general.architecture"] == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config.num_heads if t.name.split(".")[-2] == "attn_q" else config.num_kv_heads
-            tensor = unpermute_rotary(tensor, heads)
-        weights[name] = tensor
+        hf_names = names.hf_names(t)  # before dequantizing: an unexpected tensor costs nothing
+        if stray := [n for n in hf_names if n not in expected]:
+            raise ModelLoadError(f"{path}: GGUF tensor {t.name} ({stray[0]}) is not part of the model its metadata "
+                                 f"describes ({config.architecture}, {config.num_layers} layers)")
+        vector = len(t.shape) == 1  # norms and biases: fixed in float32, then cast (Gemma stores 1 + w)
+        tensor = dequantized(t, torch.float32 if vector else dtype)
+        parts = tensor.unbind(0) if len(hf_names) > 1 else [tensor]  # experts stacked on the first dim
+        for name, part in zip(hf_names, parts, strict=True):
+            if family.gguf_tensor is not None:
+                part = family.gguf_tensor(config, name, part)
+            weights[name] = part.to(dtype)
     weights = checked_weights(config, weights, source=str(path))
 
     identity = {
@@ -84,15 +79,29 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, identity, name=path.stem)
 
 
-def _hf_name(gguf_name: str, source: Path) -> str:
-    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
-        block, part, kind = m.groups()
-        if part in _GGUF_BLOCK_NAMES:
-            return f"model.layers.{block}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
-    elif m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name):
-        if m[1] in _GGUF_TOP_NAMES:
-            return f"{_GGUF_TOP_NAMES[m[1]]}.{m[2]}"
-    raise ModelLoadError(f"{source}: unexpected GGUF tensor {gguf_name!r} (not a llama/qwen2/qwen3 dense model?)")
+class _NameMap:
+    """GGUF tensor names -> HF names, by the family's table ("blk.{bid}.attn_q" -> "model.layers.{bid}.self_attn.q_proj")."""
+
+    def __init__(self, family: Family, config: ModelConfig, gguf_arch: str, source: Path):
+        self.table = family.gguf_names(config) if family.gguf_names is not None else {}
+        self.config, self.gguf_arch, self.source = config, gguf_arch, source
+
+    def hf_names(self, t: gguf.ReaderTensor) -> list[str]:
+        """The HF name(s) of tensor `t`: one per expert for a stacked *_exps tensor, else one."""
+        block, base, kind = None, t.name, ""
+        if m := re.fullmatch(r"(.+)\.(weight|bias)", t.name):
+            base, kind = m[1], "." + m[2]
+        if m := re.fullmatch(r"blk\.(\d+)\.(.+)", base):
+            block, base = int(m[1]), "blk.{bid}." + m[2]
+        target = self.table.get(base)
+        if target is None:
+            known = sorted({k.removeprefix("blk.{bid}.") for k in self.table})
+            raise ModelLoadError(f"{self.source}: unexpected GGUF tensor {t.name!r} for a {self.gguf_arch!r} model "
+                                 f"(read as {self.config.architecture}); the tensors it can hold: {', '.join(known)}")
+        if "{xid}" not in target:
+            return [target.format(bid=block) + kind]
+        experts = int(t.shape[-1])  # GGUF lists dimensions innermost first: experts last
+        return [target.format(bid=block, xid=x) + kind for x in range(experts)]
 
 
 def dequantized(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,16 +120,6 @@ def dequantized(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
             chunk = chunk.copy()
         out[start:start + step] = torch.from_numpy(chunk)
     return out.reshape(shape)
-
-
-def unpermute_rotary(w: np.ndarray | torch.Tensor, heads: int) -> np.ndarray | torch.Tensor:
-    """Undo llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (HF's half-split rotary -> interleaved).
-
-    llama.cpp stores each head's rows as pairs (x0, x_half, x1, x_half+1, ...); HF wants both halves
-    contiguous. Same as transformers' `LlamaTensorProcessor._reverse_permute_weights`.
-    """
-    half = w.shape[0] // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # a contiguous copy
 
 
 class _FastGGUFReader(gguf.GGUFReader):

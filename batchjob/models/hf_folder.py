@@ -16,6 +16,9 @@ from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
+MAP_BYTES = 64 << 20  # bytes read through one mapping of a shard before it is closed and reopened
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     config = config_from_hf(json.loads((folder / "config.json").read_text()), source=str(folder / "config.json"))
     shards = _safetensors_files(folder)
@@ -23,8 +26,17 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name).to(dtype)
+                names = list(f.keys())
+            # reopened every MAP_BYTES: the file's pages read so far leave this process's memory at each close
+            # (a mapping keeps them resident), so loading peaks near one copy of the weights, not file + copy
+            while names:
+                with safe_open(str(shard), framework="pt") as f:
+                    taken = 0
+                    while names and taken < MAP_BYTES:
+                        name = names.pop(0)
+                        t = f.get_tensor(name)
+                        taken += t.numel() * t.element_size()
+                        weights[name] = t.to(dtype)
         except Exception as e:  # the Rust reader raises its own error type for every kind of damage
             raise ModelLoadError(f"{shard}: not a readable safetensors file, probably truncated or damaged "
                                  f"({shard.stat().st_size:,} bytes; {e}); copy or download it again") from None

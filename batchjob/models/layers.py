@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchjob.kernels import AttentionMetadata, Linear, rms_norm
 from batchjob.kernels.profiling import scope
@@ -56,10 +55,7 @@ class Attention:
         with scope("kv_store"):
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         with scope("attention"):
-            if self.softcap is None:
-                o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window)
-            else:
-                o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window, softcap=self.softcap)
+            o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         with scope("linear"):
             return self.o(o.reshape(t, q_size))
 
@@ -74,11 +70,7 @@ class MLP:
         with scope("linear"):
             gate_up = self.gate_up(x)
         with scope("silu_mul"):
-            if self.act == "silu":
-                x = ops.silu_mul(gate_up)
-            else:  # GELU (tanh approximation) x up, as Gemma's gelu_pytorch_tanh
-                gate, up = gate_up.chunk(2, dim=-1)
-                x = F.gelu(gate, approximate="tanh") * up
+            x = ops.silu_mul(gate_up) if self.act == "silu" else ops.gelu_tanh_mul(gate_up)
         with scope("linear"):
             return self.down(x)
 
@@ -97,8 +89,9 @@ class DecoderLayer:
 
 
 def fused(w: dict[str, torch.Tensor], *names: str) -> torch.Tensor:
-    """The weights (or biases) under `names`, concatenated along the output dim: one matmul for all."""
-    return torch.cat([w[n] for n in names])
+    """The weights (or biases) under `names`, concatenated along the output dim: one matmul for all. Takes them
+    out of `w`, so each part is freed once the fused copy exists (build_model's weights are the model's own)."""
+    return torch.cat([w.pop(n) for n in names])
 
 
 @dataclass(slots=True)

@@ -37,10 +37,12 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
 
 def config_from_gguf(meta: dict, tensor_names: Collection[str], source: str = "GGUF") -> ModelConfig:
     arch = meta.get("general.architecture")
-    for fam in FAMILIES:
+    for fam in FAMILIES:  # in order: one GGUF architecture can be two families' (`llama`: Llama, or with experts Mixtral)
         if arch in fam.gguf_architectures and fam.parse_gguf is not None:
-            return fam.parse_gguf(meta, tensor_names, fam.gguf_architectures[arch], source)
-    known = [a for f in FAMILIES if f.parse_gguf is not None for a in f.gguf_architectures]
+            config = fam.parse_gguf(meta, tensor_names, fam.gguf_architectures[arch], source)
+            if config is not None:
+                return config
+    known = dict.fromkeys(a for f in FAMILIES if f.parse_gguf is not None for a in f.gguf_architectures)
     raise UnsupportedModelError(f"{source}: GGUF architecture {arch!r} is not supported; supported: {', '.join(known)}")
 
 
@@ -57,11 +59,21 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto") -> CausalLM:
-    """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here."""
+    """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here.
+
+    The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
+    them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
+    exists and loading peaks near one copy of the weights. To build twice from one load, pass a copy of the
+    dict (`dict(loaded.weights)`): its tensors are then kept."""
+    if not weights:
+        raise ValueError("build_model: no weights (a model took them already; pass dict(loaded.weights) to build "
+                         "more than one model from a load)")
     dev = torch.device(device)
-    w = {k: v.to(device=dev, dtype=dtype) for k, v in weights.items()}
+    w = {}
+    for name in list(weights):
+        w[name] = weights.pop(name).to(device=dev, dtype=dtype)
     parts = family_of(config).build(config, w, dtype, dev)
     for r in parts.rotaries:
-        r.cos, r.sin = r.cos.to(dev), r.sin.to(dev)
+        r.to(dev)
     return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, parts.lm_head, parts.rotaries, dtype, dev,
                      kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype)

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from batchjob.models.chat import ChatTemplateError, render_chat
 
@@ -32,6 +32,15 @@ _GGUF_SPLITS = {
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
+# SentencePiece vocabularies (`tokenizer.ggml.model` = "llama") come in three shapes, chosen by architecture as
+# transformers chooses them; each has the special tokens of the transformers class it builds from.
+_SPM_FLAVOURS = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}
+_SPM_CLASS_SPECIALS = {
+    "llama": ("<unk>", "<s>", "</s>"),  # LlamaTokenizer's
+    "phi3": ("<unk>", "<s>", "</s>"),
+    "gemma": ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>"),  # GemmaTokenizer's
+}
+_GGUF_TOKENIZERS = "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE: Llama 2, Mistral, Gemma, Phi-3)"
 
 
 class Tokenizer:
@@ -132,50 +141,134 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict, source: str = "GGUF") -> "Tokenizer":
-        """Byte-level BPE (`tokenizer.ggml.model` = "gpt2") from GGUF metadata given as Python values."""
+        """The vocabulary of GGUF metadata given as Python values, built as transformers builds it from the file:
+        byte-level BPE (`tokenizer.ggml.model` = "gpt2") or SentencePiece BPE ("llama")."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"{source}: GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)"
-            )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
-        # As transformers does: a token outside the byte alphabet is written as raw text; respell it.
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
-        backend = tokenizers.Tokenizer(
-            models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, fuse_unk=False)
-        )
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>...) match whole in text; one spelled outside the byte alphabet is a
-        # llama.cpp mislabel and adding it would grow the vocabulary, so it is skipped (as transformers does).
-        backend.add_special_tokens(
-            [
-                AddedToken(t, normalized=False, special=True)
-                for t, kind in zip(tokens, types)
-                if kind == _GGUF_CONTROL and set(t) <= alphabet
-            ]
-        )
-        backend.add_tokens(
-            [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED]
-        )
+        if kind == "gpt2":
+            backend, spelled = _byte_level_backend(meta)
+            add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        elif kind == "llama":
+            backend, spelled = _sentencepiece_backend(meta, source)
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (so does transformers)
+            add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        else:
+            raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported; supported: {_GGUF_TOKENIZERS}")
 
         def token(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}")
             return spelled[i] if i is not None and 0 <= i < len(spelled) else None
 
-        # llama.cpp stops on eot/eom as well as eos (e.g. Llama 3's <|eot_id|>)
+        # llama.cpp stops on eot/eom as well as eos (e.g. Llama 3's <|eot_id|>, Gemma's <end_of_turn>)
         eos = [t for t in (token("eos_token_id"), token("eot_token_id"), token("eom_token_id")) if t is not None]
         return cls(
             backend,
             bos_token=token("bos_token_id"),
             eos_tokens=eos,
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=add_bos,
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+
+def _byte_level_backend(meta: dict) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """Byte-level BPE (`tokenizer.ggml.model` = "gpt2") and the tokens as its vocabulary spells them."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
+    # As transformers does: a token outside the byte alphabet is written as raw text; respell it.
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, fuse_unk=False)
+    )
+    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>...) match whole in text; one spelled outside the byte alphabet is a
+    # llama.cpp mislabel and adding it would grow the vocabulary, so it is skipped (as transformers does).
+    backend.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(tokens, types)
+            if kind == _GGUF_CONTROL and set(t) <= alphabet
+        ]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED]
+    )
+    return backend, spelled
+
+
+def _sentencepiece_backend(meta: dict, source: str) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """SentencePiece BPE (`tokenizer.ggml.model` = "llama") as transformers 5 builds it (its
+    integrations/gguf/gguf_tokenizer_mapping.py), and the tokens as its vocabulary spells them.
+
+    BPE with byte fallback (<0x..> pieces) over the file's pieces, with the file's merges or, as llama.cpp writes
+    none, the merges the pieces and their scores imply. How a space becomes '▁' depends on the architecture:
+    Llama/Mistral prefix the text with one ('▁' in front of the first chunk only); Phi-3 prefix every chunk between
+    special tokens; Gemma none, and its order of merges is the file's order, not its scores'. Like transformers,
+    `tokenizer.ggml.add_space_prefix` is not read.
+    """
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    flavour = _SPM_FLAVOURS.get(meta.get("general.architecture"), "llama")
+    spelled = tokens
+    if flavour == "gemma":  # a piece of 2+ spaces is stored as spaces ("  "), looked up as "▁▁"
+        spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    elif flavour == "gemma":
+        merges = _merges_from_scores(vocab, {t: -i for i, t in enumerate(spelled)})
+    elif meta.get("tokenizer.ggml.scores") is not None:
+        merges = _merges_from_scores(vocab, dict(zip(spelled, meta["tokenizer.ggml.scores"])))
+    else:
+        raise ValueError(
+            f"{source}: a SentencePiece GGUF vocabulary needs tokenizer.ggml.scores or .merges; it has neither"
+        )
+
+    unk = "<unk>" if flavour == "gemma" else None  # what GemmaTokenizer / LlamaTokenizer give their BPE
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk)
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if flavour == "gemma":
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif flavour == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    if flavour != "gemma":  # the prefixed '▁' comes off the decoded text again
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+
+    # Matched whole in text, in transformers' order (a token keeps the first role it gets): special, so skipped
+    # when decoding, the class's own special tokens and the control tokens; as text, the user-defined ones; then
+    # special, the file's bos/eos/unk/pad. transformers appends one the vocabulary lacks as a new id, past the
+    # model's embeddings; we leave it out.
+    control = [t for t, kind in zip(spelled, types) if kind == _GGUF_CONTROL]
+    special = [t for t in dict.fromkeys([*_SPM_CLASS_SPECIALS[flavour], *control]) if t in vocab]
+    user_defined = [
+        t for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED and t in vocab and t not in special
+    ]
+    named = [spelled[i] for key in ("bos", "eos", "unknown", "padding")
+             if isinstance(i := meta.get(f"tokenizer.ggml.{key}_token_id"), int) and 0 <= i < len(spelled)]
+    special += [t for t in dict.fromkeys(named) if t not in special and t not in user_defined]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
+    return backend, spelled
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies, as transformers' `generate_merges` orders them: each way
+    to cut a piece into two pieces, the best-scored piece first (ties: the longer left part, then right part)."""
+    merges = []
+    for piece, score in scores.items():
+        cuts = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(cuts, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.kernels.interface import AttentionMetadata
+from batchjob.kernels.interface import AttentionMetadata, KernelSet
 from batchjob.kernels.native.build import BuildError, build_all, cpu_identity
 from batchjob.kernels.reference.kv_quant import group4
 
@@ -41,7 +41,7 @@ class PackedKV:
         return self.codes, self.scales
 
 
-class NativeKernels:
+class NativeKernels(KernelSet):
     name = "native"
 
     def __init__(self, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int, log=None,
@@ -62,16 +62,18 @@ class NativeKernels:
             shape = {"HEAD_DIM": head_dim, "GQA": gqa, "GROUP": group4(head_dim)}
             specs += [("paged_attention_quant.cpp", shape), ("kv_quant_store.cpp", shape)]
         lib, fused, *quant = (_load(path) for path in build_all(specs, log=log))
-        self._attention = _fn(lib.bj_paged_attention, [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I])
+        self._attention = _fn(lib.bj_paged_attention, [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _F, _I, _I])
         self._store_kv = _fn(lib.bj_store_kv, [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I])
         self._add_rms_norm = _fn(fused.bj_add_rms_norm, [_P, _I64, _P, _P, _P, _I, _I, _F, _I, _I])
         self._rotary = _fn(fused.bj_rotary, [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I])
         self._silu_mul = _fn(fused.bj_silu_mul, [_P, _P, _I, _I, _I, _I])
+        self._gelu_tanh_mul = _fn(fused.bj_gelu_tanh_mul, [_P, _P, _I, _I, _I, _I])
+        self._softcap = _fn(fused.bj_softcap, [_P, _P, _I64, _F, _I, _I])
         self._argmax = _fn(fused.bj_argmax_rows, [_P, _I, _I, _P, _I, _I])
         if quant:
             attention, store = quant
             self._attention_quant = _fn(attention.bj_paged_attention_quant, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _P, _P,
-                                                                             _I, _I, _I, _I, _I, _F, _I, _I, _I])
+                                                                             _I, _I, _I, _I, _I, _F, _F, _I, _I, _I])
             self._store_quant = _fn(store.bj_store_kv_quant, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I])
             self._load_quant = _fn(store.bj_load_kv_quant, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P])
         self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
@@ -141,8 +143,7 @@ class NativeKernels:
                "add + RMSNorm")
         return out
 
-    @staticmethod
-    def prepare_rotary(rope, positions: torch.Tensor):
+    def prepare_rotary(self, rope, positions: torch.Tensor):
         return rope.cos, rope.sin, positions.contiguous()
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, prepared) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +158,28 @@ class NativeKernels:
         return q, k
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gated(self._silu_mul, gate_up, "SiLU * up")
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gated(self._gelu_tanh_mul, gate_up, "GELU (tanh) * up")
+
+    def _gated(self, fn, gate_up: torch.Tensor, what: str) -> torch.Tensor:
+        """act(gate) * up of a fused [..., 2n] gate/up projection, in the model's dtype."""
         gate_up = gate_up.contiguous()
         n = gate_up.shape[-1] // 2
         out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype)
-        _check(self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, self.dtype_code,
-                              torch.get_num_threads()), "SiLU * up")
+        _check(fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, self.dtype_code,
+                  torch.get_num_threads()), what)
+        return out
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """tanh(x / cap) * cap as a new tensor of x's dtype (fp32 or bf16 logits; others: the reference)."""
+        code = _DTYPE_CODES.get(x.dtype)
+        if code is None or x.device.type != "cpu" or not cap > 0:
+            return super().softcap(x, cap)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _check(self._softcap(x.data_ptr(), out.data_ptr(), x.numel(), cap, code, torch.get_num_threads()), "soft-cap")
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -176,8 +194,11 @@ class NativeKernels:
         return out
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, window: int | None = None) -> torch.Tensor:
+                  scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Same contract as attention.paged_attention_torch."""
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attention soft-cap must be > 0, not {softcap}")
+        cap = softcap or 0.0
         t, h, d = q.shape
         q = _rows_contiguous(q)
         out = torch.empty((t, h, d), dtype=q.dtype)
@@ -187,13 +208,13 @@ class NativeKernels:
                 q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.codes.data_ptr(), v_cache.codes.data_ptr(),
                 k_cache.scales.data_ptr(), v_cache.scales.data_ptr(), bt.data_ptr(), bt.shape[1],
                 meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.shape[0], h,
-                k_cache.codes.shape[1], k_cache.scales.shape[3], window or 0, scale, k_cache.bits, self.dtype_code,
+                k_cache.codes.shape[1], k_cache.scales.shape[3], window or 0, scale, cap, k_cache.bits, self.dtype_code,
                 torch.get_num_threads()), "paged attention over a quantized cache")
             return out
         _check(self._attention(
             q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             bt.data_ptr(), bt.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
-            meta.seq_lens.shape[0], h, k_cache.shape[1], k_cache.shape[3], window or 0, scale, self.dtype_code,
+            meta.seq_lens.shape[0], h, k_cache.shape[1], k_cache.shape[3], window or 0, scale, cap, self.dtype_code,
             torch.get_num_threads()), "paged attention")
         return out
 

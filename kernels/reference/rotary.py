@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF "rotate_half" layout), with Llama 3 frequency scaling."""
+"""Rotary position embedding (HF "rotate_half" layout), with Llama 3 frequency scaling and Phi-3's longrope."""
 from __future__ import annotations
 
 import math
@@ -25,17 +25,39 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position (no per-step recomputation)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        """`scaling`: HF's rope_scaling dict (llama3 or longrope). Longrope has a table for its short factors
+        and one for its long ones; `use_long` chooses (models/config.py LongRope says when)."""
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.long: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (scaling or {}).get("rope_type") == "longrope":  # transformers' _compute_longrope_parameters
+            short, long = (_table(1.0 / (torch.tensor(scaling[f"{part}_factor"], dtype=torch.float32) * theta ** shape),
+                                  max_positions, scaling["attention_factor"], dtype) for part in ("short", "long"))
+            (self.cos, self.sin), self.short, self.long = short, short, long
+            return
+        inv_freq = 1.0 / (theta ** shape)
         if scaling is not None:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos, self.sin = _table(inv_freq, max_positions, 1.0, dtype)
+
+    def to(self, device: torch.device) -> None:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        if self.long is not None:
+            self.short, self.long = (tuple(t.to(device) for t in pair) for pair in (self.short, self.long))
+            self.cos, self.sin = self.short
+
+    def use_long(self, long: bool) -> None:
+        """Longrope: rotate with the long factors (True) or the short ones."""
+        self.cos, self.sin = self.long if long else self.short
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for `positions`, [T, 1, D]: looked up once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _table(inv_freq: torch.Tensor, max_positions: int, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Triton paged attention: the KV store by slot mapping, decode (GQA-packed tiles, fixed 512-token splits
 merged by log-sum-exp in split order) and prefill/extend (query tiles attending causally to their own
-tokens and the row's cached prefix through the block table). Must equal kernels/reference/attention.py."""
+tokens and the row's cached prefix through the block table), with the optional sliding window and logit
+soft-cap. Must equal kernels/reference/attention.py (store_kv, paged_attention_torch with its window and softcap)."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +23,17 @@ def pow2(n: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def tanh(x):
+        """tanh in fp32 from exp alone (libdevice's does not run under the interpreter): a Taylor series where
+        1 - e^-2|x| would cancel, (1 - e) / (1 + e) elsewhere; a few fp32 ulps from torch.tanh, NaN stays NaN."""
+        a = tl.abs(x)
+        e = tl.exp(-2.0 * a)
+        x2 = x * x
+        small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+        big = (1.0 - e) / (1.0 + e)
+        return tl.where(a < 0.25, small, tl.where(x < 0, -big, big))  # series: next term below 1e-8 relative
 
     @triton.jit
     def _online_softmax(s, v, m, s_sum, acc):
@@ -47,9 +59,10 @@ if triton is not None:
             tl.store(VC + slot * WIDTH + offs, v, mask=m)
 
     @triton.jit
-    def _decode_split_kernel(Q, K, V, KS, VS, OUT, LSE, BT, SEQ, QSL, scale, stride_q, stride_bt, num_kv_heads, window,
-                             max_splits, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                             BLOCK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
+    def _decode_split_kernel(Q, K, V, KS, VS, OUT, LSE, BT, SEQ, QSL, scale, softcap, stride_q, stride_bt, num_kv_heads,
+                             window, max_splits, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                             D_PAD: tl.constexpr, BLOCK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, QUANT: tl.constexpr,
+                             GROUP: tl.constexpr, SOFTCAP: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -78,6 +91,8 @@ if triton is not None:
             k = load_kv(K, KS, slot, h, d, km[:, None] & dm[None, :], num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
             v = load_kv(V, VS, slot, h, d, km[:, None] & dm[None, :], num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # operands in the compute dtype, fp32 sums
+            if SOFTCAP:
+                s = tanh(s / softcap) * softcap
             m, s_sum, acc = _online_softmax(tl.where(km[None, :], s, float("-inf")), v, m, s_sum, acc)
         has = s_sum > 0
         out = acc / tl.where(has, s_sum, 1.0)[:, None]
@@ -117,9 +132,10 @@ if triton is not None:
                  mask=gm[:, None] & dm[None, :])
 
     @triton.jit
-    def _prefill_kernel(Q, K, V, KS, VS, O, BT, SEQ, QSL, TILE_ROW, TILE_START, scale, stride_q, stride_o, stride_bt,
-                        num_heads, num_kv_heads, window, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
+    def _prefill_kernel(Q, K, V, KS, VS, O, BT, SEQ, QSL, TILE_ROW, TILE_START, scale, softcap, stride_q, stride_o,
+                        stride_bt, num_heads, num_kv_heads, window, G: tl.constexpr, D: tl.constexpr,
+                        D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                        GROUP: tl.constexpr, SOFTCAP: tl.constexpr):
         tile = tl.program_id(0)
         head = tl.program_id(1)
         h = head // G
@@ -153,6 +169,8 @@ if triton is not None:
             k = load_kv(K, KS, slot, h, d, kv_m, num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
             v = load_kv(V, VS, slot, h, d, kv_m, num_kv_heads, D, QUANT, GROUP, Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            if SOFTCAP:
+                s = tanh(s / softcap) * softcap
             visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < hi)
             if window > 0:
                 visible = visible & (kpos[None, :] > qpos[:, None] - window)
@@ -175,7 +193,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
                                W_PAD=pow2(hkv * d))
 
 
-def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None):
+def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None, softcap=None):
+    """`softcap`: scores become tanh(s / cap) * cap before the masks and softmax (None: the kernels without it)."""
     t, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -190,21 +209,22 @@ def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None):
     group = group4(d) if quant == 4 else 1
     kc, vc = (k_cache.data, v_cache.data) if quant else (k_cache, v_cache)
     ks, vs = (k_cache.scale, v_cache.scale) if quant else (k_cache, v_cache)  # unread when not quantized
+    cap = float(softcap) if softcap is not None else 1.0  # unread without SOFTCAP
     if nd:
         gp, dp = max(16, pow2(g)), pow2(d)
         part = torch.empty((nd, hkv, plan.max_splits, gp, dp), dtype=torch.float32, device=q.device)
         lse = torch.empty((nd, hkv, plan.max_splits, gp), dtype=torch.float32, device=q.device)
         _decode_split_kernel[(nd, hkv, plan.max_splits)](
-            q, kc, vc, ks, vs, part, lse, bt, meta.seq_lens, meta.query_start_loc, scale, q.stride(0), bt.stride(0),
-            hkv, window or 0, plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, BLOCK=block_size, SPLIT_TOKENS=SPLIT,
-            QUANT=quant, GROUP=group)
+            q, kc, vc, ks, vs, part, lse, bt, meta.seq_lens, meta.query_start_loc, scale, cap, q.stride(0),
+            bt.stride(0), hkv, window or 0, plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, BLOCK=block_size,
+            SPLIT_TOKENS=SPLIT, QUANT=quant, GROUP=group, SOFTCAP=softcap is not None)
         _decode_merge_kernel[(nd, hkv)](part, lse, out, meta.seq_lens, meta.query_start_loc, out.stride(0), hkv,
                                         plan.max_splits, G=g, G_PAD=gp, D=d, D_PAD=dp, SPLIT_TOKENS=SPLIT)
     if plan.num_tiles:
         _prefill_kernel[(plan.num_tiles, h)](
             q, kc, vc, ks, vs, out, bt, meta.seq_lens, meta.query_start_loc, plan.tile_row, plan.tile_start, scale,
-            q.stride(0), out.stride(0), bt.stride(0), h, hkv, window or 0, G=g, D=d, D_PAD=pow2(d),
-            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant, GROUP=group)
+            cap, q.stride(0), out.stride(0), bt.stride(0), h, hkv, window or 0, G=g, D=d, D_PAD=pow2(d),
+            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant, GROUP=group, SOFTCAP=softcap is not None)
     return out
 
 

@@ -1,14 +1,15 @@
 """The start-up check behind `--kernels auto` on CUDA: the Triton kernels, compiled for the model's shapes,
 run one small mixed step (decodes over one and several 512-token splits, a prompt chunk over a cached
-prefix) and the element-wise ops, against the torch references on the same device. Auto uses them only
-when every result agrees; else it logs why and runs the references. It costs the kernels' compilation,
-which the first step would pay anyway, and a few milliseconds. tests/triton_cases.py is the full suite."""
+prefix; soft-capped when the model caps its attention logits) and every element-wise op the set has, against
+the torch references on the same device. Auto uses them only when every result agrees; else it logs why and runs
+the references. It costs the kernels' compilation, which the first step would pay anyway, and a few milliseconds.
+tests/kernels/triton_cases.py is the full suite."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from batchjob.kernels.interface import AttentionMetadata
+from batchjob.kernels.reference import elementwise
 from batchjob.kernels.reference.attention import paged_attention_torch, store_kv
 from batchjob.kernels.reference.norm import rms_norm
 from batchjob.kernels.reference.rotary import RotaryEmbedding, apply_rotary
@@ -16,8 +17,11 @@ from batchjob.kernels.reference.rotary import RotaryEmbedding, apply_rotary
 TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # fp32 tl.dot is tf32 on a GPU
 
 
-def check(kern, device: torch.device, num_kv_heads: int = 2) -> str | None:
-    """None when the Triton kernel set `kern` agrees with the references on `device`, else what differs."""
+def check(kern, device: torch.device, num_kv_heads: int = 2, softcap: float | None = None) -> str | None:
+    """None when the Triton kernel set `kern` agrees with the references on `device`, else what differs.
+    `softcap`: the model's attention logit soft-cap, if any: the soft-capped attention is checked then (the path
+    the model runs), with a cap of 2 that bends these scores (~N(0, 1)); the cap is a run-time argument, any
+    value runs the same compiled kernel."""
     dtype, d, gqa, bs = kern.dtype, kern.head_dim, kern.gqa, kern.block_size
     tol = TOLERANCE.get(dtype, 5e-2)
     g = torch.Generator().manual_seed(0)
@@ -47,15 +51,18 @@ def check(kern, device: torch.device, num_kv_heads: int = 2) -> str | None:
     meta = lambda: AttentionMetadata(bt.to(device), dev(lens, torch.int32), dev(qsl, torch.int32),  # noqa: E731
                                      dev(new, torch.long), 2, host={"query_start_loc": qsl, "seq_lens": lens,
                                                                     "block_tables": bt})
-    got = kern.attention(q, caches[0], caches[1], meta(), d ** -0.5)
-    want = paged_attention_torch(q, caches[2], caches[3], meta(), d ** -0.5)
+    cap = None if softcap is None else 2.0
+    got = kern.attention(q, caches[0], caches[1], meta(), d ** -0.5, softcap=cap)
+    want = paged_attention_torch(q, caches[2], caches[3], meta(), d ** -0.5, softcap=cap)
     results = {"attention": (got, want)}
     x, r, w = rnd(5, 96), rnd(5, 96), rnd(96)
     r2 = r.clone()
     results["add + RMSNorm"] = (kern.add_rms_norm(x, r, w, 1e-6), (r2.add_(x), rms_norm(r2, w, 1e-6))[1])
     gu = rnd(5, 2 * 96)
-    gate, up = gu.chunk(2, dim=-1)
-    results["SiLU * up"] = (kern.silu_mul(gu), F.silu(gate) * up)
+    results["SiLU * up"] = (kern.silu_mul(gu), elementwise.silu_mul(gu))
+    results["GELU-tanh * up"] = (kern.gelu_tanh_mul(gu), elementwise.gelu_tanh_mul(gu))
+    logits = rnd(3, 1000) * 4  # |result| < 5: the absolute tolerances stay above an fp16/bf16 ulp
+    results["softcap"] = (kern.softcap(logits, 5.0), elementwise.softcap(logits, 5.0))
     rope = RotaryEmbedding(d, 64, 10000.0, None, dtype)
     rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
     pos = torch.arange(5, device=device) * 7

@@ -1,5 +1,7 @@
-"""Triton element-wise kernels: RMSNorm with the residual add fused, rotary embedding on q/k in place,
-SiLU(gate) * up. Must equal kernels/norm.py, kernels/rotary.py and F.silu(gate) * up."""
+"""Triton element-wise kernels: RMSNorm with the residual add fused, rotary embedding on q/k in place, the gated
+MLP activations SiLU(gate) * up and GELU-tanh(gate) * up, and the logit soft-cap. Must equal kernels/reference/
+norm.py (rms_norm), kernels/reference/rotary.py (apply_rotary) and kernels/reference/elementwise.py (silu_mul,
+gelu_tanh_mul, softcap), with torch's roundings in fp16/bf16."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +15,7 @@ except ImportError:  # pragma: no cover - triton is a dependency, but the CPU pa
 from batchjob.kernels.triton.attention import pow2
 
 if triton is not None:
+    from batchjob.kernels.triton.attention import tanh  # a @triton.jit helper: defined only with triton
 
     @triton.jit
     def _add_rms_norm_kernel(X, R, W, OUT, stride_x, n, eps, HAS_X: tl.constexpr, BLOCK: tl.constexpr):
@@ -57,15 +60,30 @@ if triton is not None:
         tl.store(base + HALF, y2, mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(GU, OUT, n, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+    def _gated_mul_kernel(GU, OUT, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         g = tl.load(GU + t * 2 * n + offs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(GU + t * 2 * n + n + offs, mask=m, other=0.0).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
-        tl.store(OUT + t * n + offs, (silu * u).to(OUT.dtype.element_ty), mask=m)
+        if GELU:  # torch's tanh approximation, in its order: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))
+            act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g))))
+        else:
+            act = g / (1.0 + tl.exp(-g))
+        act = act.to(OUT.dtype.element_ty).to(tl.float32)  # the activation is rounded before the product, as in torch
+        tl.store(OUT + t * n + offs, (act * u).to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _softcap_kernel(X, OUT, stride_x, n, cap, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        dt = OUT.dtype.element_ty
+        y = tanh((x / cap).to(dt).to(tl.float32)).to(dt).to(tl.float32)  # each torch op rounded to the dtype
+        tl.store(OUT + row * n + offs, (y * cap).to(dt), mask=m)
 
 
 def rms_norm(x, weight, eps):
@@ -95,11 +113,29 @@ def rotary(q, k, prepared):
     return q, k
 
 def silu_mul(gate_up):
+    return _gated_mul(gate_up, gelu=False)
+
+def gelu_tanh_mul(gate_up):
+    return _gated_mul(gate_up, gelu=True)
+
+def _gated_mul(gate_up, gelu: bool):
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
-    rows = gate_up.numel() // (2 * n)
+    rows = gate_up.numel() // (2 * n) if n else 0
     out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, pow2(n))
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+        _gated_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, GELU=gelu, BLOCK=block)
+    return out
+
+def softcap(x, cap):
+    """tanh(x / cap) * cap over the last dim, a new tensor in x's dtype (x itself is left as it is)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n) if n else x  # a view where it can be
+    if n and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = min(1024, pow2(n))
+    if x.numel():
+        _softcap_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, float(cap), BLOCK=block)
     return out

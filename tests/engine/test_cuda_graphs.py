@@ -34,11 +34,12 @@ def test_only_a_kernel_set_that_plans_from_shapes_can_be_captured(tiny_model):  
 
 
 def test_decode_only_steps_up_to_the_largest_size_replay_a_graph():
-    class Kernels:  # the one thing DecodeGraphs asks of a kernel set
-        name = "shapes-only"
+    from batchjob.kernels.reference.kernel_set import TorchKernels
 
-        @staticmethod
-        def graph_plan(max_context):
+    class Kernels(TorchKernels):  # a set that plans from shapes alone: all DecodeGraphs asks of it
+        name, captures_graphs = "shapes-only", True
+
+        def graph_plan(self, max_context):
             return {"max_context": max_context}
 
     class Model:
@@ -55,9 +56,9 @@ def test_the_cuda_graphs_flag_reaches_the_engine(tmp_path, tiny_model_dir):
     from batchjob.models.loader import load_model
     import torch
 
-    loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.float32)
     for flag in (True, False):
         cfg = load_job(None, {"model": "m", "input": "x.jsonl", "cuda_graphs": flag})
         assert cfg.cuda_graphs is flag
+        loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.float32)  # an engine takes its weights
         engine = build_engine(cfg, loaded, "cpu", torch.float32)
         assert engine.config.cuda_graphs is flag and engine.runner.decode_graphs is None

@@ -112,7 +112,7 @@ def test_the_torch_kernels_plan_from_the_runners_host_copies_with_the_same_resul
     ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
     assert meta.host is None  # the CPU needs no copies
     g = torch.Generator().manual_seed(0)
-    shape, _ = TorchKernels.kv_cache_shapes(used, 16, 2, 16)
+    shape, _ = TorchKernels().kv_cache_shapes(used, 16, 2, 16)
     kc, vc = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     q = torch.randn(40, 4, 16, generator=g)
     # the tensors scrambled: only a plan built from the host copies gets the right answer
@@ -120,4 +120,4 @@ def test_the_torch_kernels_plan_from_the_runners_host_copies_with_the_same_resul
                                meta.slot_mapping, meta.num_decodes,
                                host={"query_start_loc": meta.query_start_loc.tolist(), "seq_lens": meta.seq_lens.tolist(),
                                      "block_tables": meta.block_tables.clone()})
-    assert torch.equal(TorchKernels.attention(q, kc, vc, hosted, 0.25), TorchKernels.attention(q, kc, vc, meta, 0.25))
+    assert torch.equal(TorchKernels().attention(q, kc, vc, hosted, 0.25), TorchKernels().attention(q, kc, vc, meta, 0.25))

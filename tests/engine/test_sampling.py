@@ -30,7 +30,7 @@ def tiny(tiny_model_dir):
 
     path = tiny_model_dir("llama", max_positions=1024)
     loaded = load_model(str(path), dtype=torch.float32)
-    ours = build_model(loaded.config, loaded.weights, torch.float32)
+    ours = build_model(loaded.config, dict(loaded.weights), torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return ours, ref, loaded.tokenizer, path
 
@@ -338,7 +338,7 @@ def test_parse_names_the_bad_field():
 
 
 def test_argmax_rows_matches_torch_argmax_including_ties_and_nan():
-    from batchjob.engine.sample.sampler import argmax_rows
+    from batchjob.kernels.reference.elementwise import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 1024, generator=g)

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (kernels/native/csrc/paged_attention.cpp) against the fp32 torch reference, their
-bitwise batch invariance, and how they are built: compiled at first use, cached, concurrent builders,
+"""The compiled CPU kernels (kernels/native/csrc/paged_attention.cpp, fused.cpp) against the fp32 torch reference,
+their bitwise batch invariance, and how they are built: compiled at first use, cached, concurrent builders,
 and the fallback to the torch reference where they cannot be built."""
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def native(head_dim: int, gqa: int, dtype: torch.dtype, block_size: int):
     return kernels
 
 
-def reference(rows, block_size, window=None) -> list[torch.Tensor]:
-    return attend(TorchKernels, rows, block_size, window, dtype=torch.float32)
+def reference(rows, block_size, window=None, softcap=None) -> list[torch.Tensor]:
+    return attend(TorchKernels(), rows, block_size, window, dtype=torch.float32, softcap=softcap)
 
 
 SHAPES = [(64, 1), (64, 3), (80, 2), (80, 5), (96, 4), (96, 7), (128, 6), (128, 8)]  # (head_dim, GQA group)
@@ -46,8 +46,33 @@ def test_native_attention_matches_the_fp32_reference(head_dim, gqa, block_size, 
     if dtype == torch.bfloat16:  # as accurate as torch's own bf16 attention
         ref = torch.cat(reference(rows, block_size))
         mine = (torch.cat(attend(kernels, rows, block_size)).float() - ref).abs().mean()
-        theirs = (torch.cat(attend(TorchKernels, rows, block_size)).float() - ref).abs().mean()
+        theirs = (torch.cat(attend(TorchKernels(), rows, block_size)).float() - ref).abs().mean()
         assert mine <= theirs * 1.2
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (256, 2)])  # SmolLM2's shape; Gemma 2's head_dim
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_native_attention_with_a_logit_soft_cap_matches_the_fp32_reference(head_dim, gqa, dtype):
+    """Gemma 2's tanh(s / cap) * cap on the scores, for decodes, fresh prompts, continued chunks and prefix hits,
+    with and without a sliding window; a row's result still bitwise the same alone. The queries are scaled
+    x4 so that the scores go past a cap of 5 (where the tanh bends them) and near Gemma 2's 50."""
+    kernels = native(head_dim, gqa, dtype, 16)
+    rows = random_rows(SPEC, 2, gqa, head_dim, dtype, seed=head_dim + gqa)
+    for r in rows:
+        r.q = r.q * 4
+    for cap, window in ((5.0, None), (5.0, 24), (50.0, None), (50.0, 24)):
+        out, ref = torch.cat(attend(kernels, rows, 16, window, softcap=cap)).float(), torch.cat(reference(rows, 16, window, cap))
+        assert (torch.cat(reference(rows, 16, window)) - ref).abs().max() > 0.05  # the cap changes the result
+        if dtype == torch.float32:  # a sharper softmax than above: each score's fp32 rounding weighs more
+            assert (out - ref).abs().max().item() < 2e-5, (cap, window)
+        else:  # the reference's own bf16 run rounds only its output (softmax in fp32); P in bf16 adds a little
+            theirs = torch.cat(attend(TorchKernels(), rows, 16, window, softcap=cap)).float()
+            assert (out - ref).abs().max().item() < 2e-2, (cap, window)
+            assert (out - ref).abs().mean() <= (theirs - ref).abs().mean() * 1.5, (cap, window)
+    batched = attend(kernels, rows, 16, 24, softcap=5.0)
+    for i in (0, 3, 5, 7):
+        assert torch.equal(attend(kernels, [rows[i]], 16, 24, seed=i + 1, softcap=5.0)[0], batched[i]), i
 
 
 @needs_native
@@ -185,7 +210,8 @@ def test_two_processes_compiling_at_once_both_succeed(tmp_path):
 def test_a_model_s_first_use_compiles_everything_it_needs_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHJOB_CACHE_DIR", str(tmp_path))
     lines = []
-    assert select_kernels("native", "cpu", torch.float32, 64, 3, log=lines.append).name == "native"
+    kernels = select_kernels("native", "cpu", torch.float32, 64, 3, log=lines.append)
+    assert kernels.name == "native" and kernels.reference_ops() == []  # every op compiled: none borrowed
     assert len(lines) == 1 and "paged_attention gqa 3 head_dim 64; fused" in lines[0], lines
     select_kernels("native", "cpu", torch.float32, 64, 3, log=lines.append)
     assert len(lines) == 1  # cached: silent
@@ -219,7 +245,7 @@ def test_the_cache_key_covers_the_cpu_and_the_compiler(monkeypatch, tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("rows,n", [(1, 576), (7, 100), (64, 64), (33, 1000)])
 def test_fused_norms_match_the_reference(dtype, rows, n):
-    kernels, ref = native(64, 1, dtype, 16), TorchKernels
+    kernels, ref = native(64, 1, dtype, 16), TorchKernels()
     g = torch.Generator().manual_seed(n)
     x, h = (torch.randn(rows, n, generator=g).to(dtype) for _ in range(2))
     w = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype)
@@ -246,7 +272,7 @@ def test_fused_rotary_is_bitwise_the_reference(dtype, head_dim):
     qkv = torch.randn(9, 5 * head_dim, generator=g).to(dtype)  # 3 query heads, 1 KV head, then V
     positions = torch.tensor([0, 1, 5, 17, 100, 255, 256, 400, 511])
     q, k = qkv[:, :3 * head_dim].view(9, 3, head_dim), qkv[:, 3 * head_dim:4 * head_dim].view(9, 1, head_dim)
-    want = TorchKernels.rotary(q.clone(), k.clone(), TorchKernels.prepare_rotary(rope, positions))
+    want = TorchKernels().rotary(q.clone(), k.clone(), TorchKernels().prepare_rotary(rope, positions))
     got = kernels.rotary(q, k, kernels.prepare_rotary(rope, positions))  # in place, on views of the QKV output
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(qkv[:, :3 * head_dim].view(9, 3, head_dim), want[0])
@@ -259,9 +285,41 @@ def test_fused_silu_mul_matches_the_reference(dtype, rows, n):
     kernels = native(64, 1, dtype, 16)
     gate_up = (4 * torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n))).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends
-    want = TorchKernels.silu_mul(gate_up)
+    want = TorchKernels().silu_mul(gate_up)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(kernels.silu_mul(gate_up), want, **tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows,n", [(1, 9216), (5, 100), (64, 128)])  # 9216: Gemma 2 2B's MLP
+def test_fused_gelu_tanh_mul_matches_the_reference(dtype, rows, n):
+    kernels = native(64, 1, dtype, 16)
+    gate_up = (4 * torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n))).to(dtype)
+    gate_up[0, :8] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -5.0, 5.0, float("inf"), float("-inf")])
+    want = TorchKernels().gelu_tanh_mul(gate_up)
+    # fp32: where gate < -2, 1 + tanh cancels, and torch's own result is good only to ~1e-7 |gate * up|
+    tol = dict(rtol=2e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kernels.gelu_tanh_mul(gate_up), want, equal_nan=True, **tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows,vocab", [(1, 256000), (3, 1001), (40, 49152)])
+def test_fused_softcap_matches_the_reference(dtype, rows, vocab):
+    """Gemma 2's final logit soft-cap (30): a new tensor of x's dtype, NaN and infinities as torch has them,
+    the range of the tanh's two branches and a tail shorter than a vector."""
+    kernels = native(64, 1, dtype, 16)
+    x = (20 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))).to(dtype)
+    x[0, :9] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-30, 29.9, 30.0, 300.0])
+    before = x.clone()
+    got, want = kernels.softcap(x, 30.0), TorchKernels().softcap(x, 30.0)
+    assert got.dtype == dtype and torch.equal(x.nan_to_num(), before.nan_to_num())
+    # fp32: a few ulps (another tanh); bf16: both round each op to bf16, so they differ by one bf16 ulp at most
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(got, want, equal_nan=True, **tol)
+    assert torch.equal(got[0, :5].nan_to_num(), want[0, :5].nan_to_num())  # NaN, +-30, +-0 exactly
+    assert torch.equal(got[0, :5].signbit(), want[0, :5].signbit())
 
 
 @needs_native

@@ -1,6 +1,7 @@
 """The native int8/int4 KV kernels (kernels/native/csrc/paged_attention_quant.cpp): the quantizing store gives
-bitwise the codes and scales of kernels/reference/kv_quant.py, attention over them matches the torch reference over
-the same dequantized cache, a row's result is bitwise the same in any batch, and jobs run on them."""
+bitwise the codes and scales of kernels/reference/kv_quant.py, attention over them (with and without the logit
+soft-cap) matches the torch reference over the same dequantized cache, a row's result is bitwise the same in any
+batch, and jobs run on them."""
 from __future__ import annotations
 
 import copy
@@ -34,13 +35,13 @@ def zeros(shape, dtype):
     return torch.zeros(shape, dtype=dtype)
 
 
-def attend(kernels, rows, bits: int, block_size: int = 16, window=None, dtype=None, seed=0, threads=None):
+def attend(kernels, rows, bits: int, block_size: int = 16, window=None, dtype=None, seed=0, threads=None, softcap=None):
     """Every row's attention output over a quantized cache the backend stored itself (native: PackedKV,
     torch: QuantizedKV), in shuffled blocks, decodes first."""
     dtype = dtype or rows[0].q.dtype
     hkv, d = rows[0].k.shape[1:]
     num_blocks, slots, meta = paged_step(rows, block_size, seed)
-    if kernels is TorchKernels:
+    if isinstance(kernels, TorchKernels):
         kc, vc = (QuantizedKV.zeros(bits, num_blocks, block_size, hkv, d, "cpu") for _ in range(2))
     else:
         kc, vc = kernels.quantized_kv_caches(bits, num_blocks, block_size, hkv, d, zeros)
@@ -49,7 +50,7 @@ def attend(kernels, rows, bits: int, block_size: int = 16, window=None, dtype=No
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        out = kernels.attention(torch.cat([r.q for r in rows]).to(dtype), kc, vc, meta, d ** -0.5, window)
+        out = kernels.attention(torch.cat([r.q for r in rows]).to(dtype), kc, vc, meta, d ** -0.5, window, softcap)
     finally:
         torch.set_num_threads(before)
     return list(out.split([r.new for r in rows]))
@@ -95,13 +96,40 @@ def test_native_attention_over_a_quantized_cache_matches_the_dequantized_referen
     rows = random_rows(SPEC, 2, gqa, head_dim, dtype, seed=head_dim + gqa)
     for window in (None, 24):
         out = torch.cat(attend(kernels, rows, bits, block_size, window)).float()
-        ref = torch.cat(attend(TorchKernels, rows, bits, block_size, window, dtype=torch.float32))
+        ref = torch.cat(attend(TorchKernels(), rows, bits, block_size, window, dtype=torch.float32))
         if dtype == torch.float32:
             assert (out - ref).abs().max().item() < 5e-4 and (out - ref).abs().mean().item() < 3e-5, window
         else:  # as close as torch's own bf16 attention over the same cache, give or take
             mine = (out - ref).abs().mean().item()
-            theirs = (torch.cat(attend(TorchKernels, rows, bits, block_size, window)).float() - ref).abs().mean().item()
+            theirs = (torch.cat(attend(TorchKernels(), rows, bits, block_size, window)).float() - ref).abs().mean().item()
             assert mine <= theirs * 2.5 and (out - ref).abs().max().item() < 5e-2, (mine, theirs)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (256, 2)])  # SmolLM2's shape; Gemma 2's head_dim
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_native_attention_over_a_quantized_cache_with_a_logit_soft_cap(bits, head_dim, gqa, dtype):
+    """Gemma 2's tanh(s / cap) * cap on the scores, against the fp32 reference over the same codes, with and
+    without a sliding window; a row's result still bitwise the same alone. The queries are scaled x4 so that
+    the scores go past the cap, where the tanh bends them."""
+    kernels = native(bits, head_dim, gqa, dtype)
+    rows = random_rows(SPEC, 2, gqa, head_dim, dtype, seed=head_dim + gqa)
+    for r in rows:
+        r.q = r.q * 4
+    for window in (None, 24):
+        out = torch.cat(attend(kernels, rows, bits, 16, window, softcap=5.0)).float()
+        ref = torch.cat(attend(TorchKernels(), rows, bits, 16, window, dtype=torch.float32, softcap=5.0))
+        uncapped = torch.cat(attend(TorchKernels(), rows, bits, 16, window, dtype=torch.float32))
+        assert (uncapped - ref).abs().max() > 0.05  # the cap changes the result
+        if dtype == torch.float32:
+            assert (out - ref).abs().max().item() < 5e-4 and (out - ref).abs().mean().item() < 3e-5, window
+        else:
+            mine = (out - ref).abs().mean().item()
+            theirs = (torch.cat(attend(TorchKernels(), rows, bits, 16, window, softcap=5.0)).float() - ref).abs().mean().item()
+            assert mine <= theirs * 2.5 and (out - ref).abs().max().item() < 5e-2, (mine, theirs)
+    batch = attend(kernels, rows, bits, window=24, softcap=5.0, threads=2)
+    for i in (0, 3, 5, 7):
+        assert torch.equal(attend(kernels, [rows[i]], bits, window=24, seed=i + 1, threads=1, softcap=5.0)[0], batch[i]), i
 
 
 @pytest.mark.parametrize("bits", BITS)

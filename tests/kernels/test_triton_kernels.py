@@ -1,5 +1,5 @@
 """The Triton kernels against their torch references under the interpreter (TRITON_INTERPRET=1): the
-cases live in tests/triton_cases.py and run in a process of their own, because the flag must be set
+cases live in tests/kernels/triton_cases.py and run in a process of their own, because the flag must be set
 before anything imports triton. On a GPU, `python -m tests.kernels.triton_cases --device cuda` runs the same cases on CUDA."""
 from __future__ import annotations
 

@@ -44,25 +44,28 @@ def random_step(spec, kv_heads, gqa, head_dim, block_size, dtype, device, seed=0
     return q.to(device), k.to(device), v.to(device), torch.tensor(ctx_slots, device=device), len(perm), meta
 
 
-def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None):
+def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, softcap=None):
     kern = TritonKernels(head_dim, gqa, dtype, block_size)
     q, k, v, slots, nb, meta = random_step(spec, 2, gqa, head_dim, block_size, dtype, device, seed=head_dim + gqa)
     shape, _ = kern.kv_cache_shapes(nb, block_size, 2, head_dim)
     kc, vc = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     kern.store_kv(k, v, kc, vc, slots)
     ref_k, ref_v = torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32)
-    TorchKernels.store_kv(k.float().cpu(), v.float().cpu(), ref_k, ref_v, slots.cpu())
+    TorchKernels().store_kv(k.float().cpu(), v.float().cpu(), ref_k, ref_v, slots.cpu())
     assert torch.equal(kc.float().cpu(), ref_k) and torch.equal(vc.float().cpu(), ref_v), "KV store"
-    out = kern.attention(q, kc, vc, meta, head_dim ** -0.5, window)
+    out = kern.attention(q, kc, vc, meta, head_dim ** -0.5, window, softcap)
     ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
                                  meta.slot_mapping.cpu(), meta.num_decodes)
-    ref = TorchKernels.attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window)
+    ref = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window, softcap)
     tol = {torch.float32: 2e-5 if device == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
     err = (out.float().cpu() - ref).abs().max().item()
     assert err < tol, f"max error {err:.2e} >= {tol:.0e}"
     if window:  # the window is applied: rows with longer contexts come out otherwise without it
-        full = TorchKernels.attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, None)
+        full = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, None, softcap)
         assert (full - ref).abs().max().item() > 100 * tol, "the window changed nothing"
+    if softcap:  # the cap is applied: the scores (~N(0, 1)) come out otherwise uncapped
+        uncapped = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window)
+        assert (uncapped - ref).abs().max().item() > 100 * tol, "the soft-cap changed nothing"
     return err
 
 
@@ -70,6 +73,10 @@ def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None):
 SPEC = [(0, 1), (37, 1), (700, 1), (1100, 1), (0, 9), (0, 40), (33, 20), (90, 17)]
 ATTENTION = [(hd, g, bs, dt) for hd, g, bs in [(64, 1, 16), (64, 3, 32), (80, 4, 16), (128, 3, 16), (128, 1, 32), (80, 1, 32)]
              for dt in (torch.float32, torch.float16)]
+# the logit soft-cap (Gemma 2, head_dim 256; a cap of 2 bends these ~N(0, 1) scores), alone and with a window
+# (head_dim, gqa, block size, dtype, window): each shape and dtype, each with and without a window, in 4 cases
+SOFTCAP = [(64, 3, 32, torch.float32, None), (80, 1, 16, torch.float16, 48), (256, 2, 16, torch.float32, 48),
+           (256, 2, 16, torch.float16, None)]
 
 
 def run(device: str, only: str | None = None) -> int:
@@ -78,10 +85,17 @@ def run(device: str, only: str | None = None) -> int:
         for window in (None, 48):
             name = f"attention d{hd} g{g} b{bs} {str(dt)[6:]}" + (f" window {window}" if window else "")
             cases.append((name, lambda hd=hd, g=g, bs=bs, dt=dt, w=window: attention_case(hd, g, bs, dt, device, SPEC, w)))
+    for hd, g, bs, dt, window in SOFTCAP:
+        name = f"attention d{hd} g{g} b{bs} {str(dt)[6:]} softcap 2" + (f" window {window}" if window else "")
+        cases.append((name, lambda hd=hd, g=g, bs=bs, dt=dt, w=window:
+                      attention_case(hd, g, bs, dt, device, SPEC, w, softcap=2.0)))
     for dt in (torch.float32, torch.float16):
         cases.append((f"norms {str(dt)[6:]}", lambda dt=dt: norm_case(dt, device)))
         cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))
         cases.append((f"silu_mul {str(dt)[6:]}", lambda dt=dt: silu_case(dt, device)))
+        cases.append((f"gelu_tanh_mul {str(dt)[6:]}", lambda dt=dt: gelu_case(dt, device)))
+        cases.append((f"softcap {str(dt)[6:]}", lambda dt=dt: softcap_case(dt, device)))
+    cases.append(("the reference ops: argmax alone", lambda: reference_ops_case()))
     cases.append(("decode batch invariance", lambda: invariance_case(device)))
     for bits in (8, 4):
         cases.append((f"decode batch invariance, int{bits} KV cache", lambda b=bits: invariance_case(device, b)))
@@ -111,10 +125,10 @@ def norm_case(dtype, device):
     w = (1 + 0.3 * torch.randn(100, generator=g)).to(dtype)
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
     got = kern.rms_norm(h.to(device), w.to(device), 1e-5).cpu()
-    torch.testing.assert_close(got, TorchKernels.rms_norm(h, w, 1e-5), **tol)
+    torch.testing.assert_close(got, TorchKernels().rms_norm(h, w, 1e-5), **tol)
     h1, h2 = h.clone().to(device), h.clone()
     got = kern.add_rms_norm(x.to(device), h1, w.to(device), 1e-6).cpu()
-    want = TorchKernels.add_rms_norm(x, h2, w, 1e-6)
+    want = TorchKernels().add_rms_norm(x, h2, w, 1e-6)
     assert torch.equal(h1.cpu(), h2), "residual"
     torch.testing.assert_close(got, want, **tol)
 
@@ -125,7 +139,7 @@ def rotary_case(dtype, device):
     qkv = torch.randn(6, 5 * 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     pos = torch.tensor([0, 3, 100, 255, 300, 511])
     q, k = qkv[:, :192].view(6, 3, 64), qkv[:, 192:256].view(6, 1, 64)
-    want = TorchKernels.rotary(q.clone(), k.clone(), TorchKernels.prepare_rotary(rope, pos))
+    want = TorchKernels().rotary(q.clone(), k.clone(), TorchKernels().prepare_rotary(rope, pos))
     qkv_d = qkv.to(device)
     rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
     qd, kd = qkv_d[:, :192].view(6, 3, 64), qkv_d[:, 192:256].view(6, 1, 64)
@@ -137,7 +151,39 @@ def silu_case(dtype, device):
     kern = TritonKernels(64, 1, dtype, 16)
     gu = (3 * torch.randn(4, 2 * 100, generator=torch.Generator().manual_seed(2))).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(kern.silu_mul(gu.to(device)).cpu(), TorchKernels.silu_mul(gu), **tol)
+    torch.testing.assert_close(kern.silu_mul(gu.to(device)).cpu(), TorchKernels().silu_mul(gu), **tol)
+
+
+def gelu_case(dtype, device):
+    kern = TritonKernels(64, 1, dtype, 16)
+    gu = (3 * torch.randn(2, 3, 2 * 1100, generator=torch.Generator().manual_seed(3))).to(dtype)  # two column blocks
+    # fp32 atol: 1 + tanh cancels for negative gates, in torch as here (each ~5e-7 from fp64 there), times up
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(kern.gelu_tanh_mul(gu.to(device)).cpu(), TorchKernels().gelu_tanh_mul(gu), **tol)
+
+
+def softcap_case(dtype, device):
+    """Logits soft-capped into a new tensor (the input unchanged), over a strided view and an odd vocab."""
+    kern = TritonKernels(64, 1, dtype, 16)
+    full = (40 * torch.randn(5, 2600, generator=torch.Generator().manual_seed(4))).to(dtype)
+    full[0, :4] = torch.tensor([0.0, -0.0, 1e-3, -30.0]).to(dtype)
+    x = full[:, :2500]  # rows 2600 apart: a view, not a copy
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    xd = x.to(device)
+    before = xd.clone()
+    got = kern.softcap(xd, 30.0)
+    assert torch.equal(xd, before) and got.data_ptr() != xd.data_ptr(), "softcap wrote its input"
+    want = TorchKernels().softcap(x, 30.0)
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got[0, :2].cpu().signbit(), want[0, :2].signbit()), "the sign of zero"
+    small = x[:1, :7].contiguous()  # one row, one short block
+    torch.testing.assert_close(kern.softcap(small.to(device), 2.5).cpu(), TorchKernels().softcap(small, 2.5), **tol)
+
+
+def reference_ops_case():
+    got = TritonKernels(64, 1, torch.float32, 16).reference_ops()
+    assert got == ["argmax"], f"the Triton set takes {got} from the references"
 
 
 def invariance_case(device, bits=0):
@@ -175,13 +221,13 @@ def quantized_case(bits, head_dim, gqa, block_size, device):
     caches = [QuantizedKV.zeros(bits, nb, block_size, 2, head_dim, device) for _ in range(2)]
     refs = [QuantizedKV.zeros(bits, nb, block_size, 2, head_dim, "cpu") for _ in range(2)]
     kern.store_kv(k, v, *caches, slots)
-    TorchKernels.store_kv(k.cpu(), v.cpu(), *refs, slots.cpu())
+    TorchKernels().store_kv(k.cpu(), v.cpu(), *refs, slots.cpu())
     for got, want in zip(caches, refs):
         assert torch.equal(got.scale.cpu(), want.scale) and torch.equal(got.data.cpu(), want.data), f"int{bits} KV store"
     out = kern.attention(q, *caches, meta, head_dim ** -0.5)
     ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
                                  meta.slot_mapping.cpu(), meta.num_decodes)
-    ref = TorchKernels.attention(q.cpu(), *refs, ref_meta, head_dim ** -0.5)
+    ref = TorchKernels().attention(q.cpu(), *refs, ref_meta, head_dim ** -0.5)
     err = (out.cpu() - ref).abs().max().item()
     assert err < (1e-4 if device == "cpu" else 5e-3), f"max error {err:.2e}"  # keys up to 20x: larger scores
     return err
@@ -191,16 +237,23 @@ def startup_check_case(device):
     """kernels/triton/check.py passes the kernels over several shapes, and catches a wrong one."""
     from batchjob.kernels.triton.check import check
 
-    for hd, g, bs, dt in [(64, 3, 16, torch.float32), (80, 4, 32, torch.float16), (128, 1, 16, torch.float32)]:
-        why = check(TritonKernels(hd, g, dt, bs), torch.device(device))
+    for hd, g, bs, dt, cap in [(64, 3, 16, torch.float32, None), (80, 4, 32, torch.float16, None),
+                               (128, 1, 16, torch.float32, None), (256, 2, 16, torch.float16, 50.0)]:
+        why = check(TritonKernels(hd, g, dt, bs), torch.device(device), softcap=cap)
         assert why is None, why
 
     class Broken(TritonKernels):
         def silu_mul(self, gate_up):
             return super().silu_mul(gate_up) * 1.1
 
+    class Uncapped(TritonKernels):  # a Gemma 2 model's check must see its attention lose the cap
+        def attention(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None):
+            return super().attention(q, k_cache, v_cache, meta, scale, window)
+
     why = check(Broken(64, 3, torch.float32, 16), torch.device(device))
     assert why is not None and why.startswith("SiLU * up differs"), why
+    why = check(Uncapped(64, 3, torch.float32, 16), torch.device(device), softcap=50.0)
+    assert why is not None and why.startswith("attention differs"), why
 
 
 def graphs_case(device):

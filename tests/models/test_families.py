@@ -11,7 +11,6 @@ import torch
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.core.sequence import SamplingParams
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.kernels import KernelError
 from batchjob.kernels.native.build import cpu_identity
 from batchjob.models import registry
 from batchjob.models.loader import load_model
@@ -55,14 +54,8 @@ def references(tiny_model_dir):
 def test_greedy_text_matches_transformers(arch, kernels, references):
     path, ps, expected = references[arch]
     loaded = load_model(str(path), dtype=torch.float32)
-    if kernels == "native" and arch == "gemma2":  # soft-capped attention: in the torch kernels only so far
-        with pytest.raises(KernelError, match="soft-capping"):
-            registry.build_model(loaded.config, loaded.weights, torch.float32, kernels="native")
-        model = registry.build_model(loaded.config, loaded.weights, torch.float32, kernels="auto")
-        assert model.kernels.name == "torch"
-    else:
-        model = registry.build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels)
-        assert model.kernels.name == kernels
+    model = registry.build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels)
+    assert model.kernels.name == kernels and model.kernels.reference_ops() == []
     engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=16, scheduler=SchedulerConfig(max_num_batched_tokens=48)))
     got = engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [s.output_ids for s in got] == expected
@@ -92,13 +85,13 @@ def test_an_unsupported_architecture_is_one_line_listing_the_supported(tmp_path)
 
 
 def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
-    """Under the Triton interpreter (CPU), every family whose ops the Triton kernel set has."""
+    """Under the Triton interpreter (CPU), every family."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    archs = [a for a in FAMILIES if a != "gemma2"]  # soft-capped attention: torch kernels only so far
+    archs = list(FAMILIES)
     ps = references[archs[0]][1]
     assert all(references[a][1] == ps for a in archs)
     proc = subprocess.run([sys.executable, "-m", "tests.models.triton_families", json.dumps(ps), "16",
@@ -108,3 +101,21 @@ def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for a in archs:
         assert got[str(references[a][0])] == references[a][2], a
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_phi3_longrope_matches_transformers_on_either_side_of_its_original_context(kernels, tiny_model_dir):
+    """Longrope (pre-trained for 32 positions here, max 256): a job whose context stays within 32 rotates with
+    the short factors, as transformers does for rows that never pass 32; one with a longer context uses the
+    long factors, as transformers does for a prompt longer than 32."""
+    path = tiny_model_dir("phi3_longrope")
+    loaded = load_model(str(path), dtype=torch.float32)
+    assert loaded.config.long_rope.original == 32
+    short_rows, long_rows = prompts(400, [3, 10, 20], seed=4), prompts(400, [33, 40, 60], seed=5)
+    for rows, context, n in ((short_rows, 32, 8), (long_rows, 256, 12)):
+        rows = [r for r in rows if len(r) + n <= context]
+        model = registry.build_model(loaded.config, dict(loaded.weights), torch.float32, kernels=kernels)
+        engine = Engine(model, [], EngineConfig(num_blocks=64, block_size=16,
+                                                scheduler=SchedulerConfig(max_num_batched_tokens=48, max_model_len=context)))
+        got = engine.generate(rows, SamplingParams(max_tokens=n, ignore_eos=True))
+        assert [s.output_ids for s in got] == hf_greedy(path, rows, n), context

@@ -135,7 +135,7 @@ def test_mixed_file_greedy_matches_transformers(wide_gguf, mix, kernels):
     assert types["token_embd.weight"] == types["blk.0.attn_q.weight"] == mix[0] and types["output.weight"] == "Q6_K"
 
     loaded = load_model(str(path))
-    ours = build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels)
+    ours = build_model(loaded.config, dict(loaded.weights), torch.float32, kernels=kernels)
     assert ours.kernels.name == ("native" if kernels == "auto" and HAS_AVX512 else "torch")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                             dtype=torch.float32).eval()

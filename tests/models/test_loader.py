@@ -12,7 +12,7 @@ import torch
 
 from batchjob.models import loader
 from batchjob.models.config import UnsupportedModelError
-from batchjob.models.gguf_file import unpermute_rotary
+from batchjob.models.families.llama import unpermute_rotary
 from batchjob.models.loader import ModelLoadError, load_model, resolve_model_path
 from tests.builders import TINY_ARCHS, llama_cpp_permute, write_gguf
 

@@ -26,7 +26,7 @@ KERNELS = [pytest.param(("torch", 8), id="torch"),
 
 def our_model(path, kernels="auto") -> CausalLM:
     loaded = load_model(str(path), dtype=torch.float32)
-    return build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels)
+    return build_model(loaded.config, dict(loaded.weights), torch.float32, kernels=kernels)
 
 
 def all_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 8) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ SMOL_PROMPTS = [
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smollm2_hf_model):
     loaded = smollm2_loaded
-    ours = build_model(loaded.config, loaded.weights, torch.float32, kernels=kernels[0])
+    ours = build_model(loaded.config, dict(loaded.weights), torch.float32, kernels=kernels[0])
     tok = loaded.tokenizer
     ps = [tok.encode(p) for p in SMOL_PROMPTS]
     engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=16))

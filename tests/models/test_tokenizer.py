@@ -163,9 +163,10 @@ def test_no_template_is_a_clear_error(tiny_model_dir, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="{{ messages[0].content }}") == "hi"
 
 
-def test_non_byte_level_gguf_tokenizer_is_refused():
-    with pytest.raises(ValueError, match="'llama' is not supported.*gpt2"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+def test_unsupported_gguf_tokenizer_is_refused():
+    # SentencePiece ("llama") vocabularies: tests/models/test_gguf_spm.py
+    with pytest.raises(ValueError, match="'bert' is not supported; supported: 'gpt2'.*'llama'"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
 
 
 # ---- the sandbox ----------------------------------------------------------------------------------

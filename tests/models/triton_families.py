@@ -24,7 +24,7 @@ def main() -> None:
     for folder in sys.argv[3:]:
         loaded = load_model(folder, dtype=torch.float32)
         model = registry.build_model(loaded.config, loaded.weights, torch.float32, kernels="triton")
-        assert model.kernels.name == "triton"
+        assert model.kernels.name == "triton" and model.kernels.reference_ops() == ["argmax"]
         engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=16, scheduler=SchedulerConfig(max_num_batched_tokens=48)))
         out[folder] = [s.output_ids for s in engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
     print(json.dumps(out))

@@ -42,14 +42,13 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, block_size: int, max_num_seqs: int, max_model_len: int, capture: bool = True):
-        plan = getattr(model.kernels, "graph_plan", None)
-        if plan is None:
+        if not model.kernels.captures_graphs:
             raise ValueError(f"the {model.kernels.name} kernels plan each step on the host: no CUDA graphs "
                              "(they need the Triton kernels: --kernels triton or auto)")
         self.model, self.kv_caches, self.capture = model, kv_caches, capture
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_blocks = -(-max_model_len // block_size)
-        self.plan = plan(self.max_blocks * block_size)
+        self.plan = model.kernels.graph_plan(self.max_blocks * block_size)
         b, dev = self.sizes[-1], model.device
         self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, dtype=torch.long, device=dev)

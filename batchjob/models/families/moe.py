@@ -3,6 +3,9 @@ renormalised), Qwen2-MoE (a shared expert with a sigmoid gate; q/k/v biases) and
 norm_topk_prob; dense layers by decoder_sparse_step / mlp_only_layers)."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection
+
 import torch
 
 from batchjob.kernels import Linear, RotaryEmbedding
@@ -26,6 +29,52 @@ def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
                "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or fields["intermediate_size"]),
                "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
                "moe_layers": [i for i in range(fields["num_layers"]) if i not in dense and (i + 1) % step == 0]})
+
+
+def parse_gguf(meta: dict, tensor_names: Collection[str], arch: str, source: str) -> ModelConfig:
+    """As llama.cpp runs these files (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp): every layer sparse,
+    softmax routing, the top k renormalised for Mixtral and Qwen3-MoE but not for Qwen2-MoE (fixed there, not
+    read from the file), Qwen2-MoE's shared expert behind a sigmoid gate. Mixtral is a `llama` file with
+    experts (llama.parse_gguf leaves it to us)."""
+    key = functools.partial(llama.gguf_value, meta, source)
+    fields = llama.gguf_fields(meta, tensor_names, arch, source)
+    shared = int(key("expert_shared_feed_forward_length", 0)) if arch == "qwen2_moe" else 0
+    return ModelConfig(
+        **fields, qk_norm=arch == "qwen3_moe",
+        extra={"num_experts": int(key("expert_count")), "top_k": int(key("expert_used_count")),
+               "renormalize": arch != "qwen2_moe",
+               "moe_intermediate_size": int(key("expert_feed_forward_length", fields["intermediate_size"])),
+               "shared_expert_intermediate_size": shared,
+               "moe_layers": list(range(fields["num_layers"]))})
+
+
+# llama.cpp's tensor names -> ours: llama's attention and norms; the router, and the experts stacked into one 3-D
+# tensor each ({xid}: the expert), instead of the dense MLP
+QWEN_GGUF_NAMES = {
+    **{g: hf for g, hf in llama.GGUF_NAMES.items() if ".ffn_" not in g or g.endswith("ffn_norm")},
+    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.gate",
+    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
+    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.mlp.experts.{xid}.up_proj",
+    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.mlp.experts.{xid}.down_proj",
+    "blk.{bid}.ffn_gate_inp_shexp": "model.layers.{bid}.mlp.shared_expert_gate",
+    "blk.{bid}.ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
+    "blk.{bid}.ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
+    "blk.{bid}.ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj",
+}
+MIXTRAL_GGUF_NAMES = {
+    **{g: hf for g, hf in llama.GGUF_NAMES.items() if ".ffn_" not in g or g.endswith("ffn_norm")},
+    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.gate",
+    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w1",
+    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w3",
+    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w2",
+}
+
+
+def gguf_tensor(c: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Mixtral's Q/K rows as llama's; the shared expert's gate is [1, hidden] whether or not the file kept the 1."""
+    if name.endswith("shared_expert_gate.weight"):
+        return t.reshape(1, -1)
+    return llama.gguf_tensor(c, name, t)
 
 
 def _expert_names(c: ModelConfig, i: int, j: int) -> tuple[str, str, str]:
@@ -65,20 +114,20 @@ def _moe(c: ModelConfig, w: dict[str, torch.Tensor], i: int) -> MoE:
     experts = []
     for j in range(x["num_experts"]):
         gate, up, down = _expert_names(c, i, j)
-        experts.append(MLP(Linear(fused(w, gate, up)), Linear(w[down]), c.hidden_act))
+        experts.append(MLP(Linear(fused(w, gate, up)), Linear(w.pop(down)), c.hidden_act))
     shared = gate = None
     if x["shared_expert_intermediate_size"]:
         p = f"model.layers.{i}.mlp.shared_expert."
-        shared = MLP(Linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), Linear(w[p + "down_proj.weight"]))
-        gate = Linear(w[f"model.layers.{i}.mlp.shared_expert_gate.weight"])
-    return MoE(Linear(w[_router_name(c, i)]), experts, x["top_k"], x["renormalize"], shared, gate)
+        shared = MLP(Linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), Linear(w.pop(p + "down_proj.weight")))
+        gate = Linear(w.pop(f"model.layers.{i}.mlp.shared_expert_gate.weight"))
+    return MoE(Linear(w.pop(_router_name(c, i))), experts, x["top_k"], x["renormalize"], shared, gate)
 
 
 def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
     moe_layers = set(c.extra["moe_layers"])
     layers = [DecoderLayer(llama.attention(c, w, i), _moe(c, w, i) if i in moe_layers else llama.mlp(c, w, i),
-                           attn_norm=w[f"model.layers.{i}.input_layernorm.weight"],
-                           mlp_norm=w[f"model.layers.{i}.post_attention_layernorm.weight"]) for i in range(c.num_layers)]
+                           attn_norm=w.pop(f"model.layers.{i}.input_layernorm.weight"),
+                           mlp_norm=w.pop(f"model.layers.{i}.post_attention_layernorm.weight")) for i in range(c.num_layers)]
     rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
     return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), [rope])
 
@@ -87,4 +136,7 @@ FAMILY = Family(
     name="Mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE",
     hf_architectures={"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"},
     model_types={"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"},
-    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build)
+    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build,
+    gguf_architectures={"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"},  # llama: with experts
+    parse_gguf=parse_gguf, gguf_names=lambda c: MIXTRAL_GGUF_NAMES if c.architecture == "mixtral" else QWEN_GGUF_NAMES,
+    gguf_tensor=gguf_tensor)

@@ -2,10 +2,12 @@
 norm before them), and q/k RMSNorm over the whole projection rather than per head."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from batchjob.kernels import RotaryEmbedding
-from batchjob.models.config import ModelConfig
+from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.family import Family, ModelParts
 from batchjob.models.families import llama
 from batchjob.models.hf_config import common_fields
@@ -14,6 +16,22 @@ from batchjob.models.layers import DecoderLayer
 
 def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
     return ModelConfig(**common_fields(cfg, arch, source), qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
+
+
+def parse_gguf(meta: dict, tensor_names: Collection[str], arch: str, source: str) -> ModelConfig:
+    window = llama.gguf_value(meta, source, "attention.sliding_window", 0)
+    if window:  # llama.cpp files OLMo 3 as olmo2 with sliding layers
+        raise UnsupportedModelError(f"{source}: an olmo2 GGUF with a sliding window ({window}; OLMo 3) is not "
+                                    "supported; supported: OLMo 2 (no sliding window)")
+    return ModelConfig(**llama.gguf_fields(meta, tensor_names, arch, source), qk_norm=True)
+
+
+# llama.cpp's tensor names -> ours: llama's minus the pre-norms, plus the norms after each block
+GGUF_NAMES = {
+    **{g: hf for g, hf in llama.GGUF_NAMES.items() if g not in ("blk.{bid}.attn_norm", "blk.{bid}.ffn_norm")},
+    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
+}
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -28,12 +46,13 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
     layers = [DecoderLayer(llama.attention(c, w, i, qk_norm_per_head=False), llama.mlp(c, w, i),
-                           post_attn_norm=w[f"model.layers.{i}.post_attention_layernorm.weight"],
-                           post_mlp_norm=w[f"model.layers.{i}.post_feedforward_layernorm.weight"])
+                           post_attn_norm=w.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
+                           post_mlp_norm=w.pop(f"model.layers.{i}.post_feedforward_layernorm.weight"))
               for i in range(c.num_layers)]
     rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
     return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), [rope])
 
 
 FAMILY = Family(name="OLMo 2", hf_architectures={"Olmo2ForCausalLM": "olmo2"}, model_types={"olmo2": "olmo2"},
-                parse_hf=parse_hf, weight_shapes=weight_shapes, build=build)
+                parse_hf=parse_hf, weight_shapes=weight_shapes, build=build,
+                gguf_architectures={"olmo2": "olmo2"}, parse_gguf=parse_gguf, gguf_names=lambda c: GGUF_NAMES)

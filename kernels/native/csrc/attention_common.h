@@ -1,6 +1,7 @@
 // Shared by the paged-attention kernels (paged_attention.cpp: fp32/bf16 caches; paged_attention_quant.cpp:
 // int8/int4 caches): the compile-time shape, the work-item row, the key mask of a tile, the fixed-order
-// online softmax and exp2. Everything here is per row and lane-wise, the root of batch invariance.
+// online softmax (with Gemma 2's logit soft-cap) and exp2. Everything here is per row and lane-wise, the root of
+// batch invariance.
 // kernels/native/build.py hashes this header into every kernel's cache key.
 #pragma once
 
@@ -34,6 +35,19 @@ constexpr int RB = 16 / NACC >= 4 ? 4 : (16 / NACC >= 1 ? 16 / NACC : 1);  // qu
 static_assert(D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
 static_assert(G >= 1 && G <= 16, "GQA group must be 1..16");
 
+// How a raw dot product s becomes a base-2 logit: s * scale * log2(e), or with the soft-cap (Gemma 2)
+// tanh(s * scale / cap) * cap * log2(e). Kernels take the capped form as a template parameter chosen once
+// per call, so the plain one costs what it did before the cap existed.
+struct Logits {
+  float scale_log2;  // softmax scale * log2(e)
+  float cap_in, cap_out;  // scale / cap and cap * log2(e); cap_in = 0: no cap
+  static Logits make(float scale, float cap) {
+    const float log2e = 1.4426950408889634f;
+    return cap > 0.0f ? Logits{scale * log2e, scale / cap, cap * log2e} : Logits{scale * log2e, 0.0f, 0.0f};
+  }
+  bool capped() const { return cap_in != 0.0f; }
+};
+
 struct Args {
   const void* q;
   void* out;
@@ -44,7 +58,7 @@ struct Args {
   const int32_t* query_start_loc;
   int64_t q_token_stride;  // elements between consecutive tokens of q
   int max_blocks, num_heads, num_kv_heads, block_size, window;
-  float scale_log2;  // softmax scale * log2(e): scores are taken in base 2
+  Logits logits;
 };
 
 // One query row: its query vector, its keys [lo, hi) (causal end, sliding-window start), its running
@@ -90,14 +104,19 @@ inline __mmask16 key_mask(int t0, const Row& r) {
 
 // Online-softmax update of n rows (n <= RB) from their raw scores: p (masked lanes 0) and the factor
 // each row's accumulators must be scaled by. Every step is lane-wise or per row: a row's numbers do not
-// depend on the rows beside it.
-template <int N>
-inline void softmax_rows(__m512* s, Row* const* rows, int t0, float scale_log2, float* alpha) {
+// depend on the rows beside it. CAP: the scores are soft-capped first (Logits).
+template <int N, bool CAP>
+inline void softmax_rows(__m512* s, Row* const* rows, int t0, Logits L, float* alpha) {
   alignas(64) float diff[16] = {0};
   bool first[N];
   for (int r = 0; r < N; ++r) {
     const __mmask16 valid = key_mask(t0, *rows[r]);
-    const __m512 x = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(s[r], _mm512_set1_ps(scale_log2)));
+    __m512 logit;
+    if constexpr (CAP)
+      logit = _mm512_mul_ps(tanh_ps(_mm512_mul_ps(s[r], _mm512_set1_ps(L.cap_in))), _mm512_set1_ps(L.cap_out));
+    else
+      logit = _mm512_mul_ps(s[r], _mm512_set1_ps(L.scale_log2));
+    const __m512 x = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), logit);
     const float m_new = fmaxf(rows[r]->m, _mm512_reduce_max_ps(x));
     s[r] = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
     first[r] = rows[r]->m == -INFINITY;

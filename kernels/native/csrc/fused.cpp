@@ -1,14 +1,18 @@
 // Fused elementwise ops of a Llama layer on the CPU (AVX-512): residual add + RMSNorm, rotary embedding
-// in place on q and k, SiLU(gate) * up. Each replaces a chain of small torch ops (one pass over the data
-// instead of 5-8, no temporaries).
+// in place on q and k, SiLU(gate) * up, GELU-tanh(gate) * up (Gemma). Each replaces a chain of small torch
+// ops (one pass over the data instead of 5-8, no temporaries). Also Gemma 2's final logit soft-cap,
+// tanh(x / cap) * cap.
 //
 // Also the greedy argmax of logit rows (exactly torch.argmax: the first index of the maximum, a NaN
 // counting as the maximum), on bf16 logits as they come out of the LM head: widening them to fp32 first
 // cost more than the argmax itself.
 //
-// Must equal: kernels/norm.py (rms_norm; HF's order: fp32 statistics, cast, then the weight), kernels/
-// rotary.py (apply_rotary: bitwise, the same products and sums rounded to the dtype after each op, as
-// torch does), F.silu(gate) * up (to a few ulps: another exp). Tested by tests/kernels/test_native_kernels.py.
+// Must equal: kernels/reference/norm.py (rms_norm; HF's order: fp32 statistics, cast, then the weight),
+// kernels/reference/rotary.py (apply_rotary: bitwise, the same products and sums rounded to the dtype after
+// each op, as torch does), kernels/reference/elementwise.py: silu_mul (to a few ulps: another exp),
+// gelu_tanh_mul and softcap (torch's formulas, in its order and with its roundings to the dtype; to a few
+// ulps: another tanh, simd_math.h's). Tested by tests/kernels/test_native_kernels.py (fp32 and bf16 against
+// the references, the ranges' ends, NaN and infinities).
 // Every row is computed alone, in a fixed order: results do not depend on the batch or thread count.
 
 #include "simd_math.h"
@@ -141,6 +145,48 @@ void silu_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
   }
 }
 
+// gate_up [tokens, 2n] (gate | up) -> out [tokens, n] = gelu_tanh(gate) * up, with torch's formula
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in its order, the GELU rounded to T before the product.
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
+  using io = IO<T>;
+  const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 8)
+  for (int t = 0; t < tokens; ++t) {
+    const T* g = gate_up + (int64_t)t * 2 * n;
+    const T* u = g + n;
+    T* o = out + (int64_t)t * n;
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n, i);
+      const __m512 x = io::load(g + i, m);
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+      const __m512 gelu = io::round(_mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh_ps(inner))));
+      io::store(o + i, io::round(_mm512_mul_ps(gelu, io::load(u + i, m))), m);
+    }
+  }
+}
+
+// out = tanh(x / cap) * cap over n values, each op rounded to T as torch's tanh(x / cap) * cap is. Split in
+// fixed chunks, not rows: a few rows of a large vocabulary still use every thread.
+template <typename T>
+void softcap(const T* x, T* out, int64_t n, float cap, int threads) {
+  using io = IO<T>;
+  constexpr int64_t CHUNK = 1 << 14;
+  const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+  const __m512 c = _mm512_set1_ps(cap);
+#pragma omp parallel for schedule(static) num_threads(threads) if (chunks >= 4)
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t end = (k + 1) * CHUNK < n ? (k + 1) * CHUNK : n;
+    for (int64_t i = k * CHUNK; i < end; i += 16) {
+      const __mmask16 m = end - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1u);
+      const __m512 y = io::round(tanh_ps(io::round(_mm512_div_ps(io::load(x + i, m), c))));
+      io::store(out + i, io::round(_mm512_mul_ps(y, c)), m);
+    }
+  }
+}
+
 // The first index of the largest value in x[0, n) (the first NaN, when there is one).
 template <typename T>
 int64_t argmax_row(const T* x, int n) {
@@ -240,6 +286,28 @@ int bj_silu_mul(const void* gate_up, void* out, int tokens, int n, int dtype, in
     silu_mul<float>((const float*)gate_up, (float*)out, tokens, n, threads);
   else if (dtype == 1)
     silu_mul<uint16_t>((const uint16_t*)gate_up, (uint16_t*)out, tokens, n, threads);
+  else
+    return -1;
+  return 0;
+}
+
+int bj_gelu_tanh_mul(const void* gate_up, void* out, int tokens, int n, int dtype, int threads) {
+  if (dtype == 0)
+    gelu_tanh_mul<float>((const float*)gate_up, (float*)out, tokens, n, threads);
+  else if (dtype == 1)
+    gelu_tanh_mul<uint16_t>((const uint16_t*)gate_up, (uint16_t*)out, tokens, n, threads);
+  else
+    return -1;
+  return 0;
+}
+
+// x and out: n values each (they may be the same buffer); cap > 0.
+int bj_softcap(const void* x, void* out, int64_t n, float cap, int dtype, int threads) {
+  if (!(cap > 0.0f)) return -2;
+  if (dtype == 0)
+    softcap<float>((const float*)x, (float*)out, n, cap, threads);
+  else if (dtype == 1)
+    softcap<uint16_t>((const uint16_t*)x, (uint16_t*)out, n, cap, threads);
   else
     return -1;
   return 0;

@@ -1,9 +1,16 @@
 // Paged attention over block tables on the CPU (AVX-512): decode rows, prefill chunks and extends in one
 // kernel, reading K/V where they lie in the paged cache (no gather, no padding).
 //
-// Must equal: kernels/reference/attention.py (`paged_attention_torch`) within fp32 rounding.
+// Must equal: kernels/reference/attention.py (`paged_attention_torch`, with its `window` and `softcap`) within fp32
+//             rounding.
 // Tested by:  tests/kernels/test_native_kernels.py (head_dim 64/80/96/128, GQA 1-8, blocks 16/32, fp32 and bf16
-//             caches, sliding window, chunked prefill, prefix hits; bitwise batch invariance).
+//             caches, sliding window, chunked prefill, prefix hits; bitwise batch invariance; the logit soft-cap
+//             at head_dim 64 and 256, decodes and prefill, with and without a window).
+//
+// Logit soft-cap (Gemma 2, `softcap` > 0): each score becomes tanh(s * scale / cap) * cap before the online
+// softmax's max and exp (Logits in attention_common.h; tanh_ps in simd_math.h, lane-wise). It is a template
+// parameter of the work item, chosen once per call: without a cap the kernel runs the same instructions
+// as before the cap existed (compared in the disassembly; the same speed measured).
 //
 // Batch invariance (a row's output is bitwise the same alone or in any batch, with any thread count, in
 // any prefill chunking, decoded or recomputed): every (query token, query head) pair is computed by the
@@ -29,8 +36,8 @@ struct F32 {
   using T = float;
   static constexpr int k_rows = D;  // 64-byte lines of a K tile
   // k: this tile's keys, dim d at k + d * bs; v: key j at v + j * D; n keys loaded (the rest is masked)
-  template <int N>
-  static void attend(const float* k, int bs, const float* v, int n, int t0, Row* const* rows, float scale_log2) {
+  template <int N, bool CAP>
+  static void attend(const float* k, int bs, const float* v, int n, int t0, Row* const* rows, Logits L) {
     __m512 s0[N], s1[N];
     const float* q[N];
     for (int r = 0; r < N; ++r) {
@@ -46,7 +53,7 @@ struct F32 {
     }
     for (int r = 0; r < N; ++r) s0[r] = _mm512_add_ps(s0[r], s1[r]);
     float alpha[N];
-    softmax_rows<N>(s0, rows, t0, scale_log2, alpha);
+    softmax_rows<N, CAP>(s0, rows, t0, L, alpha);
     alignas(64) float p[N][TILE];
     __m512 acc[N][NACC];
     for (int r = 0; r < N; ++r) {
@@ -73,8 +80,8 @@ struct BF16 {
   using T = uint16_t;
   static constexpr int k_rows = D / 2;  // 64-byte lines of a K tile
   // k (dwords): pair i of this tile's keys at k + i * bs; v (dwords): key pair jj at v + jj * D
-  template <int N>
-  static void attend(const uint32_t* k, int bs, const uint32_t* v, int n, int t0, Row* const* rows, float scale_log2) {
+  template <int N, bool CAP>
+  static void attend(const uint32_t* k, int bs, const uint32_t* v, int n, int t0, Row* const* rows, Logits L) {
     (void)n;  // keys past n are masked: their p is 0
     __m512 s0[N], s1[N];
     const uint32_t* q[N];
@@ -91,7 +98,7 @@ struct BF16 {
     }
     for (int r = 0; r < N; ++r) s0[r] = _mm512_add_ps(s0[r], s1[r]);
     float alpha[N];
-    softmax_rows<N>(s0, rows, t0, scale_log2, alpha);
+    softmax_rows<N, CAP>(s0, rows, t0, L, alpha);
     alignas(32) uint32_t p[N][TILE / 2];
     __m512 acc[N][NACC];
     for (int r = 0; r < N; ++r) {
@@ -110,22 +117,22 @@ struct BF16 {
 };
 #endif
 
-template <typename K>
-inline void attend_rows(const void* k, int bs, const void* v, int n, int t0, Row* const* rows, int count, float sl) {
+template <typename K, bool CAP>
+inline void attend_rows(const void* k, int bs, const void* v, int n, int t0, Row* const* rows, int count, Logits L) {
   using W = typename std::conditional<std::is_same<typename K::T, float>::value, float, uint32_t>::type;
   const W* kw = (const W*)k;
   const W* vw = (const W*)v;
-  for (; count >= RB; count -= RB, rows += RB) K::template attend<RB>(kw, bs, vw, n, t0, rows, sl);
+  for (; count >= RB; count -= RB, rows += RB) K::template attend<RB, CAP>(kw, bs, vw, n, t0, rows, L);
   switch (count) {  // the rest, 1..RB-1 rows
-    case 3: if constexpr (RB > 3) K::template attend<3>(kw, bs, vw, n, t0, rows, sl); break;
-    case 2: if constexpr (RB > 2) K::template attend<2>(kw, bs, vw, n, t0, rows, sl); break;
-    case 1: if constexpr (RB > 1) K::template attend<1>(kw, bs, vw, n, t0, rows, sl); break;
+    case 3: if constexpr (RB > 3) K::template attend<3, CAP>(kw, bs, vw, n, t0, rows, L); break;
+    case 2: if constexpr (RB > 2) K::template attend<2, CAP>(kw, bs, vw, n, t0, rows, L); break;
+    case 1: if constexpr (RB > 1) K::template attend<1, CAP>(kw, bs, vw, n, t0, rows, L); break;
     default: break;
   }
 }
 
 // One work item: query tokens [tb, te) of row `row` (positions p0 + (t - qs)), KV head h.
-template <typename K>
+template <typename K, bool CAP>
 void run_item(const Args& A, int row, int h, int tb, int te) {
   using T = typename K::T;
   const int bs = A.block_size;
@@ -160,7 +167,7 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
       if (rows[r].hi > t0 && rows[r].lo < t0 + TILE) active[count++] = &rows[r];  // rows that see a key here
     const int n = khi - t0 < TILE ? khi - t0 : TILE;
     const int off = t0 % bs;
-    attend_rows<K>(k_block(t0) + off * k_unit, bs, v_block(t0) + (int64_t)off * D, n, t0, active, count, A.scale_log2);
+    attend_rows<K, CAP>(k_block(t0) + off * k_unit, bs, v_block(t0) + (int64_t)off * D, n, t0, active, count, A.logits);
   }
   T* out = (T*)A.out;
   for (int r = 0; r < nrows; ++r) {
@@ -171,7 +178,10 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
 
 template <typename K>
 void run(const Args& A, int num_rows, int num_threads) {
-  for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<K>(A, row, h, tb, te); });
+  if (A.logits.capped())
+    for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<K, true>(A, row, h, tb, te); });
+  else
+    for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<K, false>(A, row, h, tb, te); });
 }
 
 // Write each new token's K and V into its cache slot, in the layouts above.
@@ -218,14 +228,15 @@ int bj_has_bf16() {
 #endif
 }
 
-// dtype: 0 = fp32, 1 = bf16 (q, caches and out all of it). Returns 0, or -1 for an unsupported dtype.
+// dtype: 0 = fp32, 1 = bf16 (q, caches and out all of it); softcap: the logit soft-cap (0 = none). Returns 0,
+// or -1 for an unsupported dtype.
 int bj_paged_attention(const void* q, int64_t q_token_stride, void* out, const void* k_cache, const void* v_cache,
                        const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                        const int32_t* query_start_loc, int num_rows, int num_heads, int num_kv_heads,
-                       int block_size, int window, float scale, int dtype, int num_threads) {
-  if (num_heads != num_kv_heads * G || block_size % TILE != 0) return -2;
+                       int block_size, int window, float scale, float softcap, int dtype, int num_threads) {
+  if (num_heads != num_kv_heads * G || block_size % TILE != 0 || softcap < 0) return -2;
   Args A{q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_token_stride,
-         max_blocks, num_heads, num_kv_heads, block_size, window, scale * 1.4426950408889634f};
+         max_blocks, num_heads, num_kv_heads, block_size, window, Logits::make(scale, softcap)};
   if (dtype == 0) {
     run<F32>(A, num_rows, num_threads);
     return 0;

@@ -1,11 +1,11 @@
 // Paged attention over an int8 or int4 KV cache on the CPU (AVX-512 VNNI) (the store: kv_quant_store.cpp):
-// the same work items, tiles, online softmax and batch invariance as paged_attention.cpp, with integer
-// dot products on both sides of the softmax.
+// the same work items, tiles, online softmax (with the same optional logit soft-cap, a template parameter)
+// and batch invariance as paged_attention.cpp, with integer dot products on both sides of the softmax.
 //
-// Must equal: kernels/reference/attention.py over the same codes dequantized (kernels/reference/kv_quant.py), within the
-//             rounding below.
-// Tested by:  tests/kernels/test_native_kv_quant.py (round trips, attention against the reference, bitwise batch
-//             invariance, jobs with int8/int4 KV).
+// Must equal: kernels/reference/attention.py (`paged_attention_torch`, with its `window` and `softcap`) over the same
+//             codes dequantized (kernels/reference/kv_quant.py), within the rounding below.
+// Tested by:  tests/kernels/test_native_kv_quant.py (round trips, attention against the reference with and without
+//             the soft-cap, head_dim 64-256, bitwise batch invariance, jobs with int8/int4 KV).
 //
 // Q.K: each query row is quantized once per work item to two int8 parts (QQuery below), K codes are
 // stored unsigned (code + 128 for int8, code + 8 for int4), and vpdpbusd adds 4 u8 x s8 products per
@@ -145,8 +145,8 @@ struct Quant {
   static constexpr int NG = scale_groups<BITS>();
   static constexpr int V_GROUP_VECS = NACC / NG;        // 16-dim accumulator vectors per scale group
 
-  template <int N, bool RAW>
-  static void attend(const Tile& t, int t0, Row* const* rows, float scale_log2) {
+  template <int N, bool RAW, bool CAP>
+  static void attend(const Tile& t, int t0, Row* const* rows, Logits L) {
     const int32_t* qd[N][QP];
     const QQuery* qq[N];
     __m512 s[N];
@@ -175,7 +175,7 @@ struct Quant {
     }
     for (int r = 0; r < N; ++r) s[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(QP == 2 ? qq[r]->scale / 254.0f : qq[r]->scale));
     float alpha[N];
-    softmax_rows<N>(s, rows, t0, scale_log2, alpha);
+    softmax_rows<N, CAP>(s, rows, t0, L, alpha);
 
     // P x V scale, per group, to 15-bit integers in key pairs (masked keys: p = 0)
     alignas(64) uint32_t pw[N][NG][TILE / 2];
@@ -215,25 +215,25 @@ struct Quant {
 
 // Rows in groups of RB; V is widened into the tile once when more than one group reads it (the same
 // values either way: the result does not depend on it).
-template <int BITS>
-inline void attend_rows(Tile& t, int t0, Row* const* rows, int count, float sl) {
+template <int BITS, bool CAP>
+inline void attend_rows(Tile& t, int t0, Row* const* rows, int count, Logits L) {
   using Q = Quant<BITS>;
   if (count <= RB) {
     switch (count) {
-      case 4: if constexpr (RB == 4) Q::template attend<4, true>(t, t0, rows, sl); break;
-      case 3: if constexpr (RB >= 3) Q::template attend<3, true>(t, t0, rows, sl); break;
-      case 2: if constexpr (RB >= 2) Q::template attend<2, true>(t, t0, rows, sl); break;
-      case 1: Q::template attend<1, true>(t, t0, rows, sl); break;
+      case 4: if constexpr (RB == 4) Q::template attend<4, true, CAP>(t, t0, rows, L); break;
+      case 3: if constexpr (RB >= 3) Q::template attend<3, true, CAP>(t, t0, rows, L); break;
+      case 2: if constexpr (RB >= 2) Q::template attend<2, true, CAP>(t, t0, rows, L); break;
+      case 1: Q::template attend<1, true, CAP>(t, t0, rows, L); break;
       default: break;
     }
     return;
   }
   unpack_v<BITS>(&t);
-  for (; count >= RB; count -= RB, rows += RB) Q::template attend<RB, false>(t, t0, rows, sl);
+  for (; count >= RB; count -= RB, rows += RB) Q::template attend<RB, false, CAP>(t, t0, rows, L);
   switch (count) {  // the rest, 1..RB-1 rows
-    case 3: if constexpr (RB > 3) Q::template attend<3, false>(t, t0, rows, sl); break;
-    case 2: if constexpr (RB > 2) Q::template attend<2, false>(t, t0, rows, sl); break;
-    case 1: if constexpr (RB > 1) Q::template attend<1, false>(t, t0, rows, sl); break;
+    case 3: if constexpr (RB > 3) Q::template attend<3, false, CAP>(t, t0, rows, L); break;
+    case 2: if constexpr (RB > 2) Q::template attend<2, false, CAP>(t, t0, rows, L); break;
+    case 1: if constexpr (RB > 1) Q::template attend<1, false, CAP>(t, t0, rows, L); break;
     default: break;
   }
 }
@@ -244,7 +244,7 @@ struct Scales {
 };
 
 // One work item: query tokens [tb, te) of row `row`, KV head h (as paged_attention.cpp's run_item).
-template <int BITS, typename T>
+template <int BITS, typename T, bool CAP>
 void run_item(const Args& A, const Scales& S, int row, int h, int tb, int te) {
   using Q = Quant<BITS>;
   const int bs = A.block_size;
@@ -290,7 +290,7 @@ void run_item(const Args& A, const Scales& S, int row, int h, int tb, int te) {
     for (int r = 0; r < count && !full; ++r) full = key_mask(t0, *active[r]) == 0xffff;
     unpack_tile<BITS>(kc + b * code_bytes + off * 4, vc + b * code_bytes + (int64_t)off * D * BITS / 8,
                       S.v + b * scale_elems + off, full, &tile);
-    attend_rows<BITS>(tile, t0, active, count, A.scale_log2);
+    attend_rows<BITS, CAP>(tile, t0, active, count, A.logits);
   }
   T* out = (T*)A.out;
   for (int r = 0; r < nrows; ++r) {
@@ -303,20 +303,24 @@ void run_item(const Args& A, const Scales& S, int row, int h, int tb, int te) {
 
 extern "C" {
 
-// bits 8 or 4; dtype of q and out: 0 = fp32, 1 = bf16. Returns 0, or < 0 for arguments it does not take.
+// bits 8 or 4; dtype of q and out: 0 = fp32, 1 = bf16; softcap: the logit soft-cap (0 = none). Returns 0, or
+// < 0 for arguments it does not take.
 int bj_paged_attention_quant(const void* q, int64_t q_token_stride, void* out, const void* k_codes, const void* v_codes,
                              const void* k_scales, const void* v_scales, const int32_t* block_tables, int max_blocks,
                              const int32_t* seq_lens, const int32_t* query_start_loc, int num_rows, int num_heads,
-                             int num_kv_heads, int block_size, int window, float scale, int bits, int dtype,
-                             int num_threads) {
-  if (num_heads != num_kv_heads * G || block_size % TILE != 0) return -2;
+                             int num_kv_heads, int block_size, int window, float scale, float softcap, int bits,
+                             int dtype, int num_threads) {
+  if (num_heads != num_kv_heads * G || block_size % TILE != 0 || softcap < 0) return -2;
   Args A{q, out, k_codes, v_codes, block_tables, seq_lens, query_start_loc, q_token_stride,
-         max_blocks, num_heads, num_kv_heads, block_size, window, scale * 1.4426950408889634f};
+         max_blocks, num_heads, num_kv_heads, block_size, window, Logits::make(scale, softcap)};
   const Scales S{(const uint16_t*)k_scales, (const uint16_t*)v_scales};
   auto go = [&](auto bits_tag, auto type_tag) {
     constexpr int B = decltype(bits_tag)::value;
     using T = typename decltype(type_tag)::type;
-    for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<B, T>(A, S, row, h, tb, te); });
+    if (A.logits.capped())
+      for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<B, T, true>(A, S, row, h, tb, te); });
+    else
+      for_each_item(A, num_rows, num_threads, [&](int row, int h, int tb, int te) { run_item<B, T, false>(A, S, row, h, tb, te); });
   };
   using I8 = std::integral_constant<int, 8>;
   using I4 = std::integral_constant<int, 4>;

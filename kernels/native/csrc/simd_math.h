@@ -1,5 +1,6 @@
 // Vector math shared by the CPU kernels (paged_attention*.cpp through attention_common.h, fused.cpp):
-// exp2 and a fixed-order horizontal sum. kernels/native/build.py hashes this header into every kernel's cache key.
+// exp2, tanh and a fixed-order horizontal sum. kernels/native/build.py hashes this header into every kernel's
+// cache key. Every function is lane-wise: a lane's result does not depend on the others.
 #pragma once
 
 #include <immintrin.h>
@@ -21,6 +22,29 @@ inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, xi);
+}
+
+// tanh to 1.32 ulp at most (mean 0.16; measured over every fp32 of magnitude 1e-6 to 40 against double tanh),
+// odd, NaN kept: |x| < 1: x + x^3 P(x^2), P minimax for the relative error (degree 6); |x| >= 1:
+// 1 - 2 / (1 + e^(2|x|)), with |x| clamped to 10 (fp32 tanh is 1 from 9.011 on) so e^(2|x|) cannot overflow.
+inline __m512 tanh_ps(__m512 x) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 ax = _mm512_andnot_ps(sign, x);
+  const __m512 u = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(-3.584505757316947e-04f);
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(2.3013600148260593e-03f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(-7.946101017296314e-03f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(2.148665487766266e-02f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(-5.387980118393898e-02f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(1.3332344591617584e-01f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(-3.3333295583724976e-01f));
+  const __m512 small = _mm512_fmadd_ps(ax, _mm512_mul_ps(u, p), ax);
+  const __m512 e2x = exp2_ps(_mm512_mul_ps(_mm512_min_ps(ax, _mm512_set1_ps(10.0f)), _mm512_set1_ps(2.8853900817779268f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(one, e2x)));
+  const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, one, _CMP_LT_OQ), large, small);
+  const __m512 r = _mm512_or_ps(t, _mm512_and_ps(x, sign));
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
 // Sum of 16 lanes in a fixed tree (the order is part of the result).
