@@ -24,7 +24,7 @@ from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.engine import Engine
 from batchjob.job.run import run_job
-from batchjob.job.engine_setup import build_engine
+from batchjob.job.engine_setup import build_models, engine_for
 from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.job.prompt_records import conversation_records, prompt_records
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
@@ -36,7 +36,10 @@ from batchjob.job.summary import JobSummary
 # comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's, as in a job)
 SAMPLING_OPTIONS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
-                    "ignore_eos", "logprobs", "n", "seed")
+                    "ignore_eos", "logprobs", "n", "seed", "json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                   "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
+SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
 CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
@@ -84,7 +87,8 @@ class LLM:
                 torch.set_num_threads(self.config.threads)
             self.loaded = load_model(model, dtype=self.dtype)
             self.tokenizer = self.loaded.tokenizer
-            self._engine: Engine | None = build_engine(self.config, self.loaded, self.device, self.dtype)
+            self._models = build_models(self.config, self.loaded, self.device, self.dtype)  # they take the weights
+            self._engine: Engine | None = engine_for(self.config, self.loaded, *self._models)
         self._lock = threading.Lock()
 
     @property
@@ -95,7 +99,7 @@ class LLM:
     def engine(self) -> Engine:
         if self._engine is None:  # the last call stopped midway (Ctrl-C): its rows are still in the old engine
             with api_words():
-                self._engine = build_engine(self.config, self.loaded, self.device, self.dtype)
+                self._engine = engine_for(self.config, self.loaded, *self._models)
         return self._engine
 
     def generate(self, prompts: Any, **options: Any) -> list[Result]:
@@ -105,7 +109,7 @@ class LLM:
         and chat, chat_template, system_prompt. A bad keyword or value raises ValueError (ConfigError); a bad
         prompt is a Result with an error. Plain prompts that end at their first token from a model with a chat
         template warn (ChatHintWarning): the model probably wants chat=True."""
-        _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS, "generate()")
+        _check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "generate()")
         return self._run(prompt_records(prompts), options)
 
     def chat(self, conversations: Any, **options: Any) -> list[Result]:
@@ -113,11 +117,18 @@ class LLM:
         {role, content} messages) or a list of them, each rendered with the model's chat template (or
         chat_template=, a file or the Jinja text) and a generation prompt. `options`: sampling parameters,
         chat_template, system_prompt (prepended to a conversation that has no system message)."""
-        _check_names(options, SAMPLING_OPTIONS + ("chat_template", "system_prompt"), "chat()")
+        _check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt"), "chat()")
         return self._run(conversation_records(conversations), options)
 
     def _run(self, records: list[dict | str], options: dict) -> list[Result]:
         template = chat_template_text(options.pop("chat_template", None))
+        structured = options.pop("structured_outputs", None)
+        if structured is not None:  # vLLM's dict, for every prompt (a prompt's own `structured_outputs` wins)
+            if not isinstance(structured, dict) or len(structured) != 1 or next(iter(structured)) not in STRUCTURED_KEYS:
+                raise ConfigError(f"structured_outputs: expected one of {', '.join(STRUCTURED_KEYS)} as its one key, "
+                                  f"got {structured!r:.80}")
+            (key, value), = structured.items()
+            options[STRUCTURED_KEYS[key]] = value
         if isinstance(options.get("stop"), str):  # one stop string, never the job flag's JSON list text
             options["stop"] = [options["stop"]]
         system_prompt = options.get("system_prompt")
@@ -193,7 +204,7 @@ class LLM:
 def result_of(row: PendingRow, seqs: list[Sequence]) -> Result:
     fields = row.fields()
     return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
-                  completion_tokens=fields["completion_tokens"], logprobs=fields["extra"].get("logprobs"),
+                  completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
                   completions=tuple(row.done) if row.n > 1 else None, token_ids=tuple(seqs[0].output_ids))
 
 
@@ -258,7 +269,7 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
     UnsupportedModelError for a model that cannot load; KernelError or KvBudgetError for an engine that
     cannot run here. Warns (ChatHintWarning) when plain prompts end at their first token from a model with
     a chat template: it probably wants chat=True or batchjob.chat()."""
-    _check_names(options, SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
+    _check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).generate(prompts, **call)
@@ -269,7 +280,7 @@ def chat(conversations: Any, *, model: str = "smollm2", **options: Any) -> list[
     "content"} messages) or a list of them, each rendered with the model's chat template and a generation
     prompt. Returns one Result per conversation. The keywords are generate()'s, less `chat`: sampling,
     chat_template, system_prompt and the engine's; the same errors."""
-    _check_names(options, SAMPLING_OPTIONS + ("chat_template", "system_prompt") + ENGINE_OPTIONS, "chat()")
+    _check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt") + ENGINE_OPTIONS, "chat()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).chat(conversations, **call)

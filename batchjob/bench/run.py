@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import kv_speed, moe, report, speculative
+from batchjob.bench import kv_speed, moe, report, speculative, structured
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--speculative-batches", default="1,4,16,64",
                     help="batch sizes of the speculative workload (SmolLM2 rewriting texts); empty: skip it")
     ap.add_argument("--no-kv-speed", action="store_true", help="skip the quantized-KV speed runs (bench/kv_speed.py)")
+    ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
@@ -223,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
                                                args.timeout)
         log(moe.text(moe_rows) if err is None else f"  failed: {err}")
 
+    structured_rows = None
+    if not args.no_structured and not args.pipeline_only:
+        log("structured outputs: a 64-row job with every row JSON-schema constrained vs unconstrained ...")
+        structured_rows, err = launch.run_json_module("batchjob.bench.structured", ["--rows", "8", "--max-tokens", "8",
+                                                      "--steps", "20"] if args.quick else [], args.timeout)
+        log(structured.job_text(structured_rows["job"]) if err is None else f"  failed: {err}")
+
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
     result = {
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
-        "speculative": spec_rows, "kv_speed": kv_rows, "moe": moe_rows,
+        "speculative": spec_rows, "kv_speed": kv_rows, "moe": moe_rows, "structured": structured_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -269,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     if moe_rows:
         log("MoE vs its dense equivalent (same active parameters):")
         log(moe.text(moe_rows))
+        log("")
+    if structured_rows:
+        log("structured outputs (llguidance; target: at most 10% slower):")
+        log(structured.job_text(structured_rows["job"]))
         log("")
     log("targets (issue 7):")
     log(report.targets_text(tgts))

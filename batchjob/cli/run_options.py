@@ -50,6 +50,14 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
      "keep the matched stop string at the end of the text"),
     ("--logprobs", "logprobs", int, "log-probabilities of each generated token and of the top N alternatives (0..20)"),
     ("--n", "n", int, "completions per row, each with its own random stream (default: 1)"),
+    ("--json-schema", "json_schema", str, "structured outputs: every row's output is JSON matching this schema (a "
+     "file, or the schema's JSON text); a row's own `structured_outputs` wins"),
+    ("--json-object/--no-json-object", "json_object", None, "structured outputs: every row's output is a JSON object"),
+    ("--regex", "regex", str, "structured outputs: every row's output matches this regular expression"),
+    ("--choice", "choice", str, "structured outputs: every row's output is one of these strings (comma-separated, or "
+     "a JSON list)"),
+    ("--grammar", "grammar", str, "structured outputs: every row's output matches this Lark or GBNF grammar (a file, "
+     "or its text)"),
     ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "compute dtype (default: bfloat16 on CUDA and on CPUs with bf16 matmul, else float32)"),
     ("--device", "device", click.Choice(["cpu", "cuda"]), "device (default: cuda when available)"),
     ("--kernels", "kernels", click.Choice(["auto", "torch", "native", "triton"]),

@@ -19,6 +19,7 @@ from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
+from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels.native.build import default_log
 from batchjob.models.causal_lm import CausalLM
 
@@ -80,8 +81,9 @@ def add_placeholders(step: Step, tokens: StepTokens) -> None:
 
 class Engine:
     def __init__(self, model: CausalLM, eos_token_ids: list[int], config: EngineConfig | None = None,
-                 draft_model: CausalLM | None = None):
-        """`draft_model`: the proposer of `--speculative draft` (its KV shares the pool's blocks and bytes)."""
+                 draft_model: CausalLM | None = None, tokenizer=None):
+        """`draft_model`: the proposer of `--speculative draft` (its KV shares the pool's blocks and bytes).
+        `tokenizer` (models/tokenizer.py): what structured outputs compile their grammars against."""
         config = config or EngineConfig()
         per_block = KVCache.bytes_per_block(model, config.block_size)
         if draft_model is not None:
@@ -100,9 +102,11 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler or SchedulerConfig(), self.pool, self.host_pool,
                                    prefer_swap=self.cost.prefer_swap, context_len=model.config.max_position_embeddings)
         self.max_model_len = self.scheduler.max_model_len  # the context, capped at what the KV pool holds
+        for m in (model, draft_model) if draft_model is not None else (model,):
+            m.fit_context(self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
         if config.cuda_graphs and model.device.type == "cuda":
-            if getattr(model.kernels, "graph_plan", None) is None:
+            if not model.kernels.captures_graphs:
                 default_log(f"CUDA graphs need the Triton kernels (the {model.kernels.name} kernels plan each step "
                             "on the host); decode steps run eagerly")
             else:
@@ -125,34 +129,67 @@ class Engine:
             self.proposer = DraftProposer(spec, draft_model, model, num_blocks, config.block_size)
         self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         self.outputs = OutputProcessor(self.scheduler, self.pool, self.eos, self.max_model_len, self.proposer)
+        self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
+        self.runner.structured = self.structured
+        self._compiling: list[Sequence] = []  # structured rows whose grammar is still compiling
 
     def add(self, seq: Sequence) -> str | None:
-        """Queue a row. Returns an error message (and queues nothing) when the row can never run."""
+        """Queue a row. Returns an error message (and queues nothing) when the row can never run. A
+        structured row waits outside the scheduler while its grammar compiles; one whose grammar fails
+        to compile then finishes with reason "error" (`seq.error`) from `step`."""
         err = self.scheduler.never_fits(seq)
+        if err is None and seq.params.structured_outputs is not None:
+            err = self.structured.admit(seq)
+            if err == "pending":
+                self._compiling.append(seq)
+                return None
         if err is None:
-            p = seq.params
-            stops = self._stop_sets.get(id(p))
-            if stops is None or stops[0] is not p:  # rows mostly share one params object: one set for all
-                stops = self._stop_sets[id(p)] = (p, frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos))
-                if len(self._stop_sets) > 4096:
-                    self._stop_sets.clear()
-            seq.stop_token_set = stops[1]
-            self.scheduler.add(seq)
+            self._queue(seq)
         return err
+
+    def _queue(self, seq: Sequence) -> None:
+        p = seq.params
+        stops = self._stop_sets.get(id(p))
+        if stops is None or stops[0] is not p:  # rows mostly share one params object: one set for all
+            stops = self._stop_sets[id(p)] = (p, frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos))
+            if len(self._stop_sets) > 4096:
+                self._stop_sets.clear()
+        seq.stop_token_set = stops[1]
+        self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Rows whose grammar finished compiling go to the scheduler; those whose grammar failed finish."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_work and self._pending is None:  # nothing else to run: wait for a grammar
+            self.structured.wait_compile(self._compiling, timeout=0.5)
+        waiting, failed = [], []
+        for seq in self._compiling:
+            err = self.structured.admit(seq)
+            if err == "pending":
+                waiting.append(seq)
+            elif err is None:
+                self._queue(seq)
+            else:
+                seq.status, seq.finish_reason, seq.error = SeqStatus.FINISHED, "error", err
+                failed.append(seq)
+        self._compiling = waiting
+        return failed
 
     @property
     def has_work(self) -> bool:
-        return self._pending is not None or self.scheduler.has_work
+        return self._pending is not None or self.scheduler.has_work or bool(self._compiling)
 
     def num_waiting(self, lane: str | None = None) -> int:
-        """Rows waiting in the scheduler: in one lane, or in all."""
+        """Rows waiting in the scheduler or for their grammar: in one lane, or in all."""
         if lane is None:
-            return self.scheduler.num_waiting
-        return len(self.scheduler.waiting[lane])
+            return self.scheduler.num_waiting + len(self._compiling)
+        return len(self.scheduler.waiting[lane]) + sum(s.lane == lane for s in self._compiling)
 
     def drop_waiting(self) -> list[Sequence]:
         """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""
-        return self.scheduler.drop_waiting()
+        compiling, self._compiling = self._compiling, []
+        return self.scheduler.drop_waiting() + compiling
 
     def step(self) -> list[Sequence]:
         """Run one iteration; returns the rows that finished in it. With `async_scheduling` (on CUDA) step N+1
@@ -164,7 +201,7 @@ class Engine:
         row in flight has penalties (they count the tokens before each position) or speculation is on.
         `last_step`/`last_stats` describe the step this call collected (None if it collected none)."""
         self.last_step = self.last_stats = None
-        prev, finished = self._pending, []
+        prev, finished = self._pending, self._admit_compiled()
         if prev is not None and not self._can_overlap(prev):
             finished, prev = self._collect(prev), None
         self._pending = None
@@ -200,7 +237,9 @@ class Engine:
         return finished
 
     def _can_overlap(self, pending: _Pending) -> bool:
-        return self.async_scheduling and self.proposer is None and not any(s.params.penalized for s in pending.step.seqs)
+        # penalties count the tokens before each position, and a grammar's mask needs the row's last token
+        return self.async_scheduling and self.proposer is None and not any(
+            s.params.penalized or s.matcher is not None for s in pending.step.seqs)
 
     def _collect(self, pending: _Pending) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them to its rows (engine/core/output.py)."""

@@ -71,6 +71,8 @@ def request_record(line) -> dict:
     for key, value in body.items():
         if key in _SAMPLING:
             sampling[_SAMPLING[key]] = value
+        elif key == "response_format" and value is not None:
+            sampling["response_format"] = value  # json_schema / json_object / text: read as structured outputs
         elif key in _IGNORED or key in ("messages", "prompt", "logprobs", "top_logprobs", "max_completion_tokens"):
             continue
         elif value in (None, False, [], {}) or (key == "response_format" and value == {"type": "text"}):

@@ -45,6 +45,12 @@ class JobConfig:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
     n: int = 1  # completions per row
+    # structured outputs for every row (a row's own `structured_outputs` wins); at most one of these
+    json_schema: str | dict | None = None  # a JSON schema: a file, JSON text, or a TOML table
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] = field(default_factory=list)  # the output is one of these strings
+    grammar: str | None = None  # a Lark or GBNF grammar: a file, or its text
     # engine
     dtype: str | None = None  # float32 | bfloat16 | float16; default: measured choice for the device
     device: str | None = None  # cpu | cuda; default cuda when available
@@ -161,7 +167,28 @@ class JobConfig:
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "n": self.n,
+            "structured_outputs": self.structured_outputs(),
         })
+
+    def structured_outputs(self) -> dict | None:
+        """The job-wide structured_outputs (vLLM's names) from json_schema / json_object / regex / choice / grammar."""
+        given = {name: value for name, value in (("json_schema", self.json_schema), ("json_object", self.json_object or None),
+                                                ("regex", self.regex), ("choice", self.choice or None),
+                                                ("grammar", self.grammar)) if value is not None}
+        if len(given) > 1:
+            raise ConfigError(f"{', '.join(given)}: give at most one structured output for the job "
+                              "(json_schema, json_object, regex, choice or grammar)")
+        if not given:
+            return None
+        (name, value), = given.items()
+        if name in ("json_schema", "grammar") and isinstance(value, str) and _is_file(value):
+            value = Path(value).read_text()  # a file; else the text itself
+        if name == "json_schema" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"json_schema: {value!r:.80} is neither a file nor JSON text ({e})") from None
+        return {"json" if name == "json_schema" else name: value}
 
     @property
     def per_lane_inputs(self) -> bool:
@@ -234,6 +261,7 @@ TABLES: dict[str, tuple[str, ...]] = {
                "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",
                "read_ahead", "async_scheduling", "cuda_graphs", "speculative", "draft_model",
                "num_speculative_tokens", "speculative_max_rows", "max_model_len"),
+    "structured_outputs": ("json_schema", "json_object", "regex", "choice", "grammar"),
     "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns", "id_column"),
 }
 SECTIONS = (*TABLES, "job")  # optional TOML tables; their keys are fields too
@@ -313,6 +341,13 @@ def _naming_the_file(e: ConfigError, path: str | Path | None, from_file: set[str
     return ConfigError(f"{path}: {text}")
 
 
+def _is_file(value: str) -> bool:
+    try:
+        return "\n" not in value and Path(value).is_file()
+    except OSError:  # text too long to be a path
+        return False
+
+
 def _coerce(name: str, value):
     default = FIELDS[name].default
     if name == "limit" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -348,7 +383,12 @@ def _coerce(name: str, value):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"stop: expected a string or a list of strings, got {value!r}")
         return list(value)
-    if name in ("keep_columns", "stop_token_ids"):
+    if name in ("keep_columns", "stop_token_ids", "choice"):
+        if name == "choice" and isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)  # a JSON list: choices that hold commas
+            except ValueError as e:
+                raise ConfigError(f"choice: {value!r} is not a JSON list of strings ({e})") from None
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):

@@ -9,6 +9,7 @@ from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.lanes import Lane
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.spec_decode.config import speculative_config
+from batchjob.models.causal_lm import CausalLM
 from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
 
@@ -20,10 +21,32 @@ def lanes_of(cfg: JobConfig) -> list[Lane]:
 
 
 def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
+    """The model (which takes the loaded weights: loaded.weights is empty after) and its engine."""
+    return engine_for(cfg, loaded, *build_models(cfg, loaded, device, dtype))
+
+
+def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> tuple[CausalLM, CausalLM | None]:
+    """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
-                       kv_cache_dtype=cfg.kv_cache_dtype)
-    if model.device.type != "cpu":
-        loaded.weights.clear()  # the device holds them now: release the host copy (a CPU model shares it)
+                        kv_cache_dtype=cfg.kv_cache_dtype)
+    draft = None
+    if cfg.speculative == "draft":
+        try:
+            proposer = load_model(cfg.draft_model, dtype=dtype)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model: {e}") from None
+        if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+            raise ModelLoadError(f"draft model {cfg.draft_model}: its tokenizer has {proposer.tokenizer.vocab_size:,} "
+                                 f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
+                                 "target's tokenizer (e.g. a smaller model of the same family)")
+        draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
+                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype)
+    return model, draft
+
+
+def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: CausalLM | None = None) -> Engine:
+    """An engine around built models (a fresh one for models that served an engine before: its KV cache,
+    scheduler and grammars are new)."""
     static = cfg.scheduling == "static"
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
@@ -42,16 +65,4 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                         speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows,
                                                        cfg.draft_model),
                         scheduler=sched)
-    draft = None
-    if cfg.speculative == "draft":
-        try:
-            proposer = load_model(cfg.draft_model, dtype=dtype)
-        except ModelLoadError as e:
-            raise ModelLoadError(f"--draft-model: {e}") from None
-        if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
-            raise ModelLoadError(f"draft model {cfg.draft_model}: its tokenizer has {proposer.tokenizer.vocab_size:,} "
-                                 f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
-                                 "target's tokenizer (e.g. a smaller model of the same family)")
-        draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
-                           block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype)
-    return Engine(model, loaded.tokenizer.eos_token_ids, ecfg, draft_model=draft)
+    return Engine(model, loaded.tokenizer.eos_token_ids, ecfg, draft_model=draft, tokenizer=loaded.tokenizer)

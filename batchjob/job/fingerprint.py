@@ -30,6 +30,9 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
     params["dtype"] = str(dtype).removeprefix("torch.")
     if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
         params["kv_cache_dtype"] = cfg.kv_cache_dtype
+    structured = cfg.structured_outputs()
+    if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
+        params["structured_outputs"] = structured
     if cfg.max_model_len is not None:  # a lower cap ends long rows earlier ("length"); absent: the model's context
         params["max_model_len"] = cfg.max_model_len
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from batchjob.job.config import JobConfig
+from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
 from batchjob.engine.core.sequence import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -160,7 +161,11 @@ def row_sampling(record: dict, base: SamplingParams, in_memory: bool = False) ->
     if not values:
         return base
     try:
+        if "response_format" in values:  # OpenAI's name (its Batch and chat requests) for a JSON constraint
+            values["structured_outputs"] = from_response_format(values.pop("response_format"))
         return SamplingParams.parse(values, base)
+    except StructuredOutputsError as e:
+        raise RowError(str(e)) from None
     except ValueError as e:
         raise RowError(f"sampling parameter {e}") from None
 

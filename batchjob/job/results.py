@@ -77,6 +77,7 @@ class Completion:
     completion_tokens: int
     logprobs: list[dict] | None
     token_ids: tuple[int, ...] = ()
+    error: str | None = None  # finish_reason "error": why (a structured row's grammar that did not compile)
 
 
 @dataclass(slots=True, eq=False)
@@ -97,7 +98,7 @@ class PendingRow:
         else:
             text = tokenizer.decode(seq.output_ids)
         lps = token_text.logprobs(seq.logprobs or []) if seq.params.logprobs is not None else None
-        self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids))
+        self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids), seq.error)
         self.prompt_tokens = seq.num_prompt
         return all(c is not None for c in self.done)
 
@@ -105,7 +106,8 @@ class PendingRow:
         """The row's output fields: the first completion's text, reason and logprobs; tokens of all completions."""
         first = self.done[0]
         out = {"text": first.text, "reason": first.finish_reason, "prompt_tokens": self.prompt_tokens,
-               "completion_tokens": sum(c.completion_tokens for c in self.done), "extra": {}}
+               "completion_tokens": sum(c.completion_tokens for c in self.done), "extra": {},
+               "error": next((c.error for c in self.done if c.error), None)}
         if self.columns.logprobs:
             out["extra"][LOGPROBS] = first.logprobs
         if self.columns.completions and self.n > 1:

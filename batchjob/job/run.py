@@ -186,6 +186,11 @@ class Job:
             self.progress.close()
         self.summary.wall_s = time.perf_counter() - self.t0
         self.summary.stats = self.stats.summary()
+        st = self.engine.structured.stats
+        if st.rows or st.failed:  # structured outputs: what the grammars cost
+            self.summary.stats["structured"] = {
+                "rows": st.rows, "failed": st.failed, "compile_ms": round(st.compile_s * 1e3, 1),
+                "mask_steps": st.mask_steps, "mask_ms_per_step": round(st.mask_s * 1e3 / max(st.mask_steps, 1), 2)}
         self.stats.write(self.summary.stats)
         self.summary.empty_input = bool(self.empty_inputs) and self.summary.rows == 0 and not self.before[0]
         hint = self.chat_hint.due(feed.one_token_stops, final=True)  # a short job's, unless said while it ran

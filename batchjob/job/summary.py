@@ -42,9 +42,12 @@ class JobSummary:
         state = "stopped" if self.stopped else "finished"
         this_run = (f"this run {self.rows} rows ({self.errors} errors), " if self.rows_before else
                     f"{self.rows} rows ({self.errors} errors), ")
+        so = self.stats.get("structured")
+        structured = (f"; structured outputs: {so['rows']:,} rows ({so['failed']} grammars refused), compiled in "
+                      f"{so['compile_ms']} ms, masks {so['mask_ms_per_step']} ms a step" if so else "")
         return (f"batchjob: {state}: {whole} ({errors:,} errors) in all; {this_run}{self.prompt_tokens} prompt tokens, "
-                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s, {self.kernels} kernels) "
-                f"-> {self.output}")
+                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s, {self.kernels} kernels)"
+                f"{structured} -> {self.output}")
 
 
 def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: list[str], total: int | None,

@@ -94,6 +94,12 @@ class OutputProcessor:
         stop_string = seq.detokenizer is not None and seq.detokenizer.step(tok)
         if stop_string or (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
             return "stop"
+        if seq.matcher is not None:  # a structured row: its grammar moves with every token it keeps
+            if not seq.matcher.consume(tok) or seq.matcher.error:
+                seq.error = f"structured_outputs: {seq.matcher.error or f'token {tok} does not fit the grammar'}"
+                return "error"
+            if seq.matcher.is_finished():  # complete: nothing but EOS could follow
+                return "stop"
         known = len(seq.token_ids)
         if known - seq.num_prompt >= p.max_tokens or known >= self.max_model_len:
             return "length"

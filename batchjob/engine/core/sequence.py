@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from batchjob.engine.structured.spec import StructuredOutputs, parse_structured_outputs
+
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
 MAX_N = 128  # completions per row, as the OpenAI API
 
@@ -30,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: the chosen token's only); None = off
     n: int = 1  # completions per row; the job runs each as its own Sequence
     seed: int | None = None  # a row's own seed: replaces the key derived from (job seed, row index)
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must match (engine/structured/)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +111,8 @@ def _coerce(name: str, value):
         if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
             raise ValueError(f"stop: expected a string or a list of strings, got {value!r}")
         return tuple(value)
+    if name == "structured_outputs":
+        return value if isinstance(value, StructuredOutputs) else parse_structured_outputs(value)
     if name == "stop_token_ids":
         if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise ValueError(f"stop_token_ids: expected a list of integers, got {value!r}")
@@ -150,6 +155,8 @@ class Sequence:
     sampler_state: object | None = None  # the sampler's per-row cache (penalty token counts)
     draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
     spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)
+    matcher: object | None = None  # structured rows: the grammar's Matcher (engine/structured/matcher.py)
+    error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

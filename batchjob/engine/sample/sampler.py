@@ -16,23 +16,13 @@ from collections.abc import Sequence as Seq
 import torch
 
 from batchjob.engine.sample.row_keys import uniform
+from batchjob.engine.structured.mask import apply_token_bitmask_
+from batchjob.kernels.reference.elementwise import argmax_rows
 from batchjob.engine.core.sequence import Sequence
 
 
-def argmax_rows(x: torch.Tensor, width: int = 128) -> torch.Tensor:
-    """`x.argmax(-1)` for [rows, vocab] logits, same result (first index of the maximum; NaN counts as the
-    maximum), in two passes: the maximum of each `width`-wide chunk (`amax`, vectorized and threaded on
-    CPU), then argmax over the chunk maxima and within the winning chunk. torch's CPU argmax over a long
-    last dim took 1.7-6 ms for 46-128 rows x 32-49k vocab here, this 0.2-0.9 ms."""
-    rows, vocab = x.shape
-    if vocab % width or x.device.type != "cpu":
-        return x.argmax(dim=-1)
-    chunks = x.view(rows, vocab // width, width)
-    best = chunks.amax(dim=-1).argmax(dim=-1)
-    return best * width + chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
-
-
-def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list[int] | None = None) -> SampledTokens:
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list[int] | None = None,
+           mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
     """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
     token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows with
     `params.logprobs` set get an entry appended to `seq.logprobs` then. `argmax`: a kernel equal to
@@ -46,6 +36,9 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list
     device = logits.device
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw_lp = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
+    if mask is not None:  # structured rows: tokens their grammar forbids get -inf, after the raw logprobs (vLLM's order)
+        bitmask, rows = mask
+        apply_token_bitmask_(logits, bitmask, rows)
 
     banned = [(i, t) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens
               for t in s.stop_token_set if t < vocab]

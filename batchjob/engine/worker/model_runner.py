@@ -12,6 +12,7 @@ from batchjob.engine.core.scheduler import Step
 from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.staging import StagingBuffers
+from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels import AttentionMetadata
 from batchjob.kernels.profiling import scope
 
@@ -25,6 +26,7 @@ class ModelRunner:
         self.staging = StagingBuffers(model.device)
         self.decode_graphs = None  # engine/worker/cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
+        self.structured: StructuredRows | None = None  # the engine's structured rows: their masks, per step
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """A step's inputs and metadata (in place) through the staging buffers onto the model's device."""
@@ -50,20 +52,19 @@ class ModelRunner:
         if inputs.placeholder_rows:
             assert in_flight is not None, "a placeholder with no step in flight to fill it"
             fill = _placeholder_fill(step, inputs.placeholder_rows, last, in_flight, self.staging)
-        argmax = getattr(self.model.kernels, "argmax", None)  # a fused argmax where the backend has one
+        argmax = self.model.kernels.argmax
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
+            mask = self.structured.start_mask(step.seqs, None) if self.structured is not None else None
             t0 = time.perf_counter()
             logits = graphs.run(input_ids, positions, meta, fill)
             self.model_s += time.perf_counter() - t0
             rows = list(range(len(step.seqs)))
             with scope("sampler"):
-                sampled = sampler.sample(logits, step.seqs, argmax=argmax)
+                sampled = sampler.sample(logits, step.seqs, argmax=argmax, mask=mask.wait() if mask else None)
             return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
-        t0 = time.perf_counter()
-        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         # rows whose tokens are all computed sample one token; a speculating row samples at its last token
         # and at each of its k proposals (it computes k tokens past its own)
         rows, spans, at, seqs = [], [], [], []
@@ -74,6 +75,11 @@ class ModelRunner:
                 spans.append(k + 1)
                 at.extend(range(last[i] - k, last[i] + 1))
                 seqs.extend([s] * (k + 1))
+        # structured rows: their next-token masks fill on a helper thread while the forward runs
+        sampling = [step.seqs[i] for i in rows]
+        mask = self.structured.start_mask(sampling, spans) if self.structured is not None and rows else None
+        t0 = time.perf_counter()
+        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
         self.model_s += time.perf_counter() - t0
@@ -81,7 +87,7 @@ class ModelRunner:
             return StepTokens(len(step.seqs), rows, None, seqs=step.seqs)
         offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
-            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets)
+            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=mask.wait() if mask else None)
         return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs)
 
 
