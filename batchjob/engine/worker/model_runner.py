@@ -37,6 +37,13 @@ class ModelRunner:
             setattr(meta, name, stage(name, getattr(meta, name)))
         return stage("input_ids", input_ids), stage("positions", positions)
 
+    def _staged(self, mask) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step's grammar bitmask, once filled, onto the device through the pinned staging buffers."""
+        if mask is None:
+            return None
+        bitmask, rows = mask.wait()
+        return self.staging.to_device("grammar_bitmask", bitmask), self.staging.to_device("grammar_rows", rows)
+
     def run(self, step: Step, in_flight: StepTokens | None = None) -> StepTokens:
         """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
         handle whose `tolist()` waits for them. On a GPU the host is free until then; on the CPU the forward
@@ -61,7 +68,7 @@ class ModelRunner:
             self.model_s += time.perf_counter() - t0
             rows = list(range(len(step.seqs)))
             with scope("sampler"):
-                sampled = sampler.sample(logits, step.seqs, argmax=argmax, mask=mask.wait() if mask else None)
+                sampled = sampler.sample(logits, step.seqs, argmax=argmax, mask=self._staged(mask))
             return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
@@ -87,7 +94,7 @@ class ModelRunner:
             return StepTokens(len(step.seqs), rows, None, seqs=step.seqs)
         offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
-            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=mask.wait() if mask else None)
+            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=self._staged(mask))
         return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs)
 
 
