@@ -164,3 +164,113 @@ def test_bad_pooling_params_name_the_field():
         SamplingParams(n=2, pooling=PoolingParams()).check()
     with pytest.raises(ValueError, match="not per row"):
         SamplingParams.parse({"pooling": {"pooling": "mean"}})
+
+
+# the job: --task embed through the CLI
+
+from tests.job.test_resume import FAST, cli, start_job, wait_for_parts, write_jsonl  # noqa: E402
+from batchjob.io.manifest import Manifest  # noqa: E402
+from batchjob.io.parts import read_results  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama", max_positions=1024)
+
+
+def test_a_job_writes_the_embedding_column(tmp_path, llama_dir):
+    from transformers import AutoModel
+    import pyarrow as pa
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"The fox number {i} jumps"} for i in range(5)])
+    out = tmp_path / "out"
+    cli("run", "--model", llama_dir, "--input", src, "--output", out, "--task", "embed", "--pooling", "mean",
+        "--embed-prefix", "query: ", "--dtype", "float32", *FAST)
+    table = read_results(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32())
+    assert set(table.column("generated_text").to_pylist()) == {""}
+    assert set(table.column("finish_reason").to_pylist()) == {"stop"}
+    assert set(table.column("completion_tokens").to_pylist()) == {0}
+    from batchjob.models.loader import load_model as load
+
+    tok = load(str(llama_dir)).tokenizer
+    ref = AutoModel.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    for i, (emb, n) in enumerate(zip(table.column("embedding").to_pylist(), table.column("prompt_tokens").to_pylist())):
+        ids = tok.encode_batch([f"query: The fox number {i} jumps"], add_special_tokens=True)[0]
+        assert n == len(ids)
+        torch.testing.assert_close(torch.tensor(emb), reference(ref, ids, PoolingParams("mean")), atol=1e-4, rtol=1e-4)
+
+
+def test_the_model_folders_pooling_is_the_default(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    from batchjob.job.config import JobConfig
+    from batchjob.job.embed_task import resolve_pooling
+
+    folder = tmp_path / "model"
+    shutil.copytree(llama_dir, folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True,
+                                                                  "pooling_mode_mean_tokens": False}))
+    cfg = JobConfig(task="embed")
+    resolve_pooling(cfg, folder)
+    assert cfg.pooling == "cls"
+    cfg = JobConfig(task="embed")
+    resolve_pooling(cfg, llama_dir)
+    assert cfg.pooling == "last"
+    cfg = JobConfig(task="embed", pooling="mean")
+    resolve_pooling(cfg, folder)
+    assert cfg.pooling == "mean"  # the job's own wins
+
+
+def test_an_embed_job_resumes_after_sigkill_exactly_once(tmp_path, llama_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"The fox number {i} jumps " * (1 + i % 7)} for i in range(400)])
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    args = ["--model", llama_dir, "--input", src, "--task", "embed", "--pooling", "mean", "--part-rows", 10,
+            "--max-num-seqs", 4, "--dtype", "float32", *FAST]
+    cli("run", *args, "--output", ref)
+    proc = start_job(*args, "--output", out)
+    wait_for_parts(out, proc, parts=2)
+    proc.kill()  # SIGKILL: no handler, no final commit
+    proc.communicate(timeout=60)
+    assert 0 < Manifest.load(out).done_rows().count() < 400
+    cli("run", *args, "--output", out)
+    got, want = read_results(out), read_results(ref)
+    assert got.column("row_index").to_pylist() == list(range(400))  # each row exactly once
+    for a, b in zip(got.column("embedding").to_pylist(), want.column("embedding").to_pylist()):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_changed_embed_option_is_another_job(tmp_path, llama_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a b c"}])
+    out = tmp_path / "out"
+    cli("run", "--model", llama_dir, "--input", src, "--output", out, "--task", "embed", *FAST)
+    text = cli("run", "--model", llama_dir, "--input", src, "--output", out, "--task", "embed", "--dimensions", 8,
+               *FAST, code=1)
+    assert "params.task.dimensions: null -> 8" in text and "--restart" in text
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--task", "embed", "--chat"], "chat: not with task"),
+    (["--task", "embed", "--logprobs", "2"], "logprobs: not with task"),
+    (["--task", "embed", "--n", "2"], "n: not with task"),
+    (["--task", "embed", "--regex", "a+"], "structured outputs: not with task"),
+    (["--task", "embed", "--speculative", "ngram"], "speculative: not with task"),
+    (["--pooling", "mean"], "pooling: applies to task = \"embed\" only"),
+    (["--dimensions", "8"], "dimensions: applies to task"),
+    (["--task", "score"], "task"),
+])
+def test_bad_combinations_are_config_errors(tmp_path, llama_dir, flags, says):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a b c"}])
+    text = cli("run", "--model", llama_dir, "--input", src, "--output", tmp_path / "out", *flags, *FAST, code=2)
+    assert says in text
+
+
+def test_messages_rows_are_refused_per_row(tmp_path, llama_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "a b"}])
+    out = tmp_path / "out"
+    cli("run", "--model", llama_dir, "--input", src, "--output", out, "--task", "embed", *FAST)
+    table = read_results(out)
+    assert table.column("finish_reason").to_pylist() == ["error", "stop"]
+    assert "not chat messages" in table.column("error").to_pylist()[0]
