@@ -274,3 +274,30 @@ def test_messages_rows_are_refused_per_row(tmp_path, llama_dir):
     table = read_results(out)
     assert table.column("finish_reason").to_pylist() == ["error", "stop"]
     assert "not chat messages" in table.column("error").to_pylist()[0]
+
+
+# the Python API
+
+def test_api_embed_equals_transformers(tiny_model_dir):
+    from transformers import AutoModel
+
+    import batchjob
+    from batchjob.models.loader import load_model as load
+
+    path = tiny_model_dir("qwen3", max_positions=1024)
+    texts = ["the fox jumps", "a b c d e f", ""]
+    results = batchjob.embed(texts, model=str(path), pooling="mean", dimensions=32, dtype="float32", kv_cache_gb=0.02)
+    llm_results = batchjob.LLM(str(path), dtype="float32", kv_cache_gb=0.02).embed(texts[:2], pooling="mean", dimensions=32)
+    tok = load(str(path)).tokenizer
+    ref = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    for r, l, text in zip(results, llm_results, texts):
+        ids = tok.encode_batch([text], add_special_tokens=True)[0]
+        assert r.finish_reason == "stop" and r.text == "" and r.prompt_tokens == len(ids) and len(r.embedding) == 32
+        torch.testing.assert_close(torch.tensor(r.embedding), reference(ref, ids, PoolingParams("mean", dimensions=32)),
+                                   atol=1e-4, rtol=1e-4)
+        assert l.embedding == r.embedding
+    assert results[2].finish_reason == "error" and results[2].embedding is None
+    with pytest.raises(ValueError, match="pooling"):
+        batchjob.embed(["x"], model=str(path), pooling="max", kv_cache_gb=0.02)
+    with pytest.raises(ValueError, match="temperature: unknown keyword"):
+        batchjob.embed(["x"], model=str(path), temperature=0.5)
