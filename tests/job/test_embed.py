@@ -122,6 +122,23 @@ def test_embed_and_generate_rows_share_a_step(tiny):
         torch.testing.assert_close(torch.tensor(s.embedding), torch.tensor(a.embedding), atol=1e-5, rtol=1e-5)
 
 
+def test_async_scheduling_gives_the_same_embeddings(tiny):
+    model, _ = tiny
+    ps = prompts(6, seed=8)
+    engine = Engine(model, [], EngineConfig(num_blocks=512, block_size=8, async_scheduling=True,
+                                            scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+    gen = [Sequence(i, list(p), SamplingParams(max_tokens=4)) for i, p in enumerate(ps)]
+    emb = [Sequence(10 + i, list(p), SamplingParams(pooling=PoolingParams("cls"))) for i, p in enumerate(ps)]
+    for s in gen + emb:
+        assert engine.add(s) is None
+    while engine.has_work:
+        engine.step()
+    assert engine.pool.num_used == 0 and all(s.num_output == 4 for s in gen)
+    for s, a in zip(emb, embed(model, ps, PoolingParams("cls"))):
+        assert s.finish_reason == "stop"
+        torch.testing.assert_close(torch.tensor(s.embedding), torch.tensor(a.embedding), atol=1e-5, rtol=1e-5)
+
+
 def test_recomputed_row_restarts_its_pooling(tiny):
     model, ref = tiny
     ps = prompts(8, seed=6, lo=50, hi=60)
