@@ -77,10 +77,8 @@ def test_rows_sharing_a_cached_prefix(tiny, pooling):
     head = prompts(1, seed=3, lo=40, hi=40)[0]
     ps = [head + [5, 6, 7], head + [9, 10]]
     pp = PoolingParams(pooling)
-    engine_rows = embed(model, ps[:1], pp) + embed(model, ps, pp)  # second engine: row 1 may reuse row 0's blocks
     for seq, p in zip(embed(model, ps, pp, max_num_seqs=1), ps):  # one at a time: the second finds the first's blocks
         torch.testing.assert_close(torch.tensor(seq.embedding), reference(ref, p, pp), atol=1e-4, rtol=1e-4)
-    assert engine_rows
 
 
 def test_last_pooling_uses_the_prefix_cache_mean_does_not(tiny):
