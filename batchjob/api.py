@@ -1,4 +1,4 @@
-"""The Python API: `generate()` runs prompts (and `chat()` conversations) in memory and `run()` runs a job,
+"""The Python API: `generate()` runs prompts (and `chat()` conversations, `embed()` texts) in memory and `run()` runs a job,
 with the engine, sampling and chat handling of `batchjob run`. An `LLM` holds one loaded model and its
 engine; `generate()` keeps the last few in a cache keyed by model and engine knobs, so a notebook does not
 reload a model per call."""
@@ -23,6 +23,7 @@ from batchjob.job.config import FIELDS, ConfigError, JobConfig, job_values, load
 from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.engine import Engine
+from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.run import run_job
 from batchjob.job.engine_setup import build_models, engine_for
 from batchjob.models.loader import load_model, resolve_model_path
@@ -41,14 +42,16 @@ STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex":
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
 SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
 CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
+EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "embed_prefix")  # embed()'s keywords (docs/guide/embeddings.md)
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
                   "prefix_caching", "read_ahead", "threads", "max_model_len")
-assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
+assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + EMBED_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
 
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
 ALL_COLUMNS = OutputColumns(logprobs=True, completions=True)  # a Result always has both fields (None when unused)
+EMBED_COLUMNS = OutputColumns(embedding=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class Result:
     logprobs: list[dict] | None = None  # the first completion's, when logprobs was asked for
     completions: tuple[Completion, ...] | None = None  # n > 1: all n, in order (the first is also `text`)
     token_ids: tuple[int, ...] = ()  # the first completion's generated token ids
+    embedding: list[float] | None = None  # embed(): the prompt's pooled (and normalised) final hidden states
 
 
 def failed(error: str, prompt_tokens: int = 0) -> Result:
@@ -119,6 +123,24 @@ class LLM:
         chat_template, system_prompt (prepended to a conversation that has no system message)."""
         _check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt"), "chat()")
         return self._run(conversation_records(conversations), options)
+
+    def embed(self, texts: Any, **options: Any) -> list[Result]:
+        """One Result per text, in input order, with `.embedding` (a list of floats), as `--task embed`:
+        prefill only, the final normed hidden states pooled. `texts`: a string, a list of token ids, or a list
+        of them. `options`: pooling (last | mean | cls; default: the model folder's 1_Pooling/config.json, else
+        last), normalize (L2, default True), dimensions (keep the first N, then normalise), embed_prefix
+        (prepended to each text). No chat template is applied."""
+        _check_names(options, EMBED_OPTIONS, "embed()")
+        with api_words():
+            cfg = job_config({"model": self.config.model, **self.options, "task": "embed", **options})
+            resolve_pooling(cfg, resolve_model_path(self.config.model))
+        builder = PromptBuilder(cfg, self.tokenizer, use_messages=False, in_memory=True)
+        with self._lock:
+            try:
+                return self._generate(cfg, builder, prompt_records(texts))
+            except BaseException:
+                self._engine = None
+                raise
 
     def _run(self, records: list[dict | str], options: dict) -> list[Result]:
         template = chat_template_text(options.pop("chat_template", None))
@@ -189,7 +211,8 @@ class LLM:
                 except RowError as e:
                     results[index] = failed(str(e))
                     continue
-                err = rows.add(index, ids, params, ALL_COLUMNS, seed=cfg.seed, row_index=index)
+                err = rows.add(index, ids, params, EMBED_COLUMNS if cfg.task == "embed" else ALL_COLUMNS,
+                               seed=cfg.seed, row_index=index)
                 if err:
                     results[index] = failed(err, prompt_tokens=len(ids))
             if not engine.has_work:
@@ -205,7 +228,8 @@ def result_of(row: PendingRow, seqs: list[Sequence]) -> Result:
     fields = row.fields()
     return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
                   completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
-                  completions=tuple(row.done) if row.n > 1 else None, token_ids=tuple(seqs[0].output_ids))
+                  completions=tuple(row.done) if row.n > 1 else None, token_ids=tuple(seqs[0].output_ids),
+                  embedding=fields["extra"].get("embedding"))
 
 
 # the cache behind generate()
@@ -284,6 +308,19 @@ def chat(conversations: Any, *, model: str = "smollm2", **options: Any) -> list[
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).chat(conversations, **call)
+
+
+def embed(texts: Any, *, model: str = "smollm2", **options: Any) -> list[Result]:
+    """Embeddings of `texts` in memory, as `batchjob run --task embed`: one Result per text with `.embedding`
+    (a list of floats; prompt_tokens as usual, text empty, finish_reason "stop", or "error" with `.error`).
+    Keywords: pooling (last | mean | cls; default: the model folder's sentence-transformers
+    1_Pooling/config.json, else last), normalize (L2; default True), dimensions (Matryoshka: the first N,
+    then normalised), embed_prefix (prepended to each text, e.g. "query: "), and the engine keywords of
+    generate() (the engine is cached as generate()'s)."""
+    _check_names(options, EMBED_OPTIONS + ENGINE_OPTIONS, "embed()")
+    engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+    call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
+    return cached_llm(model, **engine).embed(texts, **call)
 
 
 def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrides: Any) -> JobSummary:

@@ -13,13 +13,14 @@ HEADER = """# `batchjob run` options
 
 Generated from the options table (`batchjob/cli/run_options.py`) by `python -m batchjob.cli.reference`; do not
 edit by hand. Every option is also a job-file key: the flag overrides the file. A key stands at the top level
-of the job file or in its table (`[sampling]`, `[structured_outputs]`, `[engine]`, `[output]`); a key in another
+of the job file or in its table (`[sampling]`, `[structured_outputs]`, `[embed]`, `[engine]`, `[output]`); a key in another
 table is an error.
 `[[lanes]]` tables are described in [the scheduling guide](../guide/scheduling.md).
 """
 
 SECTION_TITLES = {"job": "The job: model, input, prompts, run control", "sampling": "Sampling (`[sampling]`)",
                   "structured_outputs": "Structured outputs for every row (`[structured_outputs]`; at most one)",
+                  "embed": "Embeddings, `task = \"embed\"` (`[embed]`; [the guide](../guide/embeddings.md))",
                   "engine": "Engine (`[engine]`)", "output": "Output (`[output]`)"}
 
 

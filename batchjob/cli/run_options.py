@@ -20,6 +20,16 @@ class RunOption:
 RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--model", "model", str, "'smollm2' (embedded SmolLM2-135M-Instruct GGUF, the default), a path to a HF folder or .gguf file, or an "
      "org/name[@revision] id found in the local Hugging Face cache (no network)"),
+    ("--task", "task", click.Choice(["generate", "embed"]), "generate text (default), or embed: one prefill per row, "
+     "no text; the row's `embedding` (list<float32>) is its final hidden states pooled (docs/guide/embeddings.md)"),
+    ("--pooling", "pooling", click.Choice(["last", "mean", "cls"]), "--task embed: the last prompt position, the mean "
+     "over the prompt, or the first position (default: the model folder's sentence-transformers "
+     "1_Pooling/config.json, else last)"),
+    ("--normalize/--no-normalize", "normalize", None, "--task embed: L2-normalise each embedding (default: on)"),
+    ("--dimensions", "dimensions", click.IntRange(1), "--task embed: keep the first N values (Matryoshka), then "
+     "normalise (default: all)"),
+    ("--embed-prefix", "embed_prefix", str, "--task embed: text prepended to each prompt, e.g. an instruction or "
+     "'query: ' (default: none)"),
     ("--input", "input", str, "input: .jsonl (also .jsonl.gz/.jsonl.zst), .csv/.tsv, .parquet, a folder of JSONL or Parquet "
      "files, a hive-partitioned Parquet folder, a `datasets` save_to_disk folder, or an OpenAI Batch file"),
     ("--input-format", "input_format", click.Choice(["jsonl", "jsonl.gz", "jsonl.zst", "csv", "tsv", "parquet", "datasets", "openai-batch"]),

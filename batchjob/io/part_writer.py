@@ -30,8 +30,9 @@ def output_error(path: Path, e: OSError) -> OutputError:
 
 class PartWriter:
     def __init__(self, out_dir: Path, keep_columns: list[str], part_format: str, next_number: int,
-                 last_part: Path | None) -> None:
+                 last_part: Path | None, column_types: dict[str, pa.DataType] | None = None) -> None:
         self.out_dir, self.keep_columns, self.part_format = out_dir, keep_columns, part_format
+        self.column_types = column_types or {}  # columns of a fixed type (an embedding's list<float32>)
         self.next_number = next_number
         # kept columns keep the types of the parts before (a resume reads the newest part's schema)
         self.types: dict[str, pa.DataType] = {}
@@ -67,7 +68,8 @@ class PartWriter:
                 raise ValueError(f"result column {field.name!r} needs {field.type} values: {e}") from e
             fields.append(field)
         for name in self.keep_columns:
-            array = self._kept_array(name, columns[name])
+            typed = self.column_types.get(name)
+            array = pa.array(columns[name], type=typed) if typed is not None else self._kept_array(name, columns[name])
             arrays.append(array)
             fields.append(pa.field(name, array.type))
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))

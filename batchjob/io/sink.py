@@ -50,7 +50,8 @@ _REASONS = frozenset(FINISH_REASONS)
 class ArrowSink:
     def __init__(self, out_dir: str | Path, *, fingerprint: dict, keep_columns: Iterable[str] = (),
                  part_rows: int = 1000, part_seconds: float = 30.0, total_rows: int | None = None,
-                 part_format: str = "arrow") -> None:
+                 part_format: str = "arrow", column_types: dict | None = None) -> None:
+        """`column_types`: kept columns of a fixed Arrow type (the others take their values' type)."""
         self.out_dir = Path(out_dir)
         self.keep_columns = list(keep_columns)
         clash = [c for c in self.keep_columns if c in RESULT_SCHEMA.names]
@@ -90,7 +91,7 @@ class ArrowSink:
         self._closed = False
         self._positions: dict[int, object] = {}  # row read but not committed -> where reading it again starts
         last = self.out_dir / manifest.parts[-1].name if manifest.parts else None
-        self._parts = PartWriter(self.out_dir, self.keep_columns, part_format, next_part, last)
+        self._parts = PartWriter(self.out_dir, self.keep_columns, part_format, next_part, last, column_types)
         self._log = CommitLog(self.out_dir, manifest.log_bytes)  # cuts off a torn last record
         snapshot = self.out_dir / MANIFEST
         self._snapshot_bytes = snapshot.stat().st_size if snapshot.exists() else 0

@@ -16,6 +16,7 @@ from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported
 @dataclass(slots=True)
 class JobConfig:
     # what to run
+    task: str = "generate"  # generate | embed (prefill only: a pooled, normalised `embedding` per row)
     model: str = "smollm2"  # "smollm2" (embedded GGUF), a path (HF folder or .gguf file), or an org/name id in the HF cache
     input: str = ""
     output: str = ""  # default: out/<job file name>
@@ -51,6 +52,11 @@ class JobConfig:
     regex: str | None = None
     choice: list[str] = field(default_factory=list)  # the output is one of these strings
     grammar: str | None = None  # a Lark or GBNF grammar: a file, or its text
+    # embed (task = "embed"; docs/guide/embeddings.md)
+    pooling: str | None = None  # last | mean | cls; None: the model folder's 1_Pooling/config.json, else last
+    normalize: bool = True  # L2-normalise each embedding
+    dimensions: int | None = None  # Matryoshka: keep the first N values (then normalise)
+    embed_prefix: str = ""  # text prepended to each prompt (an instruction, e.g. "query: ")
     # engine
     dtype: str | None = None  # float32 | bfloat16 | float16; default: measured choice for the device
     device: str | None = None  # cpu | cuda; default cuda when available
@@ -103,6 +109,7 @@ class JobConfig:
             where = f"set `input = \"PATH\"` in {self.job_file} or pass --input PATH" if self.job_file else "pass --input PATH"
             raise ConfigError(f"input: no input given; {where}")
         _choice("scheduling", self.scheduling, ("continuous", "static"))
+        self._validate_task()
         if self.dtype is not None:
             _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.device is not None:
@@ -167,8 +174,38 @@ class JobConfig:
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "n": self.n,
-            "structured_outputs": self.structured_outputs(),
+            "structured_outputs": self.structured_outputs(), "pooling": self.pooling_params(),
         })
+
+    def pooling_params(self):
+        """The embed task's PoolingParams (None for generate); an unset pooling is `last` until the job
+        resolves it from the model folder (job/embed_task.py)."""
+        from batchjob.engine.core.sequence import PoolingParams
+
+        if self.task != "embed":
+            return None
+        return PoolingParams(self.pooling or "last", self.normalize, self.dimensions)
+
+    def _validate_task(self) -> None:
+        _choice("task", self.task, ("generate", "embed"))
+        if self.pooling is not None:
+            _choice("pooling", self.pooling, ("last", "mean", "cls"))
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ConfigError(f"dimensions: must be an integer >= 1, got {self.dimensions!r}")
+        if self.task == "generate":
+            given = [name for name, unset in (("pooling", self.pooling is None), ("dimensions", self.dimensions is None),
+                                              ("embed_prefix", not self.embed_prefix)) if not unset]
+            if given:
+                raise ConfigError(f"{given[0]}: applies to task = \"embed\" only (this job's task is generate); "
+                                  "add --task embed")
+            return
+        clash = [name for name, on in (("chat", self.chat), ("logprobs", self.logprobs is not None), ("n", self.n != 1),
+                                       ("speculative", self.speculative != "none"),
+                                       ("structured outputs", self.structured_outputs() is not None)) if on]
+        if clash:
+            raise ConfigError(f"{clash[0]}: not with task = \"embed\" (an embed row is one prefill and generates nothing; "
+                              "chat templates are not applied to it)")
 
     def structured_outputs(self) -> dict | None:
         """The job-wide structured_outputs (vLLM's names) from json_schema / json_object / regex / choice / grammar."""
@@ -261,6 +298,7 @@ TABLES: dict[str, tuple[str, ...]] = {
                "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",
                "read_ahead", "async_scheduling", "cuda_graphs", "speculative", "draft_model",
                "num_speculative_tokens", "speculative_max_rows", "max_model_len"),
+    "embed": ("pooling", "normalize", "dimensions", "embed_prefix"),
     "structured_outputs": ("json_schema", "json_object", "regex", "choice", "grammar"),
     "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns", "id_column"),
 }

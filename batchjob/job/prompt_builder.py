@@ -13,7 +13,7 @@ from batchjob.job.config import JobConfig
 from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
 from batchjob.engine.core.sequence import SamplingParams
 
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "pooling")  # pooling: the job's task
 SAMPLING_COLUMN = "sampling"
 TEXT_FIELDS = ("stop",)  # parameters whose value may be plain text
 
@@ -36,6 +36,11 @@ class PromptBuilder:
     def messages(self, record: dict) -> list[dict] | None:
         cfg = self.config
         msgs = record.get(cfg.messages_column) if self.use_messages else None
+        if cfg.task == "embed":  # no chat template for an embed row: its prompt's text as it is
+            if msgs is not None and record.get(cfg.prompt_column) is None:
+                raise RowError(f"{self._named(cfg.messages_column)}: an embed row takes a prompt (text or token ids), "
+                               "not chat messages; chat templates are not applied to embed rows")
+            return None
         if msgs is None:
             if not cfg.chat:
                 return None
@@ -96,7 +101,7 @@ class PromptBuilder:
             value = record.get(self.config.prompt_column)
             if isinstance(value, list):
                 return "ids", self._given_ids(value)
-            return "prompt", self._prompt_text(record)
+            return "prompt", self.config.embed_prefix + self._prompt_text(record)
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
         except Exception as e:  # template errors are the row's problem, not the job's

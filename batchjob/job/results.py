@@ -11,6 +11,7 @@ from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.job.prompt_builder import RowError, has_row_sampling
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
+EMBEDDING = "embedding"  # list<float32>; task = "embed" only
 COMPLETIONS = "completions"  # list<struct{index, text, finish_reason, completion_tokens, logprobs}>; n > 1 only
 OPENAI_COLUMNS = ("custom_id", "endpoint")  # carried from an OpenAI Batch input for the JSONL output
 
@@ -21,10 +22,19 @@ class OutputColumns:
     keep: tuple[str, ...] = ()  # input columns copied as they are (--keep-columns, the OpenAI request's ids)
     logprobs: bool = False
     completions: bool = False
+    embedding: bool = False
+
+    @property
+    def types(self) -> dict:
+        """The columns of a fixed Arrow type."""
+        import pyarrow as pa
+
+        return {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
 
     @property
     def names(self) -> list[str]:
-        return [*self.keep, *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else [])]
+        return [*self.keep, *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
+                *([EMBEDDING] if self.embedding else [])]
 
     def check(self, params: SamplingParams) -> None:
         """A row may ask for what its output folder has no column for only where JSONL rows differ from
@@ -40,8 +50,10 @@ class OutputColumns:
 def output_columns(keep: list[str], defaults: SamplingParams, input_columns: list[str], openai: bool) -> OutputColumns:
     per_row = openai or has_row_sampling(input_columns)
     keep = list(keep) + [c for c in (OPENAI_COLUMNS if openai else ()) if c not in keep]
-    cols = OutputColumns(tuple(keep), logprobs=per_row or defaults.logprobs is not None, completions=per_row or defaults.n > 1)
-    clash = {LOGPROBS, COMPLETIONS} & set(keep) & set(cols.names[len(keep):])
+    embed = defaults.pooling is not None
+    cols = OutputColumns(tuple(keep), logprobs=not embed and (per_row or defaults.logprobs is not None),
+                         completions=not embed and (per_row or defaults.n > 1), embedding=embed)
+    clash = {LOGPROBS, COMPLETIONS, EMBEDDING} & set(keep) & set(cols.names[len(keep):])
     if clash:
         from batchjob.job.config import ConfigError
 
@@ -78,6 +90,7 @@ class Completion:
     logprobs: list[dict] | None
     token_ids: tuple[int, ...] = ()
     error: str | None = None  # finish_reason "error": why (a structured row's grammar that did not compile)
+    embedding: list[float] | None = None  # an embed row's vector
 
 
 @dataclass(slots=True, eq=False)
@@ -98,7 +111,8 @@ class PendingRow:
         else:
             text = tokenizer.decode(seq.output_ids)
         lps = token_text.logprobs(seq.logprobs or []) if seq.params.logprobs is not None else None
-        self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids), seq.error)
+        self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids), seq.error,
+                                      seq.embedding)
         self.prompt_tokens = seq.num_prompt
         return all(c is not None for c in self.done)
 
@@ -110,6 +124,8 @@ class PendingRow:
                "error": next((c.error for c in self.done if c.error), None)}
         if self.columns.logprobs:
             out["extra"][LOGPROBS] = first.logprobs
+        if self.columns.embedding:
+            out["extra"][EMBEDDING] = first.embedding
         if self.columns.completions and self.n > 1:
             out["extra"][COMPLETIONS] = [
                 {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,

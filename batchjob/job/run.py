@@ -20,6 +20,7 @@ import torch
 from batchjob.job.config import ConfigError, JobConfig
 from batchjob.device import choose_device, choose_dtype
 from batchjob.job.feed import RowFeed, check_chat_template, read_template
+from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import fingerprint
 from batchjob.job.heap import QuietCollector
 from batchjob.cluster.shards import ShardSource, ShardSpec, check_unsharded, claim_shard
@@ -81,6 +82,7 @@ class Job:
         if restart:
             clear_for_restart(out, [folder for _, _, folder, _ in sources])
         self.loaded = load_model(cfg.model, dtype=dtype)
+        resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default: the model folder's pooling
         self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
         if self.shard is not None:
             sources = [self._claim_shard(*sources[0], dtype)]

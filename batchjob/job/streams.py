@@ -88,7 +88,7 @@ def open_streams(cfg: JobConfig, sources: list[OpenedInput], loaded: LoadedModel
         columns = output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name)
         sink = ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, loaded, dtype), keep_columns=columns.names,
                          part_rows=cfg.part_rows, part_seconds=cfg.part_seconds, total_rows=source.num_rows,
-                         part_format=cfg.part_format)
+                         part_format=cfg.part_format, column_types=columns.types)
         sink.set_extra(INPUT_PATH, str(Path(path).resolve()))  # `show` reads prompts from it, by row index
         streams.append(Stream(source, sink, lane, key_salt=zlib.crc32(lane.encode()) if lane else 0, columns=columns))
     return streams

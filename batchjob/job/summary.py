@@ -72,7 +72,7 @@ class ChatHint:
     FINAL_ROWS = 4  # enough at the end of a short job
 
     def __init__(self, cfg: JobConfig, loaded: LoadedModel, uses_messages: bool):
-        self.wanted = not (cfg.chat or uses_messages) and loaded.tokenizer.chat_template is not None
+        self.wanted = cfg.task == "generate" and not (cfg.chat or uses_messages) and loaded.tokenizer.chat_template is not None
         self.model, self.column = loaded.name, cfg.messages_column
 
     def due(self, one_token_stops: tuple[int, int], final: bool = False) -> str | None:

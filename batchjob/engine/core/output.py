@@ -34,12 +34,19 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.proposer = proposer
 
-    def apply(self, step: Step, tokens: list[int | list[int] | None]) -> AppliedStep:
+    def apply(self, step: Step, tokens: list[int | list[int] | None],
+              embeddings: dict[int, list[float]] | None = None) -> AppliedStep:
         """`tokens[i]`: what row i of the step sampled (None for a mid-prompt chunk, a list for a speculating
         row). Rows finished since the launch (async scheduling) drop theirs; rows preempted since keep it
-        (it was computed from their context)."""
+        (it was computed from their context). `embeddings[i]`: embed row i's vector, its last chunk computed:
+        it ends ("stop") now."""
         out = AppliedStep()
         ending: list[tuple[Sequence, str]] = []
+        for i, vec in (embeddings or {}).items():
+            seq = step.seqs[i]
+            if seq.status is not SeqStatus.FINISHED:
+                seq.embedding = vec
+                ending.append((seq, "stop"))
         for i, (seq, sampled) in enumerate(zip(step.seqs, tokens)):
             if seq.status is SeqStatus.FINISHED or sampled is None:
                 continue

@@ -95,12 +95,18 @@ class Scheduler:
         n, limit = seq.num_prompt, self.max_model_len
         if n == 0:
             return "empty prompt: it has no tokens"
+        if seq.params.pooling is not None:  # an embed row generates nothing: its prompt alone must fit
+            if n > limit:
+                return f"prompt has {n} tokens; at most {limit} fit ({self._cap_why(limit)})"
+            return None
         if n + 1 > limit:
-            why = {"max_model_len": f"the context is capped at max_model_len {limit}",
-                   "context": f"the model's context is {limit} tokens",
-                   "kv": f"the KV cache holds {self.pool.num_blocks * self.pool.block_size} tokens"}[self.context_cap]
-            return f"prompt has {n} tokens; at most {limit - 1} fit ({why}; prompt + 1 generated token must fit)"
+            return f"prompt has {n} tokens; at most {limit - 1} fit ({self._cap_why(limit)}; prompt + 1 generated token must fit)"
         return None
+
+    def _cap_why(self, limit: int) -> str:
+        return {"max_model_len": f"the context is capped at max_model_len {limit}",
+                "context": f"the model's context is {limit} tokens",
+                "kv": f"the KV cache holds {self.pool.num_blocks * self.pool.block_size} tokens"}[self.context_cap]
 
     # the step
 
@@ -260,13 +266,17 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, step: Step) -> bool:
         cfg, pool = self.config, self.pool
+        pooling = seq.params.pooling
+        grows = 0 if pooling is not None else 1  # an embed row never holds a generated token
         if seq.status is SeqStatus.SWAPPED:
-            need = pool.blocks_for(seq.num_tokens + 1)
+            need = pool.blocks_for(seq.num_tokens + grows)
             hits = []
         else:
-            hashes = block_hashes(seq.token_ids, pool.block_size) if pool.enable_caching else []
+            # mean and cls pooling need their positions computed by this row: no cached prefix for them
+            reads = pool.enable_caching and (pooling is None or pooling.reads_prefix_cache)
+            hashes = block_hashes(seq.token_ids, pool.block_size) if reads else []
             hits = pool.cached_prefix(hashes[: (seq.num_tokens - 1) // pool.block_size])
-            need = pool.blocks_for(seq.num_tokens + 1) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
+            need = pool.blocks_for(seq.num_tokens + grows) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
             step.prefix_query_tokens += seq.num_tokens
         reserve = self._reserve_need(seq) if cfg.admission == "reserve" else 0
         outstanding = self._outstanding_reservations() if cfg.admission == "reserve" else 0  # else always 0: skip the O(running) sum
@@ -294,6 +304,8 @@ class Scheduler:
         return True
 
     def _reserve_need(self, seq: Sequence) -> int:
+        if seq.params.pooling is not None:  # prefill only: no output to reserve for
+            return self.pool.blocks_for(seq.num_prompt)
         return self.pool.blocks_for(min(seq.num_prompt + seq.params.max_tokens, self.max_model_len))
 
     def _outstanding_reservations(self) -> int:

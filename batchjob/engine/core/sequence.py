@@ -12,6 +12,31 @@ MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
 MAX_N = 128  # completions per row, as the OpenAI API
 
 
+POOLINGS = ("last", "mean", "cls")
+
+
+@dataclass(slots=True, frozen=True)
+class PoolingParams:
+    """An embed row (`--task embed`): prefill only, no LM head; the final normed hidden states of its prompt
+    pooled into one vector (docs/guide/embeddings.md)."""
+    pooling: str = "last"  # last (the last prompt position) | mean (over the prompt, in fp32) | cls (the first)
+    normalize: bool = True  # L2, after the truncation to `dimensions`
+    dimensions: int | None = None  # Matryoshka: keep the first N values; None = all
+
+    def check(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling: must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions: must be an integer >= 1 (or unset = all), got {self.dimensions!r}")
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        # last pooling computes at least the last prompt token whatever the cache holds; mean and cls
+        # need every position (or the first) computed in this row
+        return self.pooling == "last"
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """What a row asks of the sampler and of the stop checks; the meanings are vLLM's (docs/guide/sampling.md, "Sampling
@@ -33,6 +58,7 @@ class SamplingParams:
     n: int = 1  # completions per row; the job runs each as its own Sequence
     seed: int | None = None  # a row's own seed: replaces the key derived from (job seed, row index)
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must match (engine/structured/)
+    pooling: PoolingParams | None = None  # an embed row: prefill only, pooled hidden states instead of tokens
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +107,10 @@ class SamplingParams:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.logprobs}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
+        if self.pooling is not None:
+            self.pooling.check()
+            if self.n != 1 or self.logprobs is not None or self.structured_outputs is not None:
+                raise ValueError("pooling: an embed row generates nothing: n, logprobs and structured_outputs do not apply")
 
 
 _INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs")
@@ -113,6 +143,10 @@ def _coerce(name: str, value):
         return tuple(value)
     if name == "structured_outputs":
         return value if isinstance(value, StructuredOutputs) else parse_structured_outputs(value)
+    if name == "pooling":
+        if not isinstance(value, PoolingParams):
+            raise ValueError("pooling: set by the job's task (--task embed), not per row")
+        return value
     if name == "stop_token_ids":
         if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise ValueError(f"stop_token_ids: expected a list of integers, got {value!r}")
@@ -157,6 +191,8 @@ class Sequence:
     spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)
     matcher: object | None = None  # structured rows: the grammar's Matcher (engine/structured/matcher.py)
     error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
+    pooled: object | None = None  # embed rows: the runner's pooling state over the chunks computed so far
+    embedding: list[float] | None = None  # embed rows, once finished: the pooled (and normalised) vector
 
     def __post_init__(self) -> None:
         if not self.token_ids:

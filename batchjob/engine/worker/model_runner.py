@@ -11,6 +11,7 @@ from batchjob.engine.sample import sampler
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
+from batchjob.engine.worker.pooler import pool_step
 from batchjob.engine.worker.staging import StagingBuffers
 from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels import AttentionMetadata
@@ -61,7 +62,8 @@ class ModelRunner:
             fill = _placeholder_fill(step, inputs.placeholder_rows, last, in_flight, self.staging)
         argmax = self.model.kernels.argmax
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(step.num_new):  # every row decodes: all of them sample
+        embeds = any(s.params.pooling is not None for s in step.seqs)
+        if graphs is not None and not embeds and graphs.fits(step.num_new):  # every row decodes: all of them sample
             mask = self.structured.start_mask(step.seqs, None) if self.structured is not None else None
             t0 = time.perf_counter()
             logits = graphs.run(input_ids, positions, meta, fill)
@@ -77,7 +79,7 @@ class ModelRunner:
         rows, spans, at, seqs = [], [], [], []
         for i, (s, n) in enumerate(zip(step.seqs, step.num_new)):
             k = s.num_computed + n - s.num_tokens
-            if k >= 0:
+            if k >= 0 and s.params.pooling is None:  # embed rows sample nothing: they are pooled
                 rows.append(i)
                 spans.append(k + 1)
                 at.extend(range(last[i] - k, last[i] + 1))
@@ -89,13 +91,14 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
+        pooled = pool_step(hidden, step, last) if embeds else []
         self.model_s += time.perf_counter() - t0
         if not rows:
-            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs)
+            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs, pooled=pooled)
         offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
             sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=self._staged(mask))
-        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs)
+        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs, pooled=pooled)
 
 
 def _placeholder_fill(step: Step, waiting: list[int], last: list[int], in_flight: StepTokens,
@@ -113,12 +116,18 @@ class StepTokens:
     """A launched step's sampled tokens per row: `tolist()` waits for them. None for mid-prompt chunks, an
     int for a row that sampled one token, a list for a speculating row (one token per verified position)."""
 
-    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs")
+    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs", "pooled")
 
     def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None,
-                 spans: list[int] | None = None, seqs: list | None = None):
+                 spans: list[int] | None = None, seqs: list | None = None,
+                 pooled: list[tuple[int, torch.Tensor]] | None = None):
         self.num_rows, self.rows, self.sampled, self.spans = num_rows, rows, sampled, spans
         self.seqs = seqs  # the step's rows (Sequence objects), in step order
+        self.pooled = pooled or []  # (step row, vector on the device): embed rows whose last chunk ran
+
+    def embeddings(self) -> dict[int, list[float]]:
+        """Step row -> its embedding, for the embed rows the step finished (waits for them)."""
+        return {i: vec.cpu().tolist() for i, vec in self.pooled}
 
     def sampled_seqs(self) -> list:
         """The row of each sampled id, in the order of `sampled.ids` (rows of one token only)."""

@@ -1,0 +1,42 @@
+"""Pooling for embed rows (`--task embed`): the final normed hidden states of a row's prompt positions, one
+chunk at a time, into one vector (last position, mean in fp32, or the first), truncated and L2-normalised."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchjob.engine.core.scheduler import Step
+
+
+def pool_step(hidden: torch.Tensor, step: Step, last: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """Fold this step's chunk of each embed row into its pooling state (`seq.pooled`); returns (step row,
+    vector) for the rows whose last prompt chunk this step computes. Before `Scheduler.advance`: a row's
+    `num_computed` is where its chunk starts; a chunk at 0 starts the pooling afresh (a recomputed row)."""
+    done = []
+    for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
+        p = seq.params.pooling
+        if p is None:
+            continue
+        start, first = seq.num_computed, last[i] - n + 1
+        if start == 0:
+            seq.pooled = None
+        if p.pooling == "mean":
+            part = hidden[first:last[i] + 1].float().sum(0)
+            seq.pooled = part if seq.pooled is None else seq.pooled + part
+        elif p.pooling == "cls" and start == 0:
+            seq.pooled = hidden[first].float().clone()
+        if start + n < seq.num_tokens:
+            continue
+        if p.pooling == "mean":
+            vec = seq.pooled / seq.num_prompt
+        elif p.pooling == "cls":
+            vec = seq.pooled
+        else:
+            vec = hidden[last[i]].float()
+        seq.pooled = None
+        if p.dimensions is not None:
+            vec = vec[:p.dimensions]
+        if p.normalize:
+            vec = F.normalize(vec, dim=-1)
+        done.append((i, vec))
+    return done
