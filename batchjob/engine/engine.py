@@ -19,6 +19,7 @@ from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
+from batchjob.engine.structured.grammar import GrammarState
 from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels.native.build import default_log
 from batchjob.models.causal_lm import CausalLM
@@ -141,10 +142,12 @@ class Engine:
         if err is None and seq.params.pooling is not None and self.proposer is not None:
             err = "pooling: an embed row cannot run with speculative decoding (it generates nothing)"
         if err is None and seq.params.structured_outputs is not None:
-            err = self.structured.admit(seq)
-            if err == "pending":
+            state = self.structured.admit(seq)
+            if state is GrammarState.PENDING:
                 self._compiling.append(seq)
                 return None
+            if state is GrammarState.FAILED:
+                err, seq.error = seq.error, None  # refused at once: the caller records the row's error
         if err is None:
             self._queue(seq)
         return err
@@ -167,13 +170,13 @@ class Engine:
             self.structured.wait_compile(self._compiling, timeout=0.5)
         waiting, failed = [], []
         for seq in self._compiling:
-            err = self.structured.admit(seq)
-            if err == "pending":
+            state = self.structured.admit(seq)
+            if state is GrammarState.PENDING:
                 waiting.append(seq)
-            elif err is None:
+            elif state is GrammarState.READY:
                 self._queue(seq)
-            else:
-                seq.status, seq.finish_reason, seq.error = SeqStatus.FINISHED, "error", err
+            else:  # the compiler's message is in seq.error
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
                 failed.append(seq)
         self._compiling = waiting
         return failed

@@ -1,7 +1,7 @@
 """StructuredRows: the engine's side of structured outputs. It admits a row once its grammar is compiled
 (compiles run on their own thread: a row whose grammar is pending waits, the others run), gives each
-completion its matcher, fills the next step's token bitmask on a thread while the forward runs, and counts
-what it cost (rows, compile time, mask time)."""
+completion its matcher, fills the next step's token bitmask (on a thread while the forward runs, or before it
+on a CPU), and counts what it cost (rows, compile time, mask time)."""
 from __future__ import annotations
 
 import time
@@ -21,18 +21,19 @@ class StructuredStats:
     failed: int = 0  # completions whose grammar did not compile
     compile_s: float = 0.0  # summed over distinct grammars
     mask_steps: int = 0  # steps that filled a mask
-    mask_s: float = 0.0  # filling (on the helper thread) + applying, summed
+    mask_s: float = 0.0  # filling the masks, summed (applying them is the sampler's)
 
 
 @dataclass(slots=True)
 class StepMask:
-    """A step's bitmask in flight: filled on the helper thread; `rows` are the logits rows it constrains."""
-    future: Future
+    """A step's bitmask: `rows` are the logits rows it constrains; `filling` while the helper thread fills it."""
     bitmask: torch.Tensor  # int32 [len(rows), words]
     rows: torch.Tensor  # int64 indices into the step's logits rows
+    filling: Future | None = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.future.result()
+        if self.filling is not None:
+            self.filling.result()
         return self.bitmask, self.rows
 
 
@@ -57,22 +58,23 @@ class StructuredRows:
             self._cache = GrammarCache(GrammarTokenizer.from_tokenizer(self._tokenizer, self._width))
         return self._cache
 
-    def admit(self, seq: Sequence) -> str | None:
-        """'pending' while the row's grammar compiles; None once its matcher is set (the row may run); else
-        the compiler's message (the row fails)."""
+    def admit(self, seq: Sequence) -> GrammarState:
+        """The row's grammar: PENDING while it compiles; READY once the row's matcher is set (it may run);
+        FAILED with the compiler's message in `seq.error` (the row fails)."""
         spec = seq.params.structured_outputs
         status = self.cache.status(spec)
         if status.state is GrammarState.PENDING:
-            return "pending"
+            return status.state
         if status.state is GrammarState.FAILED:
             self.stats.failed += 1
-            return f"structured_outputs: {status.error}"
+            seq.error = f"structured_outputs: {status.error}"
+            return status.state
         if spec.key not in self._compiled:
             self._compiled.add(spec.key)
             self.stats.compile_s += status.grammar.compile_s
         seq.matcher = Matcher(status.grammar, seq.output_ids)  # a resumed or re-added row: its own tokens again
         self.stats.rows += 1
-        return None
+        return status.state
 
     def wait_compile(self, seqs: list[Sequence], timeout: float) -> None:
         """Block up to `timeout` for the first pending grammar (the engine has nothing else to run)."""
@@ -103,13 +105,11 @@ class StructuredRows:
                     s.matcher.fill_draft(bitmask[r:r + span], s.draft[:span - 1])
             self.stats.mask_s += time.perf_counter() - t0
 
+        rows = torch.tensor(rows, dtype=torch.long)
         if self._overlap:
-            future = self._pool.submit(fill)
-        else:
-            fill()
-            future = Future()
-            future.set_result(None)
-        return StepMask(future, bitmask, torch.tensor(rows, dtype=torch.long))
+            return StepMask(bitmask, rows, self._pool.submit(fill))
+        fill()
+        return StepMask(bitmask, rows)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -86,10 +86,7 @@ def parse_structured_outputs(value: Any, field: str = "structured_outputs") -> S
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise StructuredOutputsError(f"{field}: not valid JSON ({e})") from None
+        value = _json(value, f"{field}: not valid JSON")
     if not isinstance(value, dict):
         raise StructuredOutputsError(f"{field}: expected an object with one of {_allowed()}, got {_type(value)}")
     unknown = sorted(k for k in value if k not in KINDS)
@@ -130,12 +127,7 @@ def from_response_format(value: Any, field: str = "response_format") -> Structur
 
 def _parse_kind(kind: Kind, raw: Any, field: str) -> StructuredOutputs:
     if kind == "json":
-        schema = raw
-        if isinstance(raw, str):
-            try:
-                schema = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise StructuredOutputsError(f"{field}: the schema is not valid JSON ({e})") from None
+        schema = _json(raw, f"{field}: the schema is not valid JSON") if isinstance(raw, str) else raw
         if not isinstance(schema, dict):
             raise StructuredOutputsError(f"{field}: a JSON schema must be an object, got {_type(schema)}")
         # compact, key order kept: the order of `properties` is the order the output writes them in
@@ -152,6 +144,13 @@ def _parse_kind(kind: Kind, raw: Any, field: str) -> StructuredOutputs:
         what = "a regular expression" if kind == "regex" else "a Lark or GBNF grammar"
         raise StructuredOutputsError(f"{field}: expected {what} as a non-empty string, got {_type(raw)}")
     return StructuredOutputs(kind, raw)
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StructuredOutputsError(f"{what} ({e})") from None
 
 
 def _allowed() -> str:
