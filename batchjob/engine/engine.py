@@ -139,8 +139,8 @@ class Engine:
         structured row waits outside the scheduler while its grammar compiles; one whose grammar fails
         to compile then finishes with reason "error" (`seq.error`) from `step`."""
         err = self.scheduler.never_fits(seq)
-        if err is None and seq.params.pooling is not None and self.proposer is not None:
-            err = "pooling: an embed row cannot run with speculative decoding (it generates nothing)"
+        if err is None and seq.params.prefill_only and self.proposer is not None:
+            err = "an embed or scoring row cannot run with speculative decoding (it generates nothing)"
         if err is None and seq.params.structured_outputs is not None:
             state = self.structured.admit(seq)
             if state is GrammarState.PENDING:
@@ -252,9 +252,10 @@ class Engine:
         tw = time.perf_counter()
         tokens = pending.tokens.tolist()
         embeddings = pending.tokens.embeddings()
+        scored = pending.tokens.prompt_logprobs()
         forward_s = pending.launch_s + time.perf_counter() - tw
         self.cost.observe_forward(step.num_tokens, forward_s)
-        applied = self.outputs.apply(step, tokens, embeddings)
+        applied = self.outputs.apply(step, tokens, embeddings, scored)
         self._record(step, applied.finished, applied.num_sampled, time.perf_counter() - pending.t0, forward_s,
                      pending.model_s, applied.num_proposed, applied.num_accepted)
         return applied.finished

@@ -35,17 +35,31 @@ class OutputProcessor:
         self.proposer = proposer
 
     def apply(self, step: Step, tokens: list[int | list[int] | None],
-              embeddings: dict[int, list[float]] | None = None) -> AppliedStep:
+              embeddings: dict[int, list[float]] | None = None,
+              scored: dict[int, tuple[int, list]] | None = None) -> AppliedStep:
         """`tokens[i]`: what row i of the step sampled (None for a mid-prompt chunk, a list for a speculating
         row). Rows finished since the launch (async scheduling) drop theirs; rows preempted since keep it
         (it was computed from their context). `embeddings[i]`: embed row i's vector, its last chunk computed:
-        it ends ("stop") now."""
+        it ends ("stop") now. `scored[i]`: (first position, entries) of row i's prompt logprobs from this
+        step; a scoring row (max_tokens 0) ends ("stop") once its whole prompt is computed."""
         out = AppliedStep()
         ending: list[tuple[Sequence, str]] = []
         for i, vec in (embeddings or {}).items():
             seq = step.seqs[i]
             if seq.status is not SeqStatus.FINISHED:
                 seq.embedding = vec
+                ending.append((seq, "stop"))
+        for i, (start, entries) in (scored or {}).items():
+            seq = step.seqs[i]
+            if start == 0 or seq.prompt_logprobs is None:  # a chunk at 0: the row restarted (recompute)
+                seq.prompt_logprobs = []
+            del seq.prompt_logprobs[start:]
+            seq.prompt_logprobs.extend(entries)
+        for seq in step.seqs:
+            p = seq.params
+            if p.pooling is None and p.max_tokens == 0 and seq.status is not SeqStatus.FINISHED \
+                    and seq.num_computed >= seq.num_prompt:
+                seq.prompt_logprobs = seq.prompt_logprobs or []
                 ending.append((seq, "stop"))
         for i, (seq, sampled) in enumerate(zip(step.seqs, tokens)):
             if seq.status is SeqStatus.FINISHED or sampled is None:

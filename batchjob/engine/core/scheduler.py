@@ -95,7 +95,7 @@ class Scheduler:
         n, limit = seq.num_prompt, self.max_model_len
         if n == 0:
             return "empty prompt: it has no tokens"
-        if seq.params.pooling is not None:  # an embed row generates nothing: its prompt alone must fit
+        if seq.params.prefill_only:  # an embed or scoring row generates nothing: its prompt alone must fit
             if n > limit:
                 return f"prompt has {n} tokens; at most {limit} fit ({self._cap_why(limit)})"
             return None
@@ -125,7 +125,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len:
+            if not seq.params.prefill_only and (seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len):
                 continue  # its last token (a step in flight is sampling it) ends it: nothing to compute
             n = self._chunk(seq, step.token_budget)
             if seq.draft and n == 1:  # speculative proposals: only into free budget and free blocks
@@ -266,14 +266,16 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, step: Step) -> bool:
         cfg, pool = self.config, self.pool
-        pooling = seq.params.pooling
-        grows = 0 if pooling is not None else 1  # an embed row never holds a generated token
+        p = seq.params
+        grows = 0 if p.prefill_only else 1  # an embed or scoring row never holds a generated token
         if seq.status is SeqStatus.SWAPPED:
             need = pool.blocks_for(seq.num_tokens + grows)
             hits = []
         else:
-            # mean and cls pooling need their positions computed by this row: no cached prefix for them
-            reads = pool.enable_caching and (pooling is None or pooling.reads_prefix_cache)
+            # mean and cls pooling and prompt logprobs need their positions computed by this row: no cached
+            # prefix for them (as vLLM skips the cache for prompt_logprobs requests)
+            reads = (pool.enable_caching and (p.pooling is None or p.pooling.reads_prefix_cache)
+                     and p.prompt_logprobs is None)
             hashes = block_hashes(seq.token_ids, pool.block_size) if reads else []
             hits = pool.cached_prefix(hashes[: (seq.num_tokens - 1) // pool.block_size])
             need = pool.blocks_for(seq.num_tokens + grows) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
@@ -304,7 +306,7 @@ class Scheduler:
         return True
 
     def _reserve_need(self, seq: Sequence) -> int:
-        if seq.params.pooling is not None:  # prefill only: no output to reserve for
+        if seq.params.prefill_only:  # no output to reserve for
             return self.pool.blocks_for(seq.num_prompt)
         return self.pool.blocks_for(min(seq.num_prompt + seq.params.max_tokens, self.max_model_len))
 

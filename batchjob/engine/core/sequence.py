@@ -55,6 +55,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: the chosen token's only); None = off
+    # the logprob of each prompt token given the ones before it, with the top-n alternatives (0: none); None =
+    # off. With max_tokens = 0 the row is a scoring row (`--task score`): prefill only, nothing generated
+    prompt_logprobs: int | None = None
     n: int = 1  # completions per row; the job runs each as its own Sequence
     seed: int | None = None  # a row's own seed: replaces the key derived from (job seed, row index)
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must match (engine/structured/)
@@ -63,6 +66,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def prefill_only(self) -> bool:
+        """An embed row or a scoring row: one prefill over the prompt, no token sampled."""
+        return self.pooling is not None or self.max_tokens == 0
 
     @property
     def penalized(self) -> bool:
@@ -82,8 +90,9 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raises ValueError("field: why") for a value vLLM would refuse."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens: must be >= 1 (0 only with prompt_logprobs: a row that scores its prompt), "
+                             f"got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not self.temperature >= 0 or math.isinf(self.temperature):
@@ -105,15 +114,22 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.prompt_logprobs}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
         if self.pooling is not None:
             self.pooling.check()
-            if self.n != 1 or self.logprobs is not None or self.structured_outputs is not None:
-                raise ValueError("pooling: an embed row generates nothing: n, logprobs and structured_outputs do not apply")
+            if (self.n != 1 or self.logprobs is not None or self.structured_outputs is not None
+                    or self.prompt_logprobs is not None):
+                raise ValueError("pooling: an embed row generates nothing: n, logprobs, prompt_logprobs and "
+                                 "structured_outputs do not apply")
+        elif self.max_tokens == 0 and (self.n != 1 or self.logprobs is not None or self.structured_outputs is not None):
+            raise ValueError("max_tokens: a scoring row (max_tokens 0) generates nothing: n, logprobs and "
+                             "structured_outputs do not apply")
 
 
-_INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs")
+_INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOLS = ("include_stop_str_in_output", "ignore_eos")
 
@@ -186,6 +202,8 @@ class Sequence:
     stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids; set by Engine.add
     detokenizer: object | None = None  # rows with stop strings: an IncrementalDetokenizer (engine/core/detokenizer.py)
     logprobs: list | None = None  # params.logprobs set: one (token id, logprob, top [(id, logprob)]) per output token
+    # params.prompt_logprobs set: one PromptLogprob per prompt position from the second, as its chunks compute
+    prompt_logprobs: list | None = None
     sampler_state: object | None = None  # the sampler's per-row cache (penalty token counts)
     draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
     spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)

@@ -12,6 +12,7 @@ from batchjob.engine.core.scheduler import Step
 from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
+from batchjob.engine.worker.prompt_logprobs import PromptLogprobChunk, score_step
 from batchjob.engine.worker.staging import StagingBuffers
 from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels import AttentionMetadata
@@ -63,7 +64,9 @@ class ModelRunner:
         argmax = self.model.kernels.argmax
         graphs = self.decode_graphs
         embeds = any(s.params.pooling is not None for s in step.seqs)
-        if graphs is not None and not embeds and graphs.fits(step.num_new):  # every row decodes: all of them sample
+        # rows scoring prompt positions in this step (a decode-only step has none)
+        scores = any(s.params.prompt_logprobs is not None and s.num_computed < s.num_prompt - 1 for s in step.seqs)
+        if graphs is not None and not embeds and not scores and graphs.fits(step.num_new):  # every row decodes: all of them sample
             mask = self.structured.start_mask(step.seqs, None) if self.structured is not None else None
             t0 = time.perf_counter()
             logits = graphs.run(input_ids, positions, meta, fill)
@@ -79,7 +82,7 @@ class ModelRunner:
         rows, spans, at, seqs = [], [], [], []
         for i, (s, n) in enumerate(zip(step.seqs, step.num_new)):
             k = s.num_computed + n - s.num_tokens
-            if k >= 0 and s.params.pooling is None:  # embed rows sample nothing: they are pooled
+            if k >= 0 and not s.params.prefill_only:  # embed rows are pooled, scoring rows sample nothing
                 rows.append(i)
                 spans.append(k + 1)
                 at.extend(range(last[i] - k, last[i] + 1))
@@ -92,13 +95,15 @@ class ModelRunner:
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
         pooled = pool_step(hidden, step, last) if embeds else []
+        scored = score_step(self.model, hidden, step, last) if scores else []
         self.model_s += time.perf_counter() - t0
         if not rows:
-            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs, pooled=pooled)
+            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs, pooled=pooled, scored=scored)
         offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
             sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=self._staged(mask))
-        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs, pooled=pooled)
+        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs, pooled=pooled,
+                          scored=scored)
 
 
 def _placeholder_fill(step: Step, waiting: list[int], last: list[int], in_flight: StepTokens,
@@ -116,18 +121,24 @@ class StepTokens:
     """A launched step's sampled tokens per row: `tolist()` waits for them. None for mid-prompt chunks, an
     int for a row that sampled one token, a list for a speculating row (one token per verified position)."""
 
-    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs", "pooled")
+    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs", "pooled", "scored")
 
     def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None,
                  spans: list[int] | None = None, seqs: list | None = None,
-                 pooled: list[tuple[int, torch.Tensor]] | None = None):
+                 pooled: list[tuple[int, torch.Tensor]] | None = None,
+                 scored: list[PromptLogprobChunk] | None = None):
         self.num_rows, self.rows, self.sampled, self.spans = num_rows, rows, sampled, spans
         self.seqs = seqs  # the step's rows (Sequence objects), in step order
         self.pooled = pooled or []  # (step row, vector on the device): embed rows whose last chunk ran
+        self.scored = scored or []  # the prompt positions this step scored, per row asking for prompt logprobs
 
     def embeddings(self) -> dict[int, list[float]]:
         """Step row -> its embedding, for the embed rows the step finished (waits for them)."""
         return {i: vec.cpu().tolist() for i, vec in self.pooled}
+
+    def prompt_logprobs(self) -> dict[int, tuple[int, list]]:
+        """Step row -> (first position scored, its entries: PromptLogprobChunk.tolist()); waits for them."""
+        return {c.row: (c.start, c.tolist()) for c in self.scored}
 
     def sampled_seqs(self) -> list:
         """The row of each sampled id, in the order of `sampled.ids` (rows of one token only)."""

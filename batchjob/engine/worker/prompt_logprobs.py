@@ -1,0 +1,65 @@
+"""Prompt logprobs (`prompt_logprobs: k`; `--task score`): for each prompt position a row's chunk computes, the
+log-probability of the next prompt token under the LM head's log-softmax (fp32, raw logits as vLLM reports
+them), whether that token is the argmax, and the top-k alternatives. One chunk at a time, like the pooling."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchjob.engine.core.scheduler import Step
+
+SLICE_ROWS = 512  # positions per LM-head call: bounds the fp32 logits to SLICE_ROWS x vocab
+
+
+@dataclass(slots=True)
+class PromptLogprobChunk:
+    """Row `row` of a step: the prompt tokens start+1 .. start+m scored, as tensors on the model's device."""
+    row: int
+    start: int  # the first position whose next token is scored: a chunk at 0 restarts the row's list
+    logprobs: torch.Tensor  # [m] fp32: log p(token[p + 1] | tokens[:p + 1])
+    argmax: torch.Tensor  # [m] int64: the most likely token at each position (first of equals)
+    top_ids: torch.Tensor | None  # [m, k] the top-k alternatives (k = params.prompt_logprobs > 0), else None
+    top_logprobs: torch.Tensor | None
+
+    def tolist(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """(logprob, argmax id, [(alternative id, logprob)]) per position, on the host."""
+        lps, am = self.logprobs.tolist(), self.argmax.tolist()
+        if self.top_ids is None:
+            return [(lp, a, []) for lp, a in zip(lps, am)]
+        tops = [list(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_logprobs.tolist())]
+        return list(zip(lps, am, tops))
+
+
+def score_step(model, hidden: torch.Tensor, step: Step, last: list[int]) -> list[PromptLogprobChunk]:
+    """The prompt positions this step computes for rows asking for prompt logprobs (before
+    `Scheduler.advance`: a row's `num_computed` is where its chunk starts). The last prompt position
+    predicts the first generated token: it is not a prompt logprob."""
+    chunks = []
+    for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
+        k = seq.params.prompt_logprobs
+        if k is None:
+            continue
+        start = seq.num_computed
+        m = min(start + n, seq.num_prompt - 1) - start
+        if m <= 0:
+            continue
+        first = last[i] - n + 1
+        device = hidden.device
+        targets = torch.tensor(seq.token_ids[start + 1:start + 1 + m], device=device)
+        parts = [_score(model, hidden[first + s:first + min(s + SLICE_ROWS, m)], targets[s:s + SLICE_ROWS], k)
+                 for s in range(0, m, SLICE_ROWS)]
+        cat = [torch.cat(t) if t[0] is not None else None for t in zip(*parts)]
+        chunks.append(PromptLogprobChunk(i, start, *cat))
+    return chunks
+
+
+def _score(model, hidden: torch.Tensor, targets: torch.Tensor, k: int):
+    logits = model.raw_logits(hidden).float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lp = logits.gather(1, targets[:, None]).squeeze(1) - lse.squeeze(1)
+    am = logits.argmax(dim=-1)
+    if not k:
+        return lp, am, None, None
+    top_v, top_i = logits.topk(k, dim=-1)
+    return lp, am, top_i, top_v - lse
