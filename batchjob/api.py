@@ -37,12 +37,13 @@ from batchjob.job.summary import JobSummary
 # comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's, as in a job)
 SAMPLING_OPTIONS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
-                    "ignore_eos", "logprobs", "n", "seed", "json_schema", "json_object", "regex", "choice", "grammar")
+                    "ignore_eos", "logprobs", "prompt_logprobs", "n", "seed", "json_schema", "json_object", "regex", "choice", "grammar")
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
 SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
 CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
 EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "embed_prefix")  # embed()'s keywords (docs/guide/embeddings.md)
+SCORE_OPTIONS = ("prompt_logprobs",)  # score()'s keywords besides the continuations (docs/guide/scoring.md)
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
                   "prefix_caching", "read_ahead", "threads", "max_model_len")
@@ -50,7 +51,7 @@ assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + EMBED_OPTIONS + ENGINE_OPTIONS) <= 
 
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
-ALL_COLUMNS = OutputColumns(logprobs=True, completions=True)  # a Result always has both fields (None when unused)
+ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
 EMBED_COLUMNS = OutputColumns(embedding=True)
 
 
@@ -66,6 +67,15 @@ class Result:
     completions: tuple[Completion, ...] | None = None  # n > 1: all n, in order (the first is also `text`)
     token_ids: tuple[int, ...] = ()  # the first completion's generated token ids
     embedding: list[float] | None = None  # embed(): the prompt's pooled (and normalised) final hidden states
+    # score(): each prompt token's logprob (None for the first) and their sum; with a continuation its summed
+    # logprob, its token count and whether each of its tokens is the argmax; generate(prompt_logprobs=k): the
+    # entries {token_id, token, logprob, top_logprobs} (None first)
+    prompt_logprobs: list | None = None
+    prompt_logprob_sum: float | None = None
+    continuation_logprob: float | None = None
+    continuation_tokens: int | None = None
+    is_greedy: bool | None = None
+    prompt_top_logprobs: list | None = None  # score(prompt_logprobs=k > 0): the top k per position (None first)
 
 
 def failed(error: str, prompt_tokens: int = 0) -> Result:
@@ -142,6 +152,25 @@ class LLM:
                 self._engine = None
                 raise
 
+    def score(self, prompts: Any, continuations: Any = None, **options: Any) -> list[Result]:
+        """One Result per prompt, in input order, as `--task score`: prefill only, each prompt token's logprob
+        (`.prompt_logprobs`, None first; `.prompt_logprob_sum`). `continuations`: None, or one per prompt
+        (a string, or token ids when the prompt is token ids): it is scored after its prompt, as
+        lm-evaluation-harness's loglikelihood (`.continuation_logprob`, `.continuation_tokens`, `.is_greedy`).
+        `options`: prompt_logprobs (the top N alternatives per position in `.prompt_top_logprobs`). No chat
+        template is applied."""
+        _check_names(options, SCORE_OPTIONS, "score()")
+        records = score_records(prompts, continuations)
+        with api_words():
+            cfg = job_config({"model": self.config.model, **self.options, "task": "score", **options})
+        builder = PromptBuilder(cfg, self.tokenizer, use_messages=False, in_memory=True)
+        with self._lock:
+            try:
+                return self._generate(cfg, builder, records)
+            except BaseException:
+                self._engine = None
+                raise
+
     def _run(self, records: list[dict | str], options: dict) -> list[Result]:
         template = chat_template_text(options.pop("chat_template", None))
         structured = options.pop("structured_outputs", None)
@@ -192,6 +221,8 @@ class LLM:
         base = cfg.sampling_defaults()
         results: list[Result | None] = [None] * len(records)
         rows: RowsInFlight[int] = RowsInFlight(engine, self.tokenizer)
+        columns = {"embed": EMBED_COLUMNS, "score": OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
+                   }.get(cfg.task, ALL_COLUMNS)
         read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
         todo = iter(enumerate(records))
         exhausted = False
@@ -207,12 +238,14 @@ class LLM:
                     continue
                 try:
                     ids = builder.token_ids(record)
+                    start = builder.continuation_starts([record], [ids])[0] if cfg.task == "score" else None
+                    if isinstance(start, RowError):
+                        raise start
                     params = row_sampling(record, base, in_memory=True)
                 except RowError as e:
                     results[index] = failed(str(e))
                     continue
-                err = rows.add(index, ids, params, EMBED_COLUMNS if cfg.task == "embed" else ALL_COLUMNS,
-                               seed=cfg.seed, row_index=index)
+                err = rows.add(index, ids, params, columns, seed=cfg.seed, row_index=index, continuation_start=start)
                 if err:
                     results[index] = failed(err, prompt_tokens=len(ids))
             if not engine.has_work:
@@ -229,7 +262,30 @@ def result_of(row: PendingRow, seqs: list[Sequence]) -> Result:
     return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
                   completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
                   completions=tuple(row.done) if row.n > 1 else None, token_ids=tuple(seqs[0].output_ids),
-                  embedding=fields["extra"].get("embedding"))
+                  embedding=fields["extra"].get("embedding"),
+                  **{name: fields["extra"].get(name) for name in RESULT_SCORE_FIELDS})
+
+
+RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_logprob", "continuation_tokens",
+                       "is_greedy", "prompt_top_logprobs")  # the output columns of the same names
+
+
+def score_records(prompts: Any, continuations: Any) -> list[dict | str]:
+    """score()'s prompts (a string or token ids, or a list of them) and optional continuations, one per
+    prompt, as the input records of a score job."""
+    records = prompt_records(prompts)
+    if continuations is None:
+        return records
+    if isinstance(continuations, str) or _is_ids(continuations):
+        continuations = [continuations]
+    if not isinstance(continuations, (list, tuple)) or len(continuations) != len(records):
+        raise ValueError(f"continuations: expected one per prompt ({len(records)}), got "
+                         f"{len(continuations) if isinstance(continuations, (list, tuple)) else type(continuations).__name__}")
+    return [{**r, "continuation": c} if isinstance(r, dict) else r for r, c in zip(records, continuations)]
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 # the cache behind generate()
@@ -321,6 +377,17 @@ def embed(texts: Any, *, model: str = "smollm2", **options: Any) -> list[Result]
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).embed(texts, **call)
+
+
+def score(prompts: Any, continuations: Any = None, *, model: str = "smollm2", **options: Any) -> list[Result]:
+    """Scores in memory, as `batchjob run --task score` (LLM.score): each prompt token's logprob, and with
+    `continuations` (one per prompt) each continuation's summed logprob and is_greedy, lm-evaluation-harness's
+    loglikelihood. Keywords: prompt_logprobs (top-N alternatives per position) and the engine keywords of
+    generate() (the engine is cached as generate()'s)."""
+    _check_names(options, SCORE_OPTIONS + ENGINE_OPTIONS, "score()")
+    engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+    call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
+    return cached_llm(model, **engine).score(prompts, continuations, **call)
 
 
 def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrides: Any) -> JobSummary:

@@ -20,8 +20,12 @@ class RunOption:
 RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--model", "model", str, "'smollm2' (embedded SmolLM2-135M-Instruct GGUF, the default), a path to a HF folder or .gguf file, or an "
      "org/name[@revision] id found in the local Hugging Face cache (no network)"),
-    ("--task", "task", click.Choice(["generate", "embed"]), "generate text (default), or embed: one prefill per row, "
-     "no text; the row's `embedding` (list<float32>) is its final hidden states pooled (docs/guide/embeddings.md)"),
+    ("--task", "task", click.Choice(["generate", "embed", "score"]), "generate text (default); embed: one prefill per "
+     "row, no text; the row's `embedding` (list<float32>) is its final hidden states pooled (docs/guide/embeddings.md); "
+     "score: one prefill per row, each prompt token's logprob, and a continuation's logprob and is_greedy "
+     "(docs/guide/scoring.md)"),
+    ("--continuation-column", "continuation_column", str, "--task score: the column with the text scored after the "
+     "prompt (default: continuation; a row without one scores its whole prompt)"),
     ("--pooling", "pooling", click.Choice(["last", "mean", "cls"]), "--task embed: the last prompt position, the mean "
      "over the prompt, or the first position (default: the model folder's sentence-transformers "
      "1_Pooling/config.json, else last)"),
@@ -59,6 +63,8 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--include-stop-str-in-output/--no-include-stop-str-in-output", "include_stop_str_in_output", None,
      "keep the matched stop string at the end of the text"),
     ("--logprobs", "logprobs", int, "log-probabilities of each generated token and of the top N alternatives (0..20)"),
+    ("--prompt-logprobs", "prompt_logprobs", click.IntRange(0, 20), "log-probabilities of each prompt token and of the "
+     "top N alternatives (0..20); --task score: 0 unless set"),
     ("--n", "n", int, "completions per row, each with its own random stream (default: 1)"),
     ("--json-schema", "json_schema", str, "structured outputs: every row's output is JSON matching this schema (a "
      "file, or the schema's JSON text); a row's own `structured_outputs` wins"),

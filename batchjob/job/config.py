@@ -16,13 +16,14 @@ from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported
 @dataclass(slots=True)
 class JobConfig:
     # what to run
-    task: str = "generate"  # generate | embed (prefill only: a pooled, normalised `embedding` per row)
+    task: str = "generate"  # generate | embed (a pooled `embedding` per row) | score (prompt logprobs); both prefill only
     model: str = "smollm2"  # "smollm2" (embedded GGUF), a path (HF folder or .gguf file), or an org/name id in the HF cache
     input: str = ""
     output: str = ""  # default: out/<job file name>
     input_format: str | None = None
     prompt_column: str = "prompt"
     messages_column: str = "messages"  # used when the input has this column
+    continuation_column: str = "continuation"  # task = "score": the text scored after the prompt, when a row has it
     chat: bool = False  # wrap a plain prompt as a user message and apply the chat template
     chat_template: str | None = None  # a file overriding the model's template
     system_prompt: str | None = None
@@ -45,6 +46,7 @@ class JobConfig:
     stop: list[str] = field(default_factory=list)  # stop strings
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
+    prompt_logprobs: int | None = None  # each prompt token's logprob with the top-n alternatives (score: default 0)
     n: int = 1  # completions per row
     # structured outputs for every row (a row's own `structured_outputs` wins); at most one of these
     json_schema: str | dict | None = None  # a JSON schema: a file, JSON text, or a TOML table
@@ -168,12 +170,14 @@ class JobConfig:
         """The job's SamplingParams (a lane may set its own max_tokens); rows may override each field."""
         from batchjob.engine.core.sequence import SamplingParams
 
+        score = self.task == "score"  # a scoring row: max_tokens 0, prompt logprobs (0: no alternatives)
         return SamplingParams.parse({
-            "max_tokens": max_tokens or self.max_tokens, "min_tokens": self.min_tokens, "temperature": self.temperature,
+            "max_tokens": 0 if score else max_tokens or self.max_tokens, "min_tokens": self.min_tokens, "temperature": self.temperature,
             "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "n": self.n,
+            "prompt_logprobs": (self.prompt_logprobs or 0) if score else self.prompt_logprobs,
             "structured_outputs": self.structured_outputs(), "pooling": self.pooling_params(),
         })
 
@@ -187,25 +191,27 @@ class JobConfig:
         return PoolingParams(self.pooling or "last", self.normalize, self.dimensions)
 
     def _validate_task(self) -> None:
-        _choice("task", self.task, ("generate", "embed"))
+        _choice("task", self.task, ("generate", "embed", "score"))
         if self.pooling is not None:
             _choice("pooling", self.pooling, ("last", "mean", "cls"))
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ConfigError(f"dimensions: must be an integer >= 1, got {self.dimensions!r}")
-        if self.task == "generate":
+        if self.task != "embed":
             given = [name for name, unset in (("pooling", self.pooling is None), ("dimensions", self.dimensions is None),
                                               ("embed_prefix", not self.embed_prefix)) if not unset]
             if given:
-                raise ConfigError(f"{given[0]}: applies to task = \"embed\" only (this job's task is generate); "
+                raise ConfigError(f"{given[0]}: applies to task = \"embed\" only (this job's task is {self.task}); "
                                   "add --task embed")
+        if self.task == "generate":
             return
         clash = [name for name, on in (("chat", self.chat), ("logprobs", self.logprobs is not None), ("n", self.n != 1),
                                        ("speculative", self.speculative != "none"),
+                                       ("prompt_logprobs", self.task == "embed" and self.prompt_logprobs is not None),
                                        ("structured outputs", self.structured_outputs() is not None)) if on]
         if clash:
-            raise ConfigError(f"{clash[0]}: not with task = \"embed\" (an embed row is one prefill and generates nothing; "
-                              "chat templates are not applied to it)")
+            raise ConfigError(f"{clash[0]}: not with task = \"{self.task}\" (its rows are one prefill each and generate "
+                              "nothing; chat templates are not applied to them)")
 
     def structured_outputs(self) -> dict | None:
         """The job-wide structured_outputs (vLLM's names) from json_schema / json_object / regex / choice / grammar."""
@@ -292,7 +298,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(JobConfig) if f.name != "job_fil
 TABLES: dict[str, tuple[str, ...]] = {
     "sampling": ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logprobs", "n"),
+                 "frequency_penalty", "logprobs", "prompt_logprobs", "n"),
     "engine": ("dtype", "device", "kernels", "threads", "scheduling", "batch_size", "max_num_seqs",
                "max_num_batched_tokens", "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization",
                "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",

@@ -87,20 +87,25 @@ class RowFeed:
                 if self.lane_column_out:
                     kept["lane"] = row_lane
                 batch.append((item.row_index, record, kept, row_lane))
-            for (row_index, record, kept, row_lane), ids in zip(batch, builder.token_ids_many([b[1] for b in batch])):
+            records = [b[1] for b in batch]
+            all_ids = builder.token_ids_many(records)
+            starts = builder.continuation_starts(records, all_ids) if self.cfg.task == "score" else [None] * len(batch)
+            for (row_index, record, kept, row_lane), ids, start in zip(batch, all_ids, starts):
                 try:
-                    if isinstance(ids, RowError):
-                        raise ids
+                    for problem in (ids, start):
+                        if isinstance(problem, RowError):
+                            raise problem
                     params = row_sampling(record, self.params.get(row_lane, self.default_params))
                     stream.columns.check(params)
                 except RowError as e:
                     self.emit(stream, row_index, kept, error=str(e))
                     continue
-                self._add_row(stream, row_index, kept, row_lane, ids, params)
+                self._add_row(stream, row_index, kept, row_lane, ids, params, start)
 
-    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, ids: list[int], params: SamplingParams) -> None:
+    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, ids: list[int], params: SamplingParams,
+                 continuation_start: int | None = None) -> None:
         err = self.rows.add((stream, row_index, kept), ids, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
-                            row_index=row_index, lane=lane)
+                            row_index=row_index, lane=lane, continuation_start=continuation_start)
         if err:
             self.emit(stream, row_index, kept, error=err, prompt_tokens=len(ids))
 

@@ -33,9 +33,13 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
     structured = cfg.structured_outputs()
     if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
         params["structured_outputs"] = structured
-    if cfg.task != "generate":  # absent: generate, as before
+    if cfg.task == "embed":  # absent: generate, as before
         params["task"] = {"task": cfg.task, "pooling": cfg.pooling, "normalize": cfg.normalize,
                           "dimensions": cfg.dimensions, "embed_prefix": cfg.embed_prefix}
+    elif cfg.task == "score":
+        params["task"] = {"task": cfg.task, "continuation_column": cfg.continuation_column}
+    if cfg.prompt_logprobs is not None:  # absent: off, as before
+        params["prompt_logprobs"] = cfg.prompt_logprobs
     if cfg.max_model_len is not None:  # a lower cap ends long rows earlier ("length"); absent: the model's context
         params["max_model_len"] = cfg.max_model_len
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),

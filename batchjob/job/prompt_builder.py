@@ -36,10 +36,10 @@ class PromptBuilder:
     def messages(self, record: dict) -> list[dict] | None:
         cfg = self.config
         msgs = record.get(cfg.messages_column) if self.use_messages else None
-        if cfg.task == "embed":  # no chat template for an embed row: its prompt's text as it is
+        if cfg.task != "generate":  # no chat template for an embed or score row: its prompt's text as it is
             if msgs is not None and record.get(cfg.prompt_column) is None:
-                raise RowError(f"{self._named(cfg.messages_column)}: an embed row takes a prompt (text or token ids), "
-                               "not chat messages; chat templates are not applied to embed rows")
+                raise RowError(f"{self._named(cfg.messages_column)}: an {cfg.task} row takes a prompt (text or token "
+                               f"ids), not chat messages; chat templates are not applied to {cfg.task} rows")
             return None
         if msgs is None:
             if not cfg.chat:
@@ -99,6 +99,10 @@ class PromptBuilder:
         msgs = self.messages(record)
         if msgs is None:
             value = record.get(self.config.prompt_column)
+            pair = self._scored_pair(record)
+            if pair is not None:
+                context, continuation = pair
+                return ("ids", context + continuation) if isinstance(context, list) else ("prompt", context + continuation)
             if isinstance(value, list):
                 return "ids", self._given_ids(value)
             return "prompt", self.config.embed_prefix + self._prompt_text(record)
@@ -108,14 +112,67 @@ class PromptBuilder:
             raise RowError(f"chat template failed: {e}") from None
         return "chat", text
 
-    def _given_ids(self, value: list) -> list[int]:
+    def continuation_starts(self, records: list[dict], ids: list[list[int] | RowError]) -> list[int | None | RowError]:
+        """Score rows with a continuation: where it starts in the row's token ids, as lm-evaluation-harness
+        finds it (the context's trailing spaces move to the continuation; the whole text is tokenized once,
+        the context alone once, and the continuation is what follows the context's tokens). None: no
+        continuation (the whole prompt is scored)."""
+        out: list = [None] * len(records)
+        texts: list[tuple[int, str]] = []
+        for i, (record, row_ids) in enumerate(zip(records, ids)):
+            if isinstance(row_ids, RowError):
+                continue
+            pair = self._scored_pair(record)
+            if pair is None:
+                continue
+            if isinstance(pair[0], list):
+                out[i] = len(pair[0])
+            else:
+                texts.append((i, pair[0]))
+        contexts = self.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=True)
+        for (i, _), context in zip(texts, contexts):
+            out[i] = len(context)
+        for i, start in enumerate(out):
+            if isinstance(start, int) and start >= len(ids[i]):
+                out[i] = RowError(f"{self._named(self.config.continuation_column)}: no tokens of its own once the "
+                                  "prompt and the continuation are tokenized together")
+            elif start == 0:
+                out[i] = RowError(f"{self._named(self.config.prompt_column)}: empty: the first token of a continuation "
+                                  "has nothing to be scored after; give a prompt (at least one token)")
+        return out
+
+    def _scored_pair(self, record: dict) -> tuple[str, str] | tuple[list[int], list[int]] | None:
+        """A score row's (context, continuation), both text or both token ids; None when it has none."""
+        cfg = self.config
+        if cfg.task != "score" or record.get(cfg.continuation_column) is None:
+            return None
+        continuation, where = record[cfg.continuation_column], self._named(cfg.continuation_column)
+        value = record.get(cfg.prompt_column)
+        if isinstance(continuation, list):
+            if not isinstance(value, list):
+                raise RowError(f"{where}: token ids need the prompt as token ids too ({self._named(cfg.prompt_column)})")
+            return self._given_ids(value), self._given_ids(continuation, where)
+        if not isinstance(continuation, str) or not continuation:
+            raise RowError(f"{where}: expected a non-empty string or a list of token ids, got {continuation!r:.40}")
+        if value is None or value == "":
+            raise RowError(f"{self._named(cfg.prompt_column)}: a continuation is scored after a prompt; this row has "
+                           "none (to score a whole text, put it in the prompt alone)")
+        if not isinstance(value, str):
+            raise RowError(f"{self._named(cfg.prompt_column)}: expected a string like the continuation, got "
+                           f"{type(value).__name__}")
+        spaces = len(value) - len(value.rstrip())
+        if spaces:
+            value, continuation = value[:-spaces], value[-spaces:] + continuation
+        return value, continuation
+
+    def _given_ids(self, value: list, where: str | None = None) -> list[int]:
         """A prompt given as token ids (vLLM's prompt_token_ids, OpenAI's token prompts): used as is."""
-        col, vocab = self.config.prompt_column, self.tokenizer.vocab_size
+        where, vocab = where or self._named(self.config.prompt_column), self.tokenizer.vocab_size
         if not value:
-            raise RowError(f"{self._named(col)}: the token id list is empty")
+            raise RowError(f"{where}: the token id list is empty")
         bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise RowError(f"{self._named(col)}: expected a string or a list of token ids in [0, {vocab}), found {bad[0]!r}")
+            raise RowError(f"{where}: expected a string or a list of token ids in [0, {vocab}), found {bad[0]!r}")
         return list(value)
 
 

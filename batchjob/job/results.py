@@ -12,6 +12,16 @@ from batchjob.job.prompt_builder import RowError, has_row_sampling
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
 EMBEDDING = "embedding"  # list<float32>; task = "embed" only
+# task = "score": each prompt token's logprob given the ones before it (null for the first), their sum; rows with a
+# continuation: its summed logprob, its token count and whether each of its tokens is the argmax (lm-eval's
+# loglikelihood); prompt_logprobs > 0: the top alternatives per position (null for the first)
+PROMPT_LOGPROBS = "prompt_logprobs"  # score: list<float64>; generate rows asking for it: like LOGPROBS, null first
+PROMPT_LOGPROB_SUM = "prompt_logprob_sum"
+CONTINUATION_LOGPROB = "continuation_logprob"
+CONTINUATION_TOKENS = "continuation_tokens"
+IS_GREEDY = "is_greedy"
+PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"  # score with prompt_logprobs > 0: list<list<struct{token_id, token, logprob}>>
+SCORE_COLUMNS = (PROMPT_LOGPROBS, PROMPT_LOGPROB_SUM, CONTINUATION_LOGPROB, CONTINUATION_TOKENS, IS_GREEDY)
 COMPLETIONS = "completions"  # list<struct{index, text, finish_reason, completion_tokens, logprobs}>; n > 1 only
 OPENAI_COLUMNS = ("custom_id", "endpoint")  # carried from an OpenAI Batch input for the JSONL output
 
@@ -23,18 +33,26 @@ class OutputColumns:
     logprobs: bool = False
     completions: bool = False
     embedding: bool = False
+    score: bool = False  # task = "score": SCORE_COLUMNS
+    top_logprobs: bool = False  # score rows with prompt_logprobs > 0: PROMPT_TOP_LOGPROBS
+    prompt_logprobs: bool = False  # generate rows: PROMPT_LOGPROBS as token entries
 
     @property
     def types(self) -> dict:
         """The columns of a fixed Arrow type."""
         import pyarrow as pa
 
-        return {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
+        types = {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
+        if self.score:
+            types.update({PROMPT_LOGPROBS: pa.list_(pa.float64()), PROMPT_LOGPROB_SUM: pa.float64(),
+                          CONTINUATION_LOGPROB: pa.float64(), CONTINUATION_TOKENS: pa.int64(), IS_GREEDY: pa.bool_()})
+        return types
 
     @property
     def names(self) -> list[str]:
         return [*self.keep, *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
-                *([EMBEDDING] if self.embedding else [])]
+                *([EMBEDDING] if self.embedding else []), *([PROMPT_LOGPROBS] if self.prompt_logprobs else []),
+                *(SCORE_COLUMNS if self.score else ()), *([PROMPT_TOP_LOGPROBS] if self.top_logprobs else [])]
 
     def check(self, params: SamplingParams) -> None:
         """A row may ask for what its output folder has no column for only where JSONL rows differ from
@@ -42,6 +60,16 @@ class OutputColumns:
         if params.logprobs is not None and not self.logprobs:
             raise RowError("logprobs: this output has no logprobs column (the job sets no logprobs and the input "
                            "had no sampling/logprobs column in its first lines); set logprobs in the job")
+        if self.score and params.max_tokens != 0:
+            raise RowError("max_tokens: a score job's rows generate nothing (max_tokens 0); run generate rows in a "
+                           "generate job")
+        if params.prompt_logprobs and self.score and not self.top_logprobs:
+            raise RowError("prompt_logprobs: this output has no prompt_top_logprobs column (the job's prompt_logprobs "
+                           "is 0); set prompt_logprobs in the job")
+        if params.prompt_logprobs is not None and not self.score and not self.prompt_logprobs:
+            raise RowError("prompt_logprobs: this output has no prompt_logprobs column (the job sets no "
+                           "prompt_logprobs and the input had no sampling column in its first lines); set "
+                           "prompt_logprobs in the job")
         if params.n > 1 and not self.completions:
             raise RowError("n: this output has no completions column (the job sets n = 1 and the input had no "
                            "sampling/n column in its first lines); set n in the job")
@@ -50,10 +78,13 @@ class OutputColumns:
 def output_columns(keep: list[str], defaults: SamplingParams, input_columns: list[str], openai: bool) -> OutputColumns:
     per_row = openai or has_row_sampling(input_columns)
     keep = list(keep) + [c for c in (OPENAI_COLUMNS if openai else ()) if c not in keep]
-    embed = defaults.pooling is not None
-    cols = OutputColumns(tuple(keep), logprobs=not embed and (per_row or defaults.logprobs is not None),
-                         completions=not embed and (per_row or defaults.n > 1), embedding=embed)
-    clash = {LOGPROBS, COMPLETIONS, EMBEDDING} & set(keep) & set(cols.names[len(keep):])
+    embed, score = defaults.pooling is not None, defaults.max_tokens == 0
+    generate = not (embed or score)
+    cols = OutputColumns(tuple(keep), logprobs=generate and (per_row or defaults.logprobs is not None),
+                         completions=generate and (per_row or defaults.n > 1), embedding=embed, score=score,
+                         top_logprobs=score and bool(defaults.prompt_logprobs),
+                         prompt_logprobs=generate and (per_row or defaults.prompt_logprobs is not None))
+    clash = set(keep) & set(cols.names[len(keep):])
     if clash:
         from batchjob.job.config import ConfigError
 
@@ -75,9 +106,10 @@ class TokenText:
         return text
 
     def logprobs(self, entries: list) -> list[dict]:
-        return [{"token_id": t, "token": self(t), "logprob": lp,
-                 "top_logprobs": [{"token_id": i, "token": self(i), "logprob": v} for i, v in top]}
-                for t, lp, top in entries]
+        return [{"token_id": t, "token": self(t), "logprob": lp, "top_logprobs": self.top(top)} for t, lp, top in entries]
+
+    def top(self, top: list[tuple[int, float]]) -> list[dict]:
+        return [{"token_id": i, "token": self(i), "logprob": v} for i, v in top]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +123,7 @@ class Completion:
     token_ids: tuple[int, ...] = ()
     error: str | None = None  # finish_reason "error": why (a structured row's grammar that did not compile)
     embedding: list[float] | None = None  # an embed row's vector
+    prompt_logprobs: list | None = None  # Sequence.prompt_logprobs: (logprob, argmax, top) per prompt token from the second
 
 
 @dataclass(slots=True, eq=False)
@@ -99,6 +132,9 @@ class PendingRow:
     columns: OutputColumns
     done: list[Completion | None] = field(default_factory=list)
     prompt_tokens: int = 0
+    continuation_start: int | None = None  # a score row's continuation: its first token's position
+    prompt_ids: tuple[int, ...] = ()
+    token_text: TokenText | None = None
 
     def __post_init__(self) -> None:
         self.done = [None] * self.n
@@ -112,8 +148,9 @@ class PendingRow:
             text = tokenizer.decode(seq.output_ids)
         lps = token_text.logprobs(seq.logprobs or []) if seq.params.logprobs is not None else None
         self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids), seq.error,
-                                      seq.embedding)
+                                      seq.embedding, seq.prompt_logprobs)
         self.prompt_tokens = seq.num_prompt
+        self.prompt_ids, self.token_text = tuple(seq.prompt_ids), token_text
         return all(c is not None for c in self.done)
 
     def fields(self) -> dict:
@@ -126,8 +163,28 @@ class PendingRow:
             out["extra"][LOGPROBS] = first.logprobs
         if self.columns.embedding:
             out["extra"][EMBEDDING] = first.embedding
+        if first.prompt_logprobs is not None and first.finish_reason != "error":
+            out["extra"].update(self._prompt_fields(first.prompt_logprobs))
         if self.columns.completions and self.n > 1:
             out["extra"][COMPLETIONS] = [
                 {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                  "completion_tokens": c.completion_tokens, "logprobs": c.logprobs} for c in self.done]
+        return out
+
+    def _prompt_fields(self, entries: list) -> dict:
+        """A score row's columns, or a generate row's prompt_logprobs entries, from its (logprob, argmax, top)
+        per prompt token from the second."""
+        ids, text = self.prompt_ids, self.token_text
+        if not self.columns.score:
+            return {PROMPT_LOGPROBS: [None, *({"token_id": t, "token": text(t), "logprob": lp, "top_logprobs": text.top(top)}
+                                              for t, (lp, _, top) in zip(ids[1:], entries))]}
+        lps = [lp for lp, _, _ in entries]
+        out = {PROMPT_LOGPROBS: [None, *lps], PROMPT_LOGPROB_SUM: sum(lps)}
+        start = self.continuation_start
+        if start is not None:  # entry j scores token j + 1
+            cont = entries[start - 1:]
+            out.update({CONTINUATION_LOGPROB: sum(lp for lp, _, _ in cont), CONTINUATION_TOKENS: len(cont),
+                        IS_GREEDY: all(a == t for (_, a, _), t in zip(cont, ids[start:]))})
+        if self.columns.top_logprobs:
+            out[PROMPT_TOP_LOGPROBS] = [None, *(text.top(top) for _, _, top in entries)]
         return out

@@ -32,10 +32,11 @@ class RowsInFlight(Generic[Key]):
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
     def add(self, key: Key, ids: list[int], params: SamplingParams, columns: OutputColumns, *, seed: int,
-            row_index: int, lane: str = "default") -> str | None:
+            row_index: int, lane: str = "default", continuation_start: int | None = None) -> str | None:
         """Queue a row's n Sequences; their random streams come from (seed, row_index, completion). Returns
-        the error (and queues nothing) when the prompt can never run."""
-        row, seqs = PendingRow(params.n, columns), []
+        the error (and queues nothing) when the prompt can never run. `continuation_start`: a score row's
+        continuation, scored on its own from this position."""
+        row, seqs = PendingRow(params.n, columns, continuation_start=continuation_start), []
         for c in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
                                            include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None

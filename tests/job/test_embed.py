@@ -274,7 +274,6 @@ def test_a_changed_embed_option_is_another_job(tmp_path, llama_dir):
     (["--task", "embed", "--speculative", "ngram"], "speculative: not with task"),
     (["--pooling", "mean"], "pooling: applies to task = \"embed\" only"),
     (["--dimensions", "8"], "dimensions: applies to task"),
-    (["--task", "score"], "task"),
 ])
 def test_bad_combinations_are_config_errors(tmp_path, llama_dir, flags, says):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a b c"}])
