@@ -42,7 +42,7 @@ STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex":
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
 SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
 CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
-EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "embed_prefix")  # embed()'s keywords (docs/guide/embeddings.md)
+EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "embed_prefix", "truncate")  # embed()'s keywords (docs/guide/embeddings.md)
 SCORE_OPTIONS = ("prompt_logprobs",)  # score()'s keywords besides the continuations (docs/guide/scoring.md)
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
@@ -220,7 +220,7 @@ class LLM:
         engine = self.engine
         base = cfg.sampling_defaults()
         results: list[Result | None] = [None] * len(records)
-        rows: RowsInFlight[int] = RowsInFlight(engine, self.tokenizer)
+        rows: RowsInFlight[int] = RowsInFlight(engine, self.tokenizer, truncate=cfg.truncate)
         columns = {"embed": EMBED_COLUMNS, "score": OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
                    }.get(cfg.task, ALL_COLUMNS)
         read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
@@ -245,7 +245,7 @@ class LLM:
                 except RowError as e:
                     results[index] = failed(str(e))
                     continue
-                err = rows.add(index, ids, params, columns, seed=cfg.seed, row_index=index, continuation_start=start)
+                err = rows.add(index, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start)
                 if err:
                     results[index] = failed(err, prompt_tokens=len(ids))
             if not engine.has_work:

@@ -34,6 +34,8 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
      "normalise (default: all)"),
     ("--embed-prefix", "embed_prefix", str, "--task embed: text prepended to each prompt, e.g. an instruction or "
      "'query: ' (default: none)"),
+    ("--truncate/--no-truncate", "truncate", None, "--task embed: a prompt longer than the context keeps its first "
+     "max_model_len tokens, as embedding servers do (default: off: the row fails, naming its length)"),
     ("--input", "input", str, "input: .jsonl (also .jsonl.gz/.jsonl.zst), .csv/.tsv, .parquet, a folder of JSONL or Parquet "
      "files, a hive-partitioned Parquet folder, a `datasets` save_to_disk folder, or an OpenAI Batch file"),
     ("--input-format", "input_format", click.Choice(["jsonl", "jsonl.gz", "jsonl.zst", "csv", "tsv", "parquet", "datasets", "openai-batch"]),

@@ -4,22 +4,28 @@ request files, `export.py` writes response files).
 
 In: a line {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}
 becomes a record {custom_id, endpoint, messages | prompt, sampling}; the body's fields map to the
-sampling parameters (docs/guide/openai-batch.md).
+sampling parameters (docs/guide/openai-batch.md). A "/v1/embeddings" line (a job with task = "embed")
+becomes {custom_id, endpoint, input: its texts, encoding_format, sampling: {dimensions}}.
 Out: one response line per result row (the Arrow output's columns), in input order; `export.py` sends
 a line with an error to the errors file too, and a line without a custom_id to the errors file only.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import pyarrow as pa
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling"]
+EMBEDDINGS = "/v1/embeddings"  # run with task = "embed"; `input` is one or more texts (or token id lists)
+COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "encoding_format"]
+MAX_INPUTS = 2048  # inputs per embeddings request, as OpenAI's limit
+ENCODING_FORMATS = ("float", "base64")
 
 # body field -> sampling parameter, for both endpoints (vLLM's extra sampling fields included)
 _SAMPLING = {
@@ -59,13 +65,15 @@ def request_record(line) -> dict:
     if line.get("method") != "POST":
         raise ValueError(f"method: expected \"POST\", got {line.get('method')!r}")
     url = line.get("url")
-    if url not in (CHAT, COMPLETIONS):
-        raise ValueError(f"url: {url!r} is not supported; use {CHAT} or {COMPLETIONS}")
+    if url not in (CHAT, COMPLETIONS, EMBEDDINGS):
+        raise ValueError(f"url: {url!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
     body = line.get("body")
     if body is None:
         raise ValueError("body: missing; the request's parameters go in \"body\"")
     if not isinstance(body, dict):
         raise ValueError(f"body: expected an object, got {type(body).__name__}")
+    if url == EMBEDDINGS:
+        return _embeddings_record(cid, body)
     chat = url == CHAT
     sampling, unsupported = {}, []
     for key, value in body.items():
@@ -100,6 +108,34 @@ def request_record(line) -> dict:
             sampling["logprobs"] = body["logprobs"]
         record["prompt"] = _prompt(body.get("prompt"))
     return record
+
+
+def _embeddings_record(cid: str, body: dict) -> dict:
+    """An embeddings request: `input` a string, token ids, or a list of either (each embedded on its own);
+    `encoding_format` float (default) or base64; `dimensions` (Matryoshka, as --dimensions)."""
+    unsupported = [k for k, v in body.items()
+                   if k not in ("input", "encoding_format", "dimensions", *_IGNORED) and v not in (None, False, [], {})]
+    if unsupported:
+        raise ValueError(f"body.{unsupported[0]}: not supported by batchjob for {EMBEDDINGS}")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ENCODING_FORMATS:
+        raise ValueError(f"body.encoding_format: {fmt!r} is not one of {', '.join(ENCODING_FORMATS)}")
+    value = body.get("input")
+    if isinstance(value, str) or _ids(value):
+        inputs = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) or _ids(v) for v in value):
+        inputs = list(value)
+    else:
+        raise ValueError("body.input: expected a string, a list of token ids, or a non-empty list of either")
+    if len(inputs) > MAX_INPUTS:
+        raise ValueError(f"body.input: {len(inputs)} inputs; at most {MAX_INPUTS} per request")
+    sampling = {} if body.get("dimensions") is None else {"dimensions": body["dimensions"]}
+    return {"custom_id": cid, "endpoint": EMBEDDINGS, "messages": None, "prompt": None, "sampling": sampling,
+            "input": inputs, "encoding_format": fmt}
+
+
+def _ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _messages(value) -> list[dict]:
@@ -161,6 +197,9 @@ def response_line(row: dict, model: str, created: int) -> dict:
         code = "context_length_exceeded" if "fit (the model's context" in message else "invalid_request"
         line["error"] = {"code": code, "message": message}
         return line
+    if row.get("endpoint") == EMBEDDINGS:
+        line["response"] = {"status_code": 200, "request_id": f"req_{rid}", "body": _embeddings_body(row, model)}
+        return line
     chat = row.get("endpoint") == CHAT
     completions = row.get("completions") or [
         {"index": 0, "text": row["generated_text"], "finish_reason": row["finish_reason"], "logprobs": row.get("logprobs")}]
@@ -171,6 +210,17 @@ def response_line(row: dict, model: str, created: int) -> dict:
             "created": created, "model": model, "choices": choices, "usage": usage}
     line["response"] = {"status_code": 200, "request_id": f"req_{rid}", "body": body}
     return line
+
+
+def _embeddings_body(row: dict, model: str) -> dict:
+    """OpenAI's embeddings response: one entry per input, the vector as floats or as base64 of its
+    little-endian float32 bytes (`encoding_format`)."""
+    b64 = row.get("encoding_format") == "base64"
+    data = [{"object": "embedding", "index": j,
+             "embedding": base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if b64 else v}
+            for j, v in enumerate(row["embeddings"])]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": row["prompt_tokens"], "total_tokens": row["prompt_tokens"]}}
 
 
 def _token(token: str, logprob: float) -> dict:

@@ -59,6 +59,7 @@ class JobConfig:
     normalize: bool = True  # L2-normalise each embedding
     dimensions: int | None = None  # Matryoshka: keep the first N values (then normalise)
     embed_prefix: str = ""  # text prepended to each prompt (an instruction, e.g. "query: ")
+    truncate: bool = False  # a prompt past the context keeps its first tokens (else the row fails), as TEI does
     # engine
     dtype: str | None = None  # float32 | bfloat16 | float16; default: measured choice for the device
     device: str | None = None  # cpu | cuda; default cuda when available
@@ -199,7 +200,8 @@ class JobConfig:
             raise ConfigError(f"dimensions: must be an integer >= 1, got {self.dimensions!r}")
         if self.task != "embed":
             given = [name for name, unset in (("pooling", self.pooling is None), ("dimensions", self.dimensions is None),
-                                              ("embed_prefix", not self.embed_prefix)) if not unset]
+                                              ("embed_prefix", not self.embed_prefix),
+                                              ("truncate", not self.truncate)) if not unset]
             if given:
                 raise ConfigError(f"{given[0]}: applies to task = \"embed\" only (this job's task is {self.task}); "
                                   "add --task embed")
@@ -304,7 +306,7 @@ TABLES: dict[str, tuple[str, ...]] = {
                "kv_cache_dtype", "swap_space_gb", "admission", "preemption", "max_wait", "prefix_caching",
                "read_ahead", "async_scheduling", "cuda_graphs", "speculative", "draft_model",
                "num_speculative_tokens", "speculative_max_rows", "max_model_len"),
-    "embed": ("pooling", "normalize", "dimensions", "embed_prefix"),
+    "embed": ("pooling", "normalize", "dimensions", "embed_prefix", "truncate"),
     "structured_outputs": ("json_schema", "json_object", "regex", "choice", "grammar"),
     "output": ("part_rows", "part_seconds", "part_format", "output_format", "keep_columns", "id_column"),
 }

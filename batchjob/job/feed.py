@@ -34,7 +34,7 @@ class RowFeed:
         self.params = {lane["name"]: cfg.sampling_defaults(lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = cfg.sampling_defaults()
         # rows in the engine, known by (stream, row index, kept columns)
-        self.rows: RowsInFlight[tuple[Stream, int, dict]] = RowsInFlight(engine, loaded.tokenizer)
+        self.rows: RowsInFlight[tuple[Stream, int, dict]] = RowsInFlight(engine, loaded.tokenizer, truncate=cfg.truncate)
         self.dropped = 0  # rows read but put back by a stop
         self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
         self.first_error: str | None = None
@@ -88,9 +88,11 @@ class RowFeed:
                     kept["lane"] = row_lane
                 batch.append((item.row_index, record, kept, row_lane))
             records = [b[1] for b in batch]
-            all_ids = builder.token_ids_many(records)
-            starts = builder.continuation_starts(records, all_ids) if self.cfg.task == "score" else [None] * len(batch)
-            for (row_index, record, kept, row_lane), ids, start in zip(batch, all_ids, starts):
+            all_prompts = builder.prompts_many(records)
+            starts = [None] * len(batch)
+            if self.cfg.task == "score":
+                starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
+            for (row_index, record, kept, row_lane), ids, start in zip(batch, all_prompts, starts):
                 try:
                     for problem in (ids, start):
                         if isinstance(problem, RowError):
@@ -102,12 +104,13 @@ class RowFeed:
                     continue
                 self._add_row(stream, row_index, kept, row_lane, ids, params, start)
 
-    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, ids: list[int], params: SamplingParams,
-                 continuation_start: int | None = None) -> None:
-        err = self.rows.add((stream, row_index, kept), ids, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
+    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, prompts: list[list[int]],
+                 params: SamplingParams, continuation_start: int | None = None) -> None:
+        """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each)."""
+        err = self.rows.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
                             row_index=row_index, lane=lane, continuation_start=continuation_start)
         if err:
-            self.emit(stream, row_index, kept, error=err, prompt_tokens=len(ids))
+            self.emit(stream, row_index, kept, error=err, prompt_tokens=sum(map(len, prompts)))
 
     @property
     def rows_in_flight(self) -> int:

@@ -35,7 +35,8 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
         params["structured_outputs"] = structured
     if cfg.task == "embed":  # absent: generate, as before
         params["task"] = {"task": cfg.task, "pooling": cfg.pooling, "normalize": cfg.normalize,
-                          "dimensions": cfg.dimensions, "embed_prefix": cfg.embed_prefix}
+                          "dimensions": cfg.dimensions, "embed_prefix": cfg.embed_prefix,
+                          **({"truncate": True} if cfg.truncate else {})}  # absent: off, as before
     elif cfg.task == "score":
         params["task"] = {"task": cfg.task, "continuation_column": cfg.continuation_column}
     if cfg.prompt_logprobs is not None:  # absent: off, as before

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from batchjob.job.config import JobConfig
 from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.core.sequence import PoolingParams, SamplingParams
+from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
+
+ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "pooling")  # pooling: the job's task
 SAMPLING_COLUMN = "sampling"
@@ -67,6 +70,38 @@ class PromptBuilder:
         if not value.strip():
             raise RowError(f"{self._named(col)} is empty")
         return value
+
+    def prompts_many(self, records: list[dict]) -> list[list[list[int]] | RowError]:
+        """Each record's prompts' ids (one prompt; an OpenAI embeddings line: one per input), or the RowError
+        that fails it; the texts are tokenized in one batch."""
+        cfg, flat, owner, out = self.config, [], [], [None] * len(records)
+        for i, record in enumerate(records):
+            endpoint = record.get(ENDPOINT_COLUMN)
+            if endpoint == EMBEDDINGS and cfg.task != "embed":
+                out[i] = RowError(f"url: {EMBEDDINGS} requests need task = \"embed\" (this job's task is {cfg.task}); "
+                                  "run the job with --task embed")
+            elif endpoint in (CHAT, COMPLETIONS) and cfg.task == "embed":
+                out[i] = RowError(f"url: {endpoint} requests generate text; this job's task is embed (give "
+                                  f"{EMBEDDINGS} requests, or run it without --task embed)")
+            elif endpoint == EMBEDDINGS:
+                for value in record[INPUT_COLUMN]:
+                    flat.append({cfg.prompt_column: value})
+                    owner.append(i)
+                out[i] = []
+            else:
+                flat.append(record)
+                owner.append(i)
+        for j, (i, ids) in enumerate(zip(owner, self.token_ids_many(flat))):
+            if isinstance(out[i], RowError):
+                continue
+            if isinstance(ids, RowError):
+                many = records[i].get(ENDPOINT_COLUMN) == EMBEDDINGS
+                out[i] = RowError(f"input[{len(out[i])}]: {ids}") if many else ids
+                continue
+            if out[i] is None:
+                out[i] = []
+            out[i].append(ids)
+        return out
 
     def token_ids(self, record: dict) -> list[int]:
         result = self.token_ids_many([record])[0]
@@ -222,6 +257,11 @@ def row_sampling(record: dict, base: SamplingParams, in_memory: bool = False) ->
             values[name] = _from_text(name, record[name])
     if not values:
         return base
+    dimensions = values.pop("dimensions", None)  # an OpenAI embeddings request's own Matryoshka size
+    if dimensions is not None:
+        if base.pooling is None:
+            raise RowError("dimensions: applies to embed rows only")
+        values["pooling"] = PoolingParams(base.pooling.pooling, base.pooling.normalize, dimensions)
     try:
         if "response_format" in values:  # OpenAI's name (its Batch and chat requests) for a JSON constraint
             values["structured_outputs"] = from_response_format(values.pop("response_format"))

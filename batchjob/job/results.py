@@ -12,6 +12,7 @@ from batchjob.job.prompt_builder import RowError, has_row_sampling
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
 EMBEDDING = "embedding"  # list<float32>; task = "embed" only
+EMBEDDINGS = "embeddings"  # list<list<float32>>: an OpenAI Batch embed job's, one per input of the line
 # task = "score": each prompt token's logprob given the ones before it (null for the first), their sum; rows with a
 # continuation: its summed logprob, its token count and whether each of its tokens is the argmax (lm-eval's
 # loglikelihood); prompt_logprobs > 0: the top alternatives per position (null for the first)
@@ -24,6 +25,7 @@ PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"  # score with prompt_logprobs > 0: l
 SCORE_COLUMNS = (PROMPT_LOGPROBS, PROMPT_LOGPROB_SUM, CONTINUATION_LOGPROB, CONTINUATION_TOKENS, IS_GREEDY)
 COMPLETIONS = "completions"  # list<struct{index, text, finish_reason, completion_tokens, logprobs}>; n > 1 only
 OPENAI_COLUMNS = ("custom_id", "endpoint")  # carried from an OpenAI Batch input for the JSONL output
+ENCODING_FORMAT = "encoding_format"  # and an embeddings request's (float | base64)
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +35,7 @@ class OutputColumns:
     logprobs: bool = False
     completions: bool = False
     embedding: bool = False
+    embeddings: bool = False  # an OpenAI Batch input with task = "embed": EMBEDDINGS instead of EMBEDDING
     score: bool = False  # task = "score": SCORE_COLUMNS
     top_logprobs: bool = False  # score rows with prompt_logprobs > 0: PROMPT_TOP_LOGPROBS
     prompt_logprobs: bool = False  # generate rows: PROMPT_LOGPROBS as token entries
@@ -43,6 +46,8 @@ class OutputColumns:
         import pyarrow as pa
 
         types = {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
+        if self.embeddings:
+            types[EMBEDDINGS] = pa.list_(pa.list_(pa.float32()))
         if self.score:
             types.update({PROMPT_LOGPROBS: pa.list_(pa.float64()), PROMPT_LOGPROB_SUM: pa.float64(),
                           CONTINUATION_LOGPROB: pa.float64(), CONTINUATION_TOKENS: pa.int64(), IS_GREEDY: pa.bool_()})
@@ -51,7 +56,8 @@ class OutputColumns:
     @property
     def names(self) -> list[str]:
         return [*self.keep, *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
-                *([EMBEDDING] if self.embedding else []), *([PROMPT_LOGPROBS] if self.prompt_logprobs else []),
+                *([EMBEDDING] if self.embedding else []), *([EMBEDDINGS] if self.embeddings else []),
+                *([PROMPT_LOGPROBS] if self.prompt_logprobs else []),
                 *(SCORE_COLUMNS if self.score else ()), *([PROMPT_TOP_LOGPROBS] if self.top_logprobs else [])]
 
     def check(self, params: SamplingParams) -> None:
@@ -77,11 +83,13 @@ class OutputColumns:
 
 def output_columns(keep: list[str], defaults: SamplingParams, input_columns: list[str], openai: bool) -> OutputColumns:
     per_row = openai or has_row_sampling(input_columns)
-    keep = list(keep) + [c for c in (OPENAI_COLUMNS if openai else ()) if c not in keep]
     embed, score = defaults.pooling is not None, defaults.max_tokens == 0
+    openai_keep = (*OPENAI_COLUMNS, ENCODING_FORMAT) if embed else OPENAI_COLUMNS
+    keep = list(keep) + [c for c in (openai_keep if openai else ()) if c not in keep]
     generate = not (embed or score)
     cols = OutputColumns(tuple(keep), logprobs=generate and (per_row or defaults.logprobs is not None),
-                         completions=generate and (per_row or defaults.n > 1), embedding=embed, score=score,
+                         completions=generate and (per_row or defaults.n > 1), embedding=embed and not openai,
+                         embeddings=embed and openai, score=score,
                          top_logprobs=score and bool(defaults.prompt_logprobs),
                          prompt_logprobs=generate and (per_row or defaults.prompt_logprobs is not None))
     clash = set(keep) & set(cols.names[len(keep):])
@@ -133,6 +141,7 @@ class PendingRow:
     done: list[Completion | None] = field(default_factory=list)
     prompt_tokens: int = 0
     continuation_start: int | None = None  # a score row's continuation: its first token's position
+    several_prompts: bool = False  # an OpenAI embeddings line: one Sequence per input (prompt_tokens: all of them)
     prompt_ids: tuple[int, ...] = ()
     token_text: TokenText | None = None
 
@@ -149,7 +158,7 @@ class PendingRow:
         lps = token_text.logprobs(seq.logprobs or []) if seq.params.logprobs is not None else None
         self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids), seq.error,
                                       seq.embedding, seq.prompt_logprobs)
-        self.prompt_tokens = seq.num_prompt
+        self.prompt_tokens = self.prompt_tokens + seq.num_prompt if self.several_prompts else seq.num_prompt
         self.prompt_ids, self.token_text = tuple(seq.prompt_ids), token_text
         return all(c is not None for c in self.done)
 
@@ -163,6 +172,8 @@ class PendingRow:
             out["extra"][LOGPROBS] = first.logprobs
         if self.columns.embedding:
             out["extra"][EMBEDDING] = first.embedding
+        if self.columns.embeddings:
+            out["extra"][EMBEDDINGS] = [c.embedding for c in self.done]
         if first.prompt_logprobs is not None and first.finish_reason != "error":
             out["extra"].update(self._prompt_fields(first.prompt_logprobs))
         if self.columns.completions and self.n > 1:

@@ -23,26 +23,39 @@ class DoneRow(Generic[Key]):
 
 
 class RowsInFlight(Generic[Key]):
-    def __init__(self, engine: Engine, tokenizer):
+    def __init__(self, engine: Engine, tokenizer, truncate: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.truncate = truncate  # embed rows: a prompt past the context keeps its first max_model_len tokens
         self.token_text = TokenText(tokenizer)
         self._by_seq: dict[int, tuple[Key, PendingRow, list[Sequence], int]] = {}  # seq_id -> (key, row, seqs, c)
         self._next_seq = 0
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
-    def add(self, key: Key, ids: list[int], params: SamplingParams, columns: OutputColumns, *, seed: int,
-            row_index: int, lane: str = "default", continuation_start: int | None = None) -> str | None:
-        """Queue a row's n Sequences; their random streams come from (seed, row_index, completion). Returns
-        the error (and queues nothing) when the prompt can never run. `continuation_start`: a score row's
-        continuation, scored on its own from this position."""
-        row, seqs = PendingRow(params.n, columns, continuation_start=continuation_start), []
-        for c in range(params.n):
+    def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
+            seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None) -> str | None:
+        """Queue a row's n Sequences; their random streams come from (seed, row_index, completion). `prompts`: the
+        row's prompt ids (one list), or several (an OpenAI embeddings line: one embed Sequence per input).
+        Returns the error (and queues nothing) when a prompt can never run. `continuation_start`: a score
+        row's continuation, scored on its own from this position."""
+        many = len(prompts) > 1
+        inputs = list(prompts) if many else list(prompts) * params.n
+        assert not many or params.n == 1, "a row of several prompts has one completion per prompt"
+        if self.truncate and params.pooling is not None:
+            inputs = [ids[:self.engine.max_model_len] for ids in inputs]
+        row, seqs = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many), []
+        new = []
+        for c, ids in enumerate(inputs):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
                                            include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
-            seq = Sequence(self._next_seq, ids, params, rng_key=sequence_key(params, seed, row_index, c), lane=lane,
-                           detokenizer=detok)
+            new.append(Sequence(self._next_seq, ids, params, rng_key=sequence_key(params, seed, row_index, c), lane=lane,
+                                detokenizer=detok))
             self._next_seq += 1
+        for c, seq in enumerate(new if many else ()):
+            err = self.engine.scheduler.never_fits(seq)
+            if err:  # one input that can never run fails the row: none of its inputs enter the engine
+                return f"input[{c}]: {err}"
+        for c, seq in enumerate(new):
             err = self.engine.add(seq)
             if err:  # the prompt never fits: the same for every completion (only the first is ever added)
                 return err

@@ -315,3 +315,74 @@ def test_api_embed_equals_transformers(tiny_model_dir):
         batchjob.embed(["x"], model=str(path), pooling="max", kv_cache_gb=0.02)
     with pytest.raises(ValueError, match="temperature: unknown keyword"):
         batchjob.embed(["x"], model=str(path), temperature=0.5)
+
+
+# OpenAI Batch /v1/embeddings lines, and --truncate
+
+def embeddings_line(cid, body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", **body}}
+
+
+def test_openai_embeddings_in_and_out(tmp_path, llama_dir):
+    import base64
+    import json
+
+    import numpy as np
+
+    lines = [embeddings_line("one", {"input": "The fox jumps"}),
+             embeddings_line("two", {"input": ["The fox jumps", "a b c d"], "encoding_format": "base64"}),
+             embeddings_line("ids", {"input": [5, 6, 7], "dimensions": 16}),
+             {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "hi"}]}},
+             embeddings_line("bad", {"input": "x", "encoding_format": "int8"}),
+             embeddings_line("long", {"input": ["short", "word " * 1500]})]
+    src = write_jsonl(tmp_path / "requests.jsonl", lines)
+    out = tmp_path / "out"
+    cli("run", "--model", llama_dir, "--input", src, "--output", out, "--task", "embed", "--dtype", "float32",
+        "--output-format", "openai-batch", *FAST)
+    got = {r["custom_id"]: r for r in (json.loads(x) for x in (out / "results.jsonl").read_text().splitlines())}
+    alone = batchjob_embed(llama_dir, ["The fox jumps", "a b c d", [5, 6, 7]])
+    one = got["one"]["response"]["body"]
+    assert got["one"]["error"] is None and one["object"] == "list" and one["data"][0]["object"] == "embedding"
+    assert one["data"][0]["embedding"] == pytest.approx(alone[0], abs=1e-6)
+    two = got["two"]["response"]["body"]
+    assert [d["index"] for d in two["data"]] == [0, 1]
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist() for d in two["data"]]
+    assert decoded[0] == pytest.approx(alone[0], abs=1e-6) and decoded[1] == pytest.approx(alone[1], abs=1e-6)
+    assert two["usage"]["prompt_tokens"] == two["usage"]["total_tokens"] > one["usage"]["prompt_tokens"]
+    vec = got["ids"]["response"]["body"]["data"][0]["embedding"]
+    full = torch.tensor(alone[2])
+    assert len(vec) == 16  # the request's dimensions: the first 16 of the unnormalised vector, renormalised
+    assert abs(float(torch.tensor(vec).norm()) - 1) < 1e-5
+    assert "task is embed" in got["chat"]["error"]["message"]
+    assert "encoding_format" in got["bad"]["error"]["message"]
+    assert "input[1]" in got["long"]["error"]["message"] and "at most" in got["long"]["error"]["message"]
+    assert full.shape[0] == 64
+
+
+def batchjob_embed(path, texts, **options):
+    import batchjob
+
+    return [r.embedding for r in batchjob.embed(texts, model=str(path), dtype="float32", kv_cache_gb=0.02, **options)]
+
+
+def test_an_embeddings_request_in_a_generate_job_is_a_row_error(tmp_path, llama_dir):
+    src = write_jsonl(tmp_path / "requests.jsonl", [embeddings_line("e", {"input": "x"})])
+    out = tmp_path / "out"
+    text = cli("run", "--model", llama_dir, "--input", src, "--output", out, *FAST, code=1)  # every row failed
+    assert "requests need task = \"embed\"" in text
+    assert "--task embed" in read_results(out).column("error").to_pylist()[0]
+
+
+def test_truncate_keeps_the_first_tokens(tmp_path, llama_dir):
+    from batchjob.models.loader import load_model as load
+
+    text = "word " * 1500  # past the tiny model's 1024 positions
+    ids = load(str(llama_dir)).tokenizer.encode_batch([text], add_special_tokens=True)[0]
+    assert len(ids) > 1024
+    kept = batchjob_embed(llama_dir, [text], truncate=True)[0]
+    assert kept == pytest.approx(batchjob_embed(llama_dir, [ids[:1024]])[0], abs=1e-6)
+    import batchjob
+
+    failed = batchjob.embed([text], model=str(llama_dir), dtype="float32", kv_cache_gb=0.02)[0]
+    assert failed.finish_reason == "error" and "at most 1024 fit" in failed.error
