@@ -90,7 +90,8 @@ class Job:
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         self.streams = open_streams(cfg, sources, self.loaded, dtype, lane_column_out)
-        self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name)
+        self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
+                                  prefill_only=cfg.task != "generate")
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary)
         self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
@@ -152,7 +153,8 @@ class Job:
                     if finished and (hint := self.chat_hint.due(feed.one_token_stops)):
                         self.progress.say(hint)  # early: the operator may stop the job and rerun it with --chat
                     if engine.last_stats is not None:  # None: an async step was launched, none completed
-                        self.summary.generated_tokens_live += engine.last_stats.num_sampled
+                        st = engine.last_stats  # an embed or score job's rate: the prompt tokens it computes
+                        self.summary.generated_tokens_live += st.num_tokens if self.summary.prefill_only else st.num_sampled
                         self.stats.step(engine.last_stats, finished)
                     for stream in self.streams:
                         stream.sink.commit_if_due()

@@ -27,7 +27,9 @@ class JobSummary:
     total_rows: int | None = None  # the job's rows, when known (after --limit)
     already_finished: bool = False  # every row was committed before this run: nothing ran
     empty_input: bool = False  # the input has no rows at all
-    generated_tokens_live: int = 0  # tokens sampled in this run, rows finished or not (the rate shown while running)
+    # tokens sampled in this run, rows finished or not (the rate shown while running); prefill-only jobs: computed
+    generated_tokens_live: int = 0
+    prefill_only: bool = False  # an embed or score job: its rate is prompt tokens/s (it generates none)
 
     def line(self) -> str:
         """The final line: the whole job, then this run."""
@@ -35,7 +37,8 @@ class JobSummary:
             return f"batchjob: already finished: {self.rows_before:,} rows ({self.errors_before:,} errors) in {self.output}"
         if self.empty_input:
             return f"batchjob: the input was empty: 0 rows, nothing to do -> {self.output}"
-        tps = self.generated_tokens / self.wall_s if self.wall_s else 0.0
+        tps = (self.prompt_tokens if self.prefill_only else self.generated_tokens) / self.wall_s if self.wall_s else 0.0
+        rate = "prompt tokens/s" if self.prefill_only else "tokens/s"
         rows, errors = self.rows_before + self.rows, self.errors_before + self.errors
         whole = (f"{rows:,} of {self.total_rows:,} rows" if self.total_rows is not None and rows != self.total_rows
                  else f"{rows:,} rows")
@@ -46,7 +49,7 @@ class JobSummary:
         structured = (f"; structured outputs: {so['rows']:,} rows ({so['failed']} grammars refused), compiled in "
                       f"{so['compile_ms']} ms, masks {so['mask_ms_per_step']} ms a step" if so else "")
         return (f"batchjob: {state}: {whole} ({errors:,} errors) in all; {this_run}{self.prompt_tokens} prompt tokens, "
-                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} tokens/s, {self.kernels} kernels)"
+                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} {rate}, {self.kernels} kernels)"
                 f"{structured} -> {self.output}")
 
 
