@@ -27,12 +27,14 @@ import functools
 
 import torch
 
+from batchjob.kernels.dispatch import KernelError
 from batchjob.kernels.native.scaled_mm import native_scaled_mm
 from batchjob.kernels.reference.scaled_mm import int8_matmul_int32, int8_scaled_mm, quantize_rows_int8, quantize_weight_int8
 
 
-class QuantizationError(RuntimeError):
-    """A quantized compute mode cannot run here; the message says why and what to use instead."""
+class QuantizationError(KernelError):
+    """A quantized compute mode cannot run here; the message says why and what to use instead (a KernelError:
+    the CLI and the API report it as they report kernels that cannot run)."""
 
 
 @functools.cache
