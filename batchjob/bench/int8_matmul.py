@@ -26,37 +26,48 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 PATHS = ("bf16", "F.linear bf16", "_int_mm", "qlinear", "_int_mm+torch", "int8")
 
 
-def _paths(n: int, k: int, rows: int, g: torch.Generator) -> dict:
+def _paths(n: int, k: int, rows: int, g: torch.Generator, copies: int) -> dict:
+    """Each path over `copies` distinct weights (as the layers of a step: not hot in cache), one call each."""
     from batchjob.kernels.linear import Linear
     from batchjob.kernels.linear_int8 import Int8Linear
     from batchjob.kernels.reference.scaled_mm import quantize_rows_int8, quantize_weight_int8
 
-    w = torch.randn(n, k, generator=g).mul(0.05).bfloat16()
+    ws = [torch.randn(n, k, generator=g).mul(0.05).bfloat16() for _ in range(copies)]
     x = torch.randn(rows, k, generator=g).bfloat16()
-    wq, ws = quantize_weight_int8(w)
-    wq_t = wq.t().contiguous()
+    wqs = [quantize_weight_int8(w) for w in ws]
+    wq_ts = [(wq.t().contiguous(), scale) for wq, scale in wqs]
     xq, _ = quantize_rows_int8(x)
-    lin, qlin = Linear(w), Int8Linear(w)
+    lins = [Linear(w) for w in ws]
+    qlins = [Int8Linear(w) for w in ws]
+    qlins_raw = [Int8Linear(w) for w in ws]  # qlinear alone: its own packed copies, not the ones int8 just read
+    del wqs
 
-    def naive():
+    def each(fn, items):
+        return lambda: [fn(item) for item in items]
+
+    def naive(item):
+        wq_t, scale = item
         q, s = quantize_rows_int8(x)
-        return (torch._int_mm(q, wq_t).float() * s * ws).bfloat16()
+        return (torch._int_mm(q, wq_t).float() * s * scale).bfloat16()
 
     # torch 2.13's CPU _int_mm takes any shape (CUDA's wants rows > 16 and K, N multiples of 8)
-    fns = {"bf16": lambda: lin(x), "F.linear bf16": lambda: F.linear(x, w), "_int_mm": lambda: torch._int_mm(xq, wq_t),
-           "_int_mm+torch": naive, "int8": lambda: qlin(x)}
-    if qlin.packed is not None:
-        fns["qlinear"] = lambda: qlin.sums(xq)
+    fns = {"bf16": each(lambda lin: lin(x), lins), "F.linear bf16": each(lambda w: F.linear(x, w), ws),
+           "_int_mm": each(lambda item: torch._int_mm(xq, item[0]), wq_ts), "_int_mm+torch": each(naive, wq_ts),
+           "int8": each(lambda lin: lin(x), qlins)}
+    if qlins[0].packed is not None:
+        fns["qlinear"] = each(lambda lin: lin.sums(xq), qlins_raw)
     return fns
 
 
 def measure(rows=(1, 8, 64, 256), reps: int = 15, shapes=SHAPES, log=print) -> list[dict]:
-    """One row per (shape, rows): best seconds and GOP/s of each path."""
+    """One row per (shape, rows): best seconds per call and GOP/s of each path. A call's time is the mean over
+    distinct weights (up to 16, about 32 MB of bf16 per path) so that weights come from memory as in a step."""
     g = torch.Generator().manual_seed(0)
     out = []
     for name, (n, k) in shapes.items():
+        copies = max(1, min(16, (32 << 20) // (2 * n * k)))
         for m in rows:
-            fns = _paths(n, k, m, g)
+            fns = _paths(n, k, m, g, copies)
             r = max(3, reps // 4) if n * m > 2 ** 22 else reps
             best = {p: float("inf") for p in fns}
             for rep in range(r + 1):  # round 0 warms up
@@ -64,9 +75,10 @@ def measure(rows=(1, 8, 64, 256), reps: int = 15, shapes=SHAPES, log=print) -> l
                     t0 = time.perf_counter()
                     fn()
                     if rep:
-                        best[p] = min(best[p], time.perf_counter() - t0)
+                        best[p] = min(best[p], (time.perf_counter() - t0) / copies)
             ops = 2 * m * n * k
-            row = {"shape": name, "n": n, "k": k, "rows": m, "ms": {p: round(s * 1e3, 4) for p, s in best.items()},
+            row = {"shape": name, "n": n, "k": k, "rows": m, "weights": copies,
+                   "ms": {p: round(s * 1e3, 4) for p, s in best.items()},
                    "gops": {p: round(ops / s / 1e9, 1) for p, s in best.items()}}
             out.append(row)
             log(line(row))

@@ -60,11 +60,11 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
-                quantize_lm_head: bool = False) -> CausalLM:
+                quantize_lm_head: bool = True) -> CausalLM:
     """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here,
     QuantizationError for a `quantization` (none | int8 | fp8, kernels/quantization.py) that cannot. Under int8
-    the weight matmuls are quantized as they are built; `quantize_lm_head` quantizes the LM head too (measured
-    worse, docs/guide/quantization.md: for the quality comparison, not shipped as an option).
+    the weight matmuls are quantized as they are built, the LM head among them unless `quantize_lm_head` is False
+    (no job option: for bench/int8_quality.py's comparison, docs/guide/quantization.md).
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
