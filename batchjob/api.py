@@ -45,7 +45,7 @@ CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
 EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "embed_prefix", "truncate")  # embed()'s keywords (docs/guide/embeddings.md)
 SCORE_OPTIONS = ("prompt_logprobs",)  # score()'s keywords besides the continuations (docs/guide/scoring.md)
 ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
-                  "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
+                  "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "quantization", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
                   "prefix_caching", "read_ahead", "threads", "max_model_len")
 assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + EMBED_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
 
@@ -87,8 +87,8 @@ class LLM:
     `.generate(prompts, temperature=..., ...)` or `.chat(conversations, ...)` as often as needed. `model`:
     "smollm2" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file; the keywords are
     the engine fields of a job file (batchjob.api.ENGINE_OPTIONS: dtype, device, kernels, max_num_seqs, max_model_len,
-    kv_cache_gb, kv_cache_dtype, ...). Raises ConfigError (a bad keyword or value), ModelLoadError,
-    UnsupportedModelError, KernelError or KvBudgetError. Calls are serialized (one engine)."""
+    kv_cache_gb, kv_cache_dtype, quantization, ...). Raises ConfigError (a bad keyword or value), ModelLoadError,
+    UnsupportedModelError, KernelError (QuantizationError among them) or KvBudgetError. Calls are serialized (one engine)."""
 
     def __init__(self, model: str = "smollm2", **engine: Any):
         _check_names(engine, ENGINE_OPTIONS, "LLM()")
@@ -339,7 +339,7 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
     Chat keywords: chat (wrap plain prompts as user messages), chat_template (a file or the Jinja text),
       system_prompt.
     Engine keywords (the engine is loaded once per model and engine keywords, and cached): dtype, device,
-      kernels, threads, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_gb, kv_cache_dtype,
+      kernels, threads, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_gb, kv_cache_dtype, quantization,
       gpu_memory_utilization, block_size, prefix_caching, speculative, ... (batchjob.api.ENGINE_OPTIONS).
 
     Returns one Result per prompt, in order: text, finish_reason (stop | length | error), prompt_tokens,

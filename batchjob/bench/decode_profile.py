@@ -17,7 +17,7 @@ GROUPS = ("attention", "linear", "norm", "rotary", "kv_store", "silu_mul", "resi
 
 
 def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps: int = 20, warm_steps: int = 64,
-                   workload: str = "W1", dtype: str | None = None) -> dict:
+                   workload: str = "W1", dtype: str | None = None, quantization: str = "none") -> dict:
     import torch
 
     from batchjob.bench.workloads import make
@@ -31,7 +31,7 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
 
     torch_dtype = choose_dtype(dtype, "cpu")
     loaded = load_model(model_path, dtype=torch_dtype)
-    model = build_model(loaded.config, loaded.weights, torch_dtype, kernels=kernels)
+    model = build_model(loaded.config, loaded.weights, torch_dtype, kernels=kernels, quantization=quantization)
     engine = Engine(model, [], EngineConfig(scheduler=SchedulerConfig(max_num_seqs=rows)))
     wl = make(workload).head(rows)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)  # nobody finishes while we look
@@ -61,14 +61,16 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
         engine.step()
     step_ms = (time.perf_counter() - t) / steps * 1e3
     contexts = [s.num_tokens for s in engine.scheduler.running]
-    return {"kernels": model.kernels.name, "dtype": str(torch_dtype).removeprefix("torch."), "rows": len(contexts),
+    return {"kernels": model.kernels.name, "dtype": str(torch_dtype).removeprefix("torch."), "quantization": quantization,
+            "rows": len(contexts),
             "threads": torch.get_num_threads(), "mean_context": sum(contexts) / max(1, len(contexts)),
             "step_ms": step_ms, "profiled_step_ms": wall / steps * 1e3, "shares": shares}
 
 
 def summary_line(p: dict) -> str:
     shares = sorted(p["shares"].items(), key=lambda kv: -kv[1])
-    return (f"{p['kernels']} {p['dtype']}, {p['rows']} rows, mean context {p['mean_context']:.0f}: step {p['step_ms']:.1f} ms; "
+    q = "" if p.get("quantization", "none") == "none" else f" {p['quantization']} matmuls"
+    return (f"{p['kernels']} {p['dtype']}{q}, {p['rows']} rows, mean context {p['mean_context']:.0f}: step {p['step_ms']:.1f} ms; "
             + ", ".join(f"{k} {v:.0%}" for k, v in shares if v >= 0.005))
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--warm-steps", type=int, default=64, help="decode steps after the prompts before profiling")
     args = ap.parse_args(argv)
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    out = profile_decode(args.model, args.kernels, args.rows, args.steps, warm_steps=args.warm_steps, dtype=args.dtype)
+    out = profile_decode(args.model, args.kernels, args.rows, args.steps, warm_steps=args.warm_steps, dtype=args.dtype,
+                         quantization=args.quantization)
     print(MARK + json.dumps(out), flush=True)
 
 

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--speculative-batches", default="1,4,16,64",
                     help="batch sizes of the speculative workload (SmolLM2 rewriting texts); empty: skip it")
     ap.add_argument("--no-kv-speed", action="store_true", help="skip the quantized-KV speed runs (bench/kv_speed.py)")
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8 compute section (bench/int8_speed.py: W1 bf16 vs "
+                    "--quantization int8, the GEMM table, perplexity and greedy agreement)")
     ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
@@ -217,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                                               ["--rows", "16", "--max-tokens", "16"] if args.quick else [], args.timeout)
         log(kv_speed.text(kv_rows) if err is None else f"  failed: {err}")
 
+    int8_rows = None
+    if not args.no_int8 and not args.pipeline_only:
+        from batchjob.bench import int8_speed
+
+        log("int8 compute (--quantization int8): W1 on SmolLM2, bf16 and int8 worker processes taking turns ...")
+        int8_rows = int8_speed.measure(Path(args.cache_dir), rounds=1 if args.quick else 2, quick=args.quick,
+                                       timeout=args.timeout, threads=args.threads, log=log)
+
     moe_rows = None
     if not args.no_moe and not args.pipeline_only:
         log("MoE: a small Qwen3-MoE and its dense equivalent of the same active parameters, batchjob vs HF ...")
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
-        "speculative": spec_rows, "kv_speed": kv_rows, "moe": moe_rows, "structured": structured_rows,
+        "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "moe": moe_rows, "structured": structured_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -273,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     if kv_rows:
         log("quantized KV cache (native kernels; auto = bf16):")
         log(kv_speed.text(kv_rows))
+        log("")
+    if int8_rows:
+        log("int8 compute vs bf16 (W1 on SmolLM2, whole process; GEMM rates per shape; quality vs bf16):")
+        log(int8_speed.text(int8_rows))
         log("")
     if moe_rows:
         log("MoE vs its dense equivalent (same active parameters):")

@@ -14,7 +14,8 @@ from batchjob.bench.workloads import Workload
 
 SYSTEMS = ["batchjob", "batchjob-torch", "batchjob-static16", "batchjob-static64", "hf-static16", "hf-static64",
            "hf-continuous", "vllm"]  # batchjob-torch: continuous, on the torch reference kernels
-OPTIONAL_SYSTEMS = ["hf-static16-bf16", "hf-static64-bf16", "hf-continuous-bf16"]  # run when named in --systems
+OPTIONAL_SYSTEMS = ["hf-static16-bf16", "hf-static64-bf16", "hf-continuous-bf16",  # run when named in --systems
+                    "batchjob-int8"]  # continuous, --quantization int8 (bench/int8_speed.py runs it beside batchjob)
 
 
 @dataclass(slots=True)
@@ -37,15 +38,16 @@ def _counted(workload: Workload, produced: list[int]) -> list[int]:
 class BatchjobRunner:
     """Our Engine, driven directly (no files): continuous batching, or static batches of `static` rows."""
 
-    def __init__(self, model_path: str, static: int = 0, dtype: str | None = None, kernels: str = "auto"):
+    def __init__(self, model_path: str, static: int = 0, dtype: str | None = None, kernels: str = "auto",
+                 quantization: str = "none"):
         from batchjob.device import choose_dtype
         from batchjob.models.registry import build_model
         from batchjob.models.loader import load_model
 
         self.dtype = choose_dtype(dtype, "cpu")
         loaded = load_model(model_path, dtype=self.dtype)
-        self.model = build_model(loaded.config, loaded.weights, self.dtype, kernels=kernels)
-        self.kernels = self.model.kernels.name
+        self.model = build_model(loaded.config, loaded.weights, self.dtype, kernels=kernels, quantization=quantization)
+        self.kernels = self.model.kernels.name + ("" if quantization == "none" else f", {quantization} matmuls")
         self.eos = loaded.tokenizer.eos_token_ids
         self.static = static
     def _engine(self):
@@ -244,6 +246,8 @@ def make_runner(system: str, model_path: str):
     hf_dtype = torch.bfloat16 if bf16 else torch.float32
     if base == "batchjob":
         return BatchjobRunner(model_path)
+    if base == "batchjob-int8":
+        return BatchjobRunner(model_path, quantization="int8")
     if base == "batchjob-torch":
         return BatchjobRunner(model_path, kernels="torch")
     if base.startswith("batchjob-static"):

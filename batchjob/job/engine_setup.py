@@ -28,7 +28,7 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
 def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> tuple[CausalLM, CausalLM | None]:
     """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
-                        kv_cache_dtype=cfg.kv_cache_dtype)
+                        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization)
     draft = None
     if cfg.speculative == "draft":
         try:
@@ -40,7 +40,7 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                                  f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
                                  "target's tokenizer (e.g. a smaller model of the same family)")
         draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
-                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype)
+                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization)
     return model, draft
 
 

@@ -30,6 +30,8 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
     params["dtype"] = str(dtype).removeprefix("torch.")
     if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
         params["kv_cache_dtype"] = cfg.kv_cache_dtype
+    if cfg.quantization != "none":  # int8 compute changes the text (absent: the compute dtype, as before)
+        params["quantization"] = cfg.quantization
     structured = cfg.structured_outputs()
     if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
         params["structured_outputs"] = structured

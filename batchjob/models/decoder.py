@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import AttentionMetadata, Linear, RotaryEmbedding, select_kernels
+from batchjob.kernels import AttentionMetadata, RotaryEmbedding, select_kernels
 from batchjob.kernels.native.build import default_log
 from batchjob.kernels.profiling import scope
+from batchjob.kernels.quantization import lm_head_linear
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import DecoderLayer
 
@@ -31,11 +32,12 @@ class DecoderLM:
         self.device = device
         self.kernel_choice = kernels
         self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/reference/kv_quant.py)
+        self.quantization = "none"  # the weight matmuls' format (none | int8): build_model sets it
         self.layers = layers
         self.embed = embed
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
         self.final_norm = final_norm
-        self.lm_head = Linear(lm_head)
+        self.lm_head = lm_head_linear(lm_head)  # in the format build_model set (kernels/quantization.py)
         self.rotaries = rotaries
         self.partial_rotary = any(layer.attn.rotary_dim and layer.attn.rotary_dim < config.head_dim for layer in layers)
         self.block_size = -1

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels import AttentionMetadata, Linear, rms_norm
+from batchjob.kernels.quantization import WeightMatmul
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.reference.rotary import apply_rotary
 
@@ -17,8 +18,8 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 @dataclass(slots=True)
 class Attention:
-    qkv: Linear  # q, k and v projections fused: one matmul
-    o: Linear
+    qkv: WeightMatmul  # q, k and v projections fused: one matmul
+    o: WeightMatmul
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -62,8 +63,8 @@ class Attention:
 
 @dataclass(slots=True)
 class MLP:
-    gate_up: Linear  # gate and up projections fused: one matmul
-    down: Linear
+    gate_up: WeightMatmul  # gate and up projections fused: one matmul
+    down: WeightMatmul
     act: str = "silu"  # silu | gelu_tanh
 
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:

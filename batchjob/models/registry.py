@@ -7,6 +7,7 @@ from collections.abc import Collection
 
 import torch
 
+from batchjob.kernels.quantization import check_quantization, weight_matmuls
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
@@ -58,8 +59,12 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
-                kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto") -> CausalLM:
-    """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here.
+                kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
+                quantize_lm_head: bool = True) -> CausalLM:
+    """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here,
+    QuantizationError for a `quantization` (none | int8 | fp8, kernels/quantization.py) that cannot. Under int8
+    the weight matmuls are quantized as they are built, the LM head among them unless `quantize_lm_head` is False
+    (no job option: for bench/int8_quality.py's comparison, docs/guide/quantization.md).
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
@@ -69,11 +74,15 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         raise ValueError("build_model: no weights (a model took them already; pass dict(loaded.weights) to build "
                          "more than one model from a load)")
     dev = torch.device(device)
+    check_quantization(quantization, dev)
     w = {}
     for name in list(weights):
         w[name] = weights.pop(name).to(device=dev, dtype=dtype)
-    parts = family_of(config).build(config, w, dtype, dev)
-    for r in parts.rotaries:
-        r.to(dev)
-    return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, parts.lm_head, parts.rotaries, dtype, dev,
-                     kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    with weight_matmuls(quantization, lm_head=quantize_lm_head):
+        parts = family_of(config).build(config, w, dtype, dev)
+        for r in parts.rotaries:
+            r.to(dev)
+        model = DecoderLM(config, parts.layers, parts.embed, parts.final_norm, parts.lm_head, parts.rotaries, dtype, dev,
+                          kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    model.quantization = quantization
+    return model

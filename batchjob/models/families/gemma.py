@@ -10,7 +10,8 @@ from collections.abc import Collection
 
 import torch
 
-from batchjob.kernels import Linear, RotaryEmbedding
+from batchjob.kernels import RotaryEmbedding
+from batchjob.kernels.quantization import linear
 from batchjob.models.config import ModelConfig, UnsupportedModelError, _shortest_f32
 from batchjob.models.family import Family, ModelParts
 from batchjob.models.families import llama
@@ -107,8 +108,8 @@ def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device
         sliding = c.layer_types[i] == "sliding_attention"
         attn = llama.attention(c, w, i, scale=c.query_pre_attn_scalar ** -0.5, window=c.sliding_window if sliding else None,
                                rope=1 if sliding and c.rope_local_theta is not None else 0, softcap=c.attn_logit_softcap)
-        mlp = MLP(Linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
-                  Linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
+        mlp = MLP(linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+                  linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
         layers.append(DecoderLayer(attn, mlp, attn_norm=w.pop(p + "input_layernorm.weight"),
                                    post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
                                    mlp_norm=w.pop(p + "pre_feedforward_layernorm.weight"),

@@ -8,7 +8,8 @@ from collections.abc import Collection
 import numpy as np
 import torch
 
-from batchjob.kernels import Linear, RotaryEmbedding
+from batchjob.kernels import RotaryEmbedding
+from batchjob.kernels.quantization import linear
 from batchjob.models.config import ModelConfig, UnsupportedModelError, _shortest_f32
 from batchjob.models.family import Family, ModelParts
 from batchjob.models.hf_config import common_fields
@@ -162,15 +163,15 @@ def attention(c: ModelConfig, w: dict[str, torch.Tensor], i: int, **kw) -> Atten
     a = f"model.layers.{i}.self_attn."
     bias = fused(w, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if a + "q_proj.bias" in w else None
     kw.setdefault("window", c.sliding_window)
-    return Attention(qkv=Linear(fused(w, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), bias),
-                     o=Linear(w.pop(a + "o_proj.weight")), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+    return Attention(qkv=linear(fused(w, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), bias),
+                     o=linear(w.pop(a + "o_proj.weight")), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                      head_dim=c.head_dim, scale=kw.pop("scale", c.head_dim ** -0.5),
                      q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"), **kw)
 
 
 def mlp(c: ModelConfig, w: dict[str, torch.Tensor], i: int) -> MLP:
     p = f"model.layers.{i}.mlp."
-    return MLP(Linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), Linear(w.pop(p + "down_proj.weight")), c.hidden_act)
+    return MLP(linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), linear(w.pop(p + "down_proj.weight")), c.hidden_act)
 
 
 def lm_head(c: ModelConfig, w: dict[str, torch.Tensor]) -> torch.Tensor:

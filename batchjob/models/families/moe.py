@@ -9,6 +9,7 @@ from collections.abc import Collection
 import torch
 
 from batchjob.kernels import Linear, RotaryEmbedding
+from batchjob.kernels.quantization import linear
 from batchjob.models.config import ModelConfig
 from batchjob.models.family import Family, ModelParts
 from batchjob.models.families import llama
@@ -114,11 +115,11 @@ def _moe(c: ModelConfig, w: dict[str, torch.Tensor], i: int) -> MoE:
     experts = []
     for j in range(x["num_experts"]):
         gate, up, down = _expert_names(c, i, j)
-        experts.append(MLP(Linear(fused(w, gate, up)), Linear(w.pop(down)), c.hidden_act))
+        experts.append(MLP(linear(fused(w, gate, up)), linear(w.pop(down)), c.hidden_act))
     shared = gate = None
     if x["shared_expert_intermediate_size"]:
         p = f"model.layers.{i}.mlp.shared_expert."
-        shared = MLP(Linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), Linear(w.pop(p + "down_proj.weight")))
+        shared = MLP(linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), linear(w.pop(p + "down_proj.weight")))
         gate = Linear(w.pop(f"model.layers.{i}.mlp.shared_expert_gate.weight"))
     return MoE(Linear(w.pop(_router_name(c, i))), experts, x["top_k"], x["renormalize"], shared, gate)
 

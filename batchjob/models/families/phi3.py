@@ -8,7 +8,8 @@ from collections.abc import Collection
 
 import torch
 
-from batchjob.kernels import Linear, RotaryEmbedding
+from batchjob.kernels import RotaryEmbedding
+from batchjob.kernels.quantization import linear
 from batchjob.models.config import LongRope, ModelConfig, UnsupportedModelError
 from batchjob.models.family import Family, ModelParts
 from batchjob.models.families import llama
@@ -94,9 +95,9 @@ def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        attn = Attention(Linear(w.pop(p + "self_attn.qkv_proj.weight")), Linear(w.pop(p + "self_attn.o_proj.weight")), c.num_heads,
+        attn = Attention(linear(w.pop(p + "self_attn.qkv_proj.weight")), linear(w.pop(p + "self_attn.o_proj.weight")), c.num_heads,
                          c.num_kv_heads, c.head_dim, c.head_dim ** -0.5, window=c.sliding_window, rotary_dim=rotary_dim)
-        mlp = MLP(Linear(w.pop(p + "mlp.gate_up_proj.weight")), Linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
+        mlp = MLP(linear(w.pop(p + "mlp.gate_up_proj.weight")), linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
         layers.append(DecoderLayer(attn, mlp, attn_norm=w.pop(p + "input_layernorm.weight"),
                                    mlp_norm=w.pop(p + "post_attention_layernorm.weight")))
     rope = RotaryEmbedding(rotary_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
