@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import kv_speed, moe, report, speculative, structured
+from batchjob.bench import kv_speed, moe, prefill, report, speculative, structured
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--speculative-batches", default="1,4,16,64",
                     help="batch sizes of the speculative workload (SmolLM2 rewriting texts); empty: skip it")
     ap.add_argument("--no-kv-speed", action="store_true", help="skip the quantized-KV speed runs (bench/kv_speed.py)")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill-only rows (bench/prefill.py: 1,000-row "
+                    "embed and score jobs vs HF transformers)")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8 compute section (bench/int8_speed.py: W1 bf16 vs "
                     "--quantization int8, the GEMM table, perplexity and greedy agreement)")
     ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
@@ -241,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                                                       "--steps", "20"] if args.quick else [], args.timeout)
         log(structured.job_text(structured_rows["job"]) if err is None else f"  failed: {err}")
 
+    prefill_rows = None
+    if not args.no_prefill and not args.pipeline_only:
+        log("prefill-only jobs: 1,000-row embed and score jobs on SmolLM2, batchjob vs HF transformers ...")
+        prefill_rows, err = launch.run_json_module("batchjob.bench.prefill", ["--rows", "64", "--repeats", "1"]
+                                                   if args.quick else [], args.timeout)
+        log(prefill.text(prefill_rows) if err is None else f"  failed: {err}")
+
     tgts = report.targets(rows, pipe, profiles)
     info["loadavg_end"] = os.getloadavg()
     result = {
@@ -249,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
         "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "moe": moe_rows, "structured": structured_rows,
+        "prefill": prefill_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -295,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if structured_rows:
         log("structured outputs (llguidance; target: at most 10% slower):")
         log(structured.job_text(structured_rows["job"]))
+        log("")
+    if prefill_rows:
+        log("prefill-only jobs (embed: last-token pooling, normalised; score: prompt + continuation):")
+        log(prefill.text(prefill_rows))
         log("")
     log("targets (issue 7):")
     log(report.targets_text(tgts))
