@@ -181,3 +181,20 @@ def test_api_score_equals_the_job(tmp_path, llama_dir, ref, tok):
         batchjob.score(["a", "b"], ["c"], model=str(llama_dir), kv_cache_gb=0.02)
     with pytest.raises(ValueError, match="temperature: unknown keyword"):
         batchjob.score(["a"], model=str(llama_dir), temperature=0.5)
+
+
+def test_the_example_score_job_on_the_embedded_model(tmp_path):
+    """jobs/score.toml (SmolLM2, 8 questions x 4 answers): every row scored; SmolLM2-135M picks most golds."""
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parents[2] / "jobs" / "score.toml"
+    out = tmp_path / "out"
+    cli("run", job, "--output", out, "--no-progress")
+    rows = read_results(out).to_pylist()
+    assert len(rows) == 32 and {r["finish_reason"] for r in rows} == {"stop"}
+    assert all(r["continuation_tokens"] >= 1 and r["continuation_logprob"] < 0 for r in rows)
+    best = {}
+    for r in rows:
+        if r["question_id"] not in best or r["continuation_logprob"] > best[r["question_id"]]["continuation_logprob"]:
+            best[r["question_id"]] = r
+    assert sum(r["gold"] for r in best.values()) >= 5  # 6 of 8 measured (bf16, native kernels); chance is 2
