@@ -34,8 +34,10 @@ class PromptLogprobChunk:
 def score_step(model, hidden: torch.Tensor, step: Step, last: list[int]) -> list[PromptLogprobChunk]:
     """The prompt positions this step computes for rows asking for prompt logprobs (before
     `Scheduler.advance`: a row's `num_computed` is where its chunk starts). The last prompt position
-    predicts the first generated token: it is not a prompt logprob."""
-    chunks = []
+    predicts the first generated token: it is not a prompt logprob. All rows' positions go through the
+    LM head together, SLICE_ROWS at a time (a row's values do not depend on its neighbours: the LM head is
+    batch invariant and the rest is per position)."""
+    rows, at, targets = [], [], []  # (step row, start, count, k); hidden rows; the scored tokens
     for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
         k = seq.params.prompt_logprobs
         if k is None:
@@ -45,12 +47,22 @@ def score_step(model, hidden: torch.Tensor, step: Step, last: list[int]) -> list
         if m <= 0:
             continue
         first = last[i] - n + 1
-        device = hidden.device
-        targets = torch.tensor(seq.token_ids[start + 1:start + 1 + m], device=device)
-        parts = [_score(model, hidden[first + s:first + min(s + SLICE_ROWS, m)], targets[s:s + SLICE_ROWS], k)
-                 for s in range(0, m, SLICE_ROWS)]
-        cat = [torch.cat(t) if t[0] is not None else None for t in zip(*parts)]
-        chunks.append(PromptLogprobChunk(i, start, *cat))
+        rows.append((i, start, m, k))
+        at.extend(range(first, first + m))
+        targets.extend(seq.token_ids[start + 1:start + 1 + m])
+    if not rows:
+        return []
+    device, top = hidden.device, max(k for *_, k in rows)
+    at_t, targets_t = torch.tensor(at, device=device), torch.tensor(targets, device=device)
+    parts = [_score(model, hidden[at_t[s:s + SLICE_ROWS]], targets_t[s:s + SLICE_ROWS], top)
+             for s in range(0, len(at), SLICE_ROWS)]
+    lp, am, top_i, top_v = (torch.cat(t) if t[0] is not None else None for t in zip(*parts))
+    chunks, o = [], 0
+    for i, start, m, k in rows:
+        ids = top_i[o:o + m, :k] if k else None
+        vals = top_v[o:o + m, :k] if k else None
+        chunks.append(PromptLogprobChunk(i, start, lp[o:o + m], am[o:o + m], ids, vals))
+        o += m
     return chunks
 
 
