@@ -55,7 +55,7 @@ class QuantizedWeight:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
+    def to(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
         """On `device`; `dtype` (the compute dtype) leaves codes and scales as they are."""
         return QuantizedWeight(self.codes.to(device), self.scales.to(device), self.scheme, self.group)
 

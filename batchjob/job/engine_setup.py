@@ -39,7 +39,7 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
     draft = None
     if cfg.speculative == "draft":
         try:
-            proposer = load_model(cfg.draft_model, dtype=dtype)
+            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == "int8")
         except ModelLoadError as e:
             raise ModelLoadError(f"--draft-model: {e}") from None
         if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
