@@ -99,7 +99,7 @@ class LLM:
             self.dtype = choose_dtype(self.config.dtype, self.device)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
-            self.loaded = load_model(model, dtype=self.dtype)
+            self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == "int8")
             self.tokenizer = self.loaded.tokenizer
             self._models = build_models(self.config, self.loaded, self.device, self.dtype)  # they take the weights
             self._engine: Engine | None = engine_for(self.config, self.loaded, *self._models)

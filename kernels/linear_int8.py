@@ -25,11 +25,12 @@ the row count) cannot change a row's result, and the quantize and rescale steps 
 row tiling is needed (the bf16 Linear runs AMX in calls of 64 rows for this, kernels/linear.py).
 
 Where neither oneDNN's int8 kernels nor the native ops exist, the torch references run (slow but equal).
-On CUDA the Triton kernels will plug in at `_gpu_backend` (kernels/triton/scaled_mm.py, not written yet).
+On CUDA the Triton kernels (kernels/triton/scaled_mm.py) plug in at `_gpu_backend`, after their start-up check.
 """
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -58,15 +59,24 @@ def _onednn_int8() -> bool:
         return False
 
 
+@functools.cache
 def _gpu_backend(device: torch.device):
     """The one place where int8 compute on a GPU plugs in: the Triton module with the reference's
-    `quantize_rows_int8` and `int8_scaled_mm` signatures (kernels/triton/scaled_mm.py)."""
+    `quantize_rows_int8` and `int8_scaled_mm` signatures (kernels/triton/scaled_mm.py), once its start-up check
+    against the references passed on this device (kernels/triton/check.py check_scaled_mm); else the torch
+    references on the device (slow but equal), with one log line saying why."""
     try:
         from batchjob.kernels.triton import scaled_mm as triton_scaled_mm
+        from batchjob.kernels.triton.check import check_scaled_mm
     except ImportError:
-        raise QuantizationError(f"quantization: 'int8' compute on {device.type} is not implemented yet (the CPU has it); "
-                                "use --quantization none") from None
-    return triton_scaled_mm
+        raise QuantizationError(f"quantization: 'int8' compute on {device.type} needs triton; use --quantization none") from None
+    problem = check_scaled_mm(device)
+    if problem is None:
+        return triton_scaled_mm
+    logging.getLogger(__name__).warning("int8 on %s: %s; running the torch references instead", device, problem)
+    from batchjob.kernels.reference import scaled_mm as reference
+
+    return reference
 
 
 class Int8Linear:

@@ -10,6 +10,12 @@ The LM head is int8 too. Measured on SmolLM2 (bench/int8_quality.py, 64 prompts)
 to the body's quantization error (perplexity 29.71 with it, 29.81 without, bf16 28.51; mean |logit error|
 0.558 vs 0.544), and it is 1.6-1.7x faster than bf16 at 1-8 rows, as fast at 64 (bench/int8_matmul.py),
 with half the memory.
+
+A pre-quantized checkpoint hands some weights over as `QuantizedWeight`s (codes + scales, as the file stores
+them): compressed-tensors W8A8 int8 (models/compressed_tensors.py: its codes and per-channel scales become the
+Int8Linear's as they are, and its float weights, the `ignore` list, stay in the compute dtype) and GGUF Q8_0
+(models/gguf_file.py: int8 codes with one scale per 32 weights along K, re-quantized per output channel under
+int8, dequantized exactly as before otherwise). `resolved_quantization` decides the format such a model runs.
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ import torch
 
 from batchjob.kernels.linear import Linear
 from batchjob.kernels.linear_int8 import Int8Linear, QuantizationError
+from batchjob.kernels.reference.scaled_mm import quantize_weight_int8
 
-QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")  # auto: the checkpoint's (none for a float one)
 WeightMatmul = Linear | Int8Linear  # what a layer calls for a projection: x [..., in] -> [..., out]
 
 
@@ -31,6 +38,65 @@ WeightMatmul = Linear | Int8Linear  # what a layer calls for a projection: x [..
 class MatmulFormat:
     quantization: str = "none"  # none | int8 (fp8 never gets this far: check_quantization refuses it)
     lm_head: bool = True  # the LM head quantized too (as shipped; off: bench/int8_quality.py's comparison)
+    prequantized: bool = False  # int8 where the checkpoint gave codes; its float weights stay float
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """A weight [out, in] as a checkpoint stores it: int8 (or float8_e4m3fn) codes and fp32 scales, one per
+    output channel ([out], `group` 0) or one per `group` weights along K ([out, in / group]: GGUF Q8_0's 32).
+    Its value is codes * scales, computed in fp32 (as gguf's dequantize and compressed-tensors compute it)."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scheme: str  # what the checkpoint calls it, for messages: "compressed-tensors int8", "GGUF Q8_0"
+    group: int = 0
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def to(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
+        """On `device`; `dtype` (the compute dtype) leaves codes and scales as they are."""
+        return QuantizedWeight(self.codes.to(device), self.scales.to(device), self.scheme, self.group)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        scales = self.scales.float()
+        scales = scales.repeat_interleave(self.group, dim=1) if self.group else scales[:, None]
+        return (self.codes.float() * scales).to(dtype)
+
+    def int8_channel(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes [out, in], fp32 scales [out]): the checkpoint's own where it has them (no re-quantization),
+        else the per-channel quantization of the exact fp32 values (quantize_weight_int8)."""
+        if self.group == 0 and self.codes.dtype == torch.int8:
+            return self.codes, self.scales.float()
+        return quantize_weight_int8(self.dequantized(torch.float32))
+
+    @staticmethod
+    def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+        """Parts concatenated along the output dim (a fused QKV or gate/up): codes and scales concatenate; parts
+        of different kinds (a float part, another group size) are all dequantized to the float parts' dtype."""
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        first = quantized[0]
+        if len(quantized) == len(parts) and all(p.group == first.group and p.codes.dtype == first.codes.dtype
+                                                for p in quantized):
+            return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales.float() for p in parts]),
+                                   first.scheme, first.group)
+        dtype = next((p.dtype for p in parts if not isinstance(p, QuantizedWeight)), torch.float32)
+        return torch.cat([p.dequantized(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+
+
+def resolved_quantization(requested: str, checkpoint: str | None, scheme: str, source: str) -> str:
+    """The format a model's weight matmuls run in (none | int8 | fp8): `requested` (--quantization; auto = the
+    checkpoint's) against what a pre-quantized checkpoint fixes (`checkpoint`, as LoadedModel.quantization says:
+    "int8" runs int8, "dequantized" the compute dtype). As vLLM decides: the checkpoint's quantization wins, and
+    an explicit option that conflicts with it is an error, not silently overridden."""
+    if checkpoint is None:
+        return "none" if requested == "auto" else requested
+    runs = "int8" if checkpoint == "int8" else "none"
+    if requested not in ("auto", runs):
+        raise QuantizationError(f"quantization: {source} is a pre-quantized checkpoint ({scheme}) that runs as "
+                                f"{runs!r}; --quantization {requested} conflicts with it: use auto (or {runs})")
+    return runs
 
 
 _format: ContextVar[MatmulFormat] = ContextVar("matmul_format", default=MatmulFormat())
@@ -39,8 +105,8 @@ _format: ContextVar[MatmulFormat] = ContextVar("matmul_format", default=MatmulFo
 def check_quantization(quantization: str, device: torch.device | str) -> None:
     """Raises QuantizationError, naming the option and what to use, when `quantization` cannot run on `device`."""
     device = torch.device(device)
-    if quantization not in QUANTIZATIONS:
-        raise QuantizationError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantization not in QUANTIZATIONS[1:]:  # auto is resolved before (resolved_quantization)
+        raise QuantizationError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS[1:])}")
     if quantization == "fp8":
         if device.type != "cuda":
             raise QuantizationError("quantization: 'fp8' compute needs a GPU with fp8 (CUDA compute capability >= 8.9); "
@@ -53,26 +119,34 @@ def check_quantization(quantization: str, device: torch.device | str) -> None:
 
 
 @contextmanager
-def weight_matmuls(quantization: str = "none", lm_head: bool = True) -> Iterator[None]:
+def weight_matmuls(quantization: str = "none", lm_head: bool = True, prequantized: bool = False) -> Iterator[None]:
     """Within the block, `linear` and `lm_head_linear` build matmuls of this format."""
-    token = _format.set(MatmulFormat(quantization, lm_head))
+    token = _format.set(MatmulFormat(quantization, lm_head, prequantized))
     try:
         yield
     finally:
         _format.reset(token)
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> WeightMatmul:
+def linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> WeightMatmul:
     """A projection's weight matmul ([out, in], bias [out]) in the format in force. A fused projection (QKV,
-    gate/up) is quantized per output channel as one: the same codes and scales as each part alone."""
-    if _format.get().quantization == "int8":
+    gate/up) is quantized per output channel as one: the same codes and scales as each part alone. A
+    QuantizedWeight arrives only under int8 (build_model dequantizes them otherwise)."""
+    fmt = _format.get()
+    if isinstance(weight, QuantizedWeight):
+        codes, scales = weight.int8_channel()
+        return Int8Linear(bias=bias, codes=codes, scales=scales)
+    if fmt.quantization == "int8" and not fmt.prequantized:
         return Int8Linear(weight, bias)
     return Linear(weight, bias)
 
 
-def lm_head_linear(weight: torch.Tensor) -> WeightMatmul:
-    """The LM head's matmul: the compute dtype unless the format quantizes the LM head too."""
+def lm_head_linear(weight: torch.Tensor | QuantizedWeight) -> WeightMatmul:
+    """The LM head's matmul: the compute dtype unless the format quantizes the LM head too (or the checkpoint
+    did)."""
     fmt = _format.get()
-    if fmt.quantization == "int8" and fmt.lm_head:
+    if isinstance(weight, QuantizedWeight):
+        return linear(weight)
+    if fmt.quantization == "int8" and fmt.lm_head and not fmt.prequantized:
         return Int8Linear(weight)
     return Linear(weight)

@@ -74,7 +74,8 @@ class JobConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory for weights, activations and KV
     cuda_graphs: bool = True  # CUDA + Triton kernels: decode steps replay captured CUDA graphs
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8 | int4: quantized KV (kernels/reference/kv_quant.py)
-    quantization: str = "none"  # none | int8 (W8A8 at load, kernels/linear_int8.py) | fp8 (GPU): weight matmuls
+    quantization: str = "auto"  # auto (the checkpoint's: none for a float one) | none | int8 (W8A8 at load,
+    # kernels/linear_int8.py) | fp8 (GPU): weight matmuls; a pre-quantized checkpoint's own wins (resolved_quantization)
     async_scheduling: str = "auto"  # auto (on CUDA) | on | off: schedule step N+1 while step N runs
     speculative: str = "none"  # none | ngram (prompt lookup) | draft (a smaller model proposes: --draft-model)
     num_speculative_tokens: int = 4  # tokens proposed per row and step
@@ -148,7 +149,7 @@ class JobConfig:
             raise ConfigError(str(e)) from None
         _choice("async_scheduling", self.async_scheduling, ("auto", "on", "off"))
         _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "int8", "int4"))
-        _choice("quantization", self.quantization, ("none", "int8", "fp8"))
+        _choice("quantization", self.quantization, ("auto", "none", "int8", "fp8"))
         _choice("admission", self.admission, ("optimistic", "reserve"))
         _choice("preemption", self.preemption, ("auto", "recompute", "swap"))
         if self.max_wait <= 0:

@@ -10,6 +10,7 @@ from batchjob.engine.core.lanes import Lane
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.spec_decode.config import speculative_config
 from batchjob.models.causal_lm import CausalLM
+from batchjob.kernels.quantization import resolved_quantization
 from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
 
@@ -25,14 +26,20 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
     return engine_for(cfg, loaded, *build_models(cfg, loaded, device, dtype))
 
 
+def model_quantization(cfg: JobConfig, loaded: LoadedModel) -> str:
+    """The format the model's weight matmuls run in: --quantization against a pre-quantized checkpoint's own."""
+    return resolved_quantization(cfg.quantization, loaded.quantization, loaded.quantization_scheme, loaded.name)
+
+
 def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> tuple[CausalLM, CausalLM | None]:
     """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
-                        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization)
+                        kv_cache_dtype=cfg.kv_cache_dtype, quantization=model_quantization(cfg, loaded),
+                        prequantized=loaded.quantization == "int8")
     draft = None
     if cfg.speculative == "draft":
         try:
-            proposer = load_model(cfg.draft_model, dtype=dtype)
+            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == "int8")
         except ModelLoadError as e:
             raise ModelLoadError(f"--draft-model: {e}") from None
         if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
@@ -40,7 +47,8 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                                  f"tokens, the target's {loaded.tokenizer.vocab_size:,}; a draft model must share the "
                                  "target's tokenizer (e.g. a smaller model of the same family)")
         draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
-                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization)
+                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
+                            quantization=model_quantization(cfg, proposer), prequantized=proposer.quantization == "int8")
     return model, draft
 
 

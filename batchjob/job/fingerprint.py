@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from batchjob.job.config import JobConfig
+from batchjob.job.engine_setup import model_quantization
 from batchjob.cluster.shards import ShardSource
 from batchjob.io.sources import Source
 from batchjob.models.loader import LoadedModel
@@ -30,8 +31,9 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
     params["dtype"] = str(dtype).removeprefix("torch.")
     if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
         params["kv_cache_dtype"] = cfg.kv_cache_dtype
-    if cfg.quantization != "none":  # int8 compute changes the text (absent: the compute dtype, as before)
-        params["quantization"] = cfg.quantization
+    quantization = model_quantization(cfg, loaded)  # what runs: a pre-quantized checkpoint's int8 under auto too
+    if quantization != "none":  # int8 compute changes the text (absent: the compute dtype, as before)
+        params["quantization"] = quantization
     structured = cfg.structured_outputs()
     if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
         params["structured_outputs"] = structured

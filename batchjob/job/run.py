@@ -81,7 +81,7 @@ class Job:
               dtype: torch.dtype, template: str | None) -> None:
         if restart:
             clear_for_restart(out, [folder for _, _, folder, _ in sources])
-        self.loaded = load_model(cfg.model, dtype=dtype)
+        self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == "int8")
         resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default: the model folder's pooling
         self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
         if self.shard is not None:

@@ -1,5 +1,5 @@
 """A GGUF model file (llama.cpp's format): metadata -> config and tokenizer, tensors dequantized one by one to
-HF names and layout. Which family, and how its GGUF names and values map back, the family says
+HF names and layout (for an int8 build, Q8_0 matrices kept as their int8 codes and block scales instead). Which family, and how its GGUF names and values map back, the family says
 (models/families/: Family.gguf_names, gguf_tensor); nothing here names a family."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import torch
 
+from batchjob.kernels.quantization import QuantizedWeight
 from batchjob.models.config import ModelConfig
 from batchjob.models.family import Family
 from batchjob.models.registry import config_from_gguf, family_of, weight_shapes
@@ -21,10 +22,14 @@ from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
 # where a row is not a multiple of 256. Not the other i-quants (IQ4_XS, IQ3_S, ...), the ternary or FP4 types.
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL",
               "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
+Q8_0_BLOCK = 32  # weights per Q8_0 block (one fp16 scale each)
 _CHUNK_ELEMENTS = 1 << 22  # dequantize this many weights at a time (16 MB of float32), so a tensor never costs 2 copies
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False) -> LoadedModel:
+    """`int8_codes` (a model built with --quantization int8): Q8_0 matrices stay int8 codes with their fp16 scale
+    per 32 weights (QuantizedWeight, group 32; build_model re-quantizes them per output channel from their exact
+    values, docs/guide/quantization.md); otherwise every tensor is dequantized to `dtype` here."""
     try:
         reader = _FastGGUFReader(path)
     except OSError as e:
@@ -60,12 +65,20 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
             raise ModelLoadError(f"{path}: GGUF tensor {t.name} ({stray[0]}) is not part of the model its metadata "
                                  f"describes ({config.architecture}, {config.num_layers} layers)")
         vector = len(t.shape) == 1  # norms and biases: fixed in float32, then cast (Gemma stores 1 + w)
-        tensor = dequantized(t, torch.float32 if vector else dtype)
-        parts = tensor.unbind(0) if len(hf_names) > 1 else [tensor]  # experts stacked on the first dim
+        if int8_codes and not vector and t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            codes, scales = q8_0_codes(t)
+            pairs = zip(codes.unbind(0), scales.unbind(0)) if len(hf_names) > 1 else [(codes, scales)]
+            parts = [QuantizedWeight(c, s, "GGUF Q8_0", Q8_0_BLOCK) for c, s in pairs]
+        else:
+            tensor = dequantized(t, torch.float32 if vector else dtype)
+            parts = tensor.unbind(0) if len(hf_names) > 1 else [tensor]  # experts stacked on the first dim
         for name, part in zip(hf_names, parts, strict=True):
-            if family.gguf_tensor is not None:
+            if family.gguf_tensor is not None and isinstance(part, QuantizedWeight):  # Q/K rows: codes and scales alike
+                part = QuantizedWeight(family.gguf_tensor(config, name, part.codes),
+                                       family.gguf_tensor(config, name, part.scales), part.scheme, part.group)
+            elif family.gguf_tensor is not None:
                 part = family.gguf_tensor(config, name, part)
-            weights[name] = part.to(dtype)
+            weights[name] = part if isinstance(part, QuantizedWeight) else part.to(dtype)
     weights = checked_weights(config, weights, source=str(path))
 
     identity = {
@@ -120,6 +133,16 @@ def dequantized(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
             chunk = chunk.copy()
         out[start:start + step] = torch.from_numpy(chunk)
     return out.reshape(shape)
+
+
+def q8_0_codes(t: gguf.ReaderTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's (int8 codes [..., rows, K], fp32 scales [..., rows, K / 32]) in HF layout: each block of 32
+    weights is an fp16 scale d then 32 int8 codes q, its values d * q (in fp32, as gguf's dequantize)."""
+    shape = tuple(int(n) for n in reversed(t.shape))
+    blocks = t.data.reshape(-1, 2 + Q8_0_BLOCK)
+    scales = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))
+    codes = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+    return codes.reshape(shape), scales.reshape(*shape[:-1], shape[-1] // Q8_0_BLOCK)
 
 
 class _FastGGUFReader(gguf.GGUFReader):

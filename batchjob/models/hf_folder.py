@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from batchjob.models.compressed_tensors import compressed_tensors
 from batchjob.models.registry import config_from_hf
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights, sha256_file
@@ -20,7 +21,10 @@ MAP_BYTES = 64 << 20  # bytes read through one mapping of a shard before it is c
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    config = config_from_hf(json.loads((folder / "config.json").read_text()), source=str(folder / "config.json"))
+    """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py)."""
+    config_json = json.loads((folder / "config.json").read_text())
+    quant = compressed_tensors(config_json, source=str(folder / "config.json"))  # refused before reading weights
+    config = config_from_hf(config_json, source=str(folder / "config.json"))
     shards = _safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
@@ -36,10 +40,12 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
                         name = names.pop(0)
                         t = f.get_tensor(name)
                         taken += t.numel() * t.element_size()
-                        weights[name] = t.to(dtype)
+                        weights[name] = t if quant is not None and quant.keeps(t, name) else t.to(dtype)
         except Exception as e:  # the Rust reader raises its own error type for every kind of damage
             raise ModelLoadError(f"{shard}: not a readable safetensors file, probably truncated or damaged "
                                  f"({shard.stat().st_size:,} bytes; {e}); copy or download it again") from None
+    if quant is not None:
+        weights = quant.weights(weights, dtype)
     weights = checked_weights(config, weights, source=str(folder))
     try:
         tokenizer = Tokenizer.from_hf_dir(folder)
@@ -62,7 +68,10 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
         # weights of the same shapes are a different model too
         "weights_sample_sha256": {p.name: _sample_sha256(p) for p in shards},
     }
-    return LoadedModel(config, weights, tokenizer, identity, name=folder.name)
+    if quant is None:
+        return LoadedModel(config, weights, tokenizer, identity, name=folder.name)
+    return LoadedModel(config, weights, tokenizer, identity, name=folder.name, quantization=quant.quantization,
+                       quantization_scheme=quant.scheme)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

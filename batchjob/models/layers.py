@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels import AttentionMetadata, Linear, rms_norm
-from batchjob.kernels.quantization import WeightMatmul
+from batchjob.kernels.quantization import QuantizedWeight, WeightMatmul
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.reference.rotary import apply_rotary
 
@@ -89,10 +89,14 @@ class DecoderLayer:
     post_mlp_norm: torch.Tensor | None = None
 
 
-def fused(w: dict[str, torch.Tensor], *names: str) -> torch.Tensor:
+def fused(w: dict[str, torch.Tensor], *names: str) -> torch.Tensor | QuantizedWeight:
     """The weights (or biases) under `names`, concatenated along the output dim: one matmul for all. Takes them
-    out of `w`, so each part is freed once the fused copy exists (build_model's weights are the model's own)."""
-    return torch.cat([w.pop(n) for n in names])
+    out of `w`, so each part is freed once the fused copy exists (build_model's weights are the model's own).
+    A checkpoint's quantized parts concatenate their codes and scales (QuantizedWeight.cat)."""
+    parts = [w.pop(n) for n in names]
+    if any(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)
+    return torch.cat(parts)
 
 
 @dataclass(slots=True)

@@ -42,7 +42,9 @@ def resolve_model_path(spec: str | Path) -> Path:
     return _resolve(str(spec))[0]
 
 
-def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32, int8_codes: bool = False) -> LoadedModel:
+    """`int8_codes`: for a model built with --quantization int8, a GGUF file's Q8_0 matrices stay int8 codes with
+    their block scales (gguf_file.py); a compressed-tensors folder's codes always do."""
     path, hf_id = _resolve(str(spec))
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -54,7 +56,7 @@ def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32)
             raise ModelLoadError(f"{path}: no config.json and {found}")
         path = ggufs[0]
     if path.suffix == ".gguf":
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, int8_codes=int8_codes)
     raise ModelLoadError(f"{path}: not a model; pass an HF folder (with config.json) or a .gguf file")
 
 

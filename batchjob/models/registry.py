@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 import torch
 
-from batchjob.kernels.quantization import check_quantization, weight_matmuls
+from batchjob.kernels.quantization import QuantizedWeight, check_quantization, weight_matmuls
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
@@ -58,13 +58,20 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return family_of(config).weight_shapes(config)
 
 
+# weights that run in the compute dtype whatever the checkpoint stores: the embeddings (a lookup), the routers
+_FLOAT_MATMULS = ("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight")
+
+
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
-                quantize_lm_head: bool = True) -> CausalLM:
+                quantize_lm_head: bool = True, prequantized: bool = False) -> CausalLM:
     """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here,
     QuantizationError for a `quantization` (none | int8 | fp8, kernels/quantization.py) that cannot. Under int8
     the weight matmuls are quantized as they are built, the LM head among them unless `quantize_lm_head` is False
-    (no job option: for bench/int8_quality.py's comparison, docs/guide/quantization.md).
+    (no job option: for bench/int8_quality.py's comparison, docs/guide/quantization.md). `prequantized`: the
+    checkpoint's int8 codes are the model's (LoadedModel.quantization "int8"): under int8 its float weights (the
+    LM head, what its `ignore` list names) stay in the compute dtype. A QuantizedWeight (a checkpoint's codes)
+    runs int8 under int8 and is dequantized to `dtype` otherwise; the embeddings and MoE routers always are.
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
@@ -75,10 +82,15 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
                          "more than one model from a load)")
     dev = torch.device(device)
     check_quantization(quantization, dev)
+    if prequantized and quantization != "int8":
+        raise ValueError(f"build_model: a pre-quantized int8 checkpoint runs with quantization 'int8', not {quantization!r}")
     w = {}
     for name in list(weights):
-        w[name] = weights.pop(name).to(device=dev, dtype=dtype)
-    with weight_matmuls(quantization, lm_head=quantize_lm_head):
+        t = weights.pop(name)
+        if isinstance(t, QuantizedWeight) and (quantization != "int8" or name.endswith(_FLOAT_MATMULS)):
+            t = t.dequantized(dtype)
+        w[name] = t.to(device=dev, dtype=dtype)
+    with weight_matmuls(quantization, lm_head=quantize_lm_head, prequantized=prequantized):
         parts = family_of(config).build(config, w, dtype, dev)
         for r in parts.rotaries:
             r.to(dev)

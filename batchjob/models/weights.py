@@ -19,10 +19,16 @@ class ModelLoadError(Exception):
 @dataclass(slots=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF parameter names, in the requested dtype
+    weights: dict[str, torch.Tensor]  # HF parameter names, in the requested dtype (a checkpoint's int8 codes:
+    # kernels/quantization.py QuantizedWeight)
     tokenizer: Tokenizer
     identity: dict  # JSON-able: what the model is, for a job fingerprint
     name: str
+    # what a pre-quantized checkpoint fixes (kernels/quantization.py resolved_quantization): "int8" (its int8
+    # codes are the model's: it runs int8), "dequantized" (fp8 or weight-only int8, dequantized at load: it runs
+    # in the compute dtype), None (a float checkpoint or a GGUF file: any --quantization)
+    quantization: str | None = None
+    quantization_scheme: str = ""  # the checkpoint's scheme in words, for messages
 
 
 def checked_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

@@ -74,3 +74,28 @@ def check(kern, device: torch.device, num_kv_heads: int = 2, softcap: float | No
         if not err < tol:  # NaN fails too
             return f"{name} differs from the reference by {err:.2e} (tolerance {tol:.0e})"
     return None
+
+
+def check_scaled_mm(device: torch.device) -> str | None:
+    """None when the Triton W8A8 kernels (kernels/triton/scaled_mm.py) equal the references on `device`: row
+    codes and scales bitwise, the int8 matmul bitwise in fp32 (exact int32 sums, the same rescale), and in
+    bfloat16 within one ulp; else what differs. kernels/linear_int8.py runs it once per device."""
+    from batchjob.kernels.reference import scaled_mm as ref
+    from batchjob.kernels.triton import scaled_mm as tri
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 200, generator=g) * 3).to(device)
+    x[5] = 0  # an all-zero row: scale 1
+    w = torch.randn(96, 200, generator=g).to(device)
+    bias = torch.randn(96, generator=g).to(device)
+    wq, ws = ref.quantize_weight_int8(w)
+    q, s = tri.quantize_rows_int8(x)
+    rq, rs = ref.quantize_rows_int8(x)
+    if not (torch.equal(q, rq) and torch.equal(s, rs)):
+        return "int8 row quantization differs from the reference"
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = tri.int8_scaled_mm(q, s, wq, ws, bias, dtype), ref.int8_scaled_mm(rq, rs, wq, ws, bias, dtype)
+        err = (got.float() - want.float()).abs().max().item()
+        if not (torch.equal(got, want) or (dtype == torch.bfloat16 and err <= want.float().abs().max().item() / 128)):
+            return f"int8 scaled matmul ({str(dtype).removeprefix('torch.')}) differs from the reference by {err:.2e}"
+    return None

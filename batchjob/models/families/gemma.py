@@ -16,7 +16,7 @@ from batchjob.models.config import ModelConfig, UnsupportedModelError, _shortest
 from batchjob.models.family import Family, ModelParts
 from batchjob.models.families import llama
 from batchjob.models.hf_config import common_fields, rope_of
-from batchjob.models.layers import MLP, DecoderLayer
+from batchjob.models.layers import MLP, DecoderLayer, fused
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma's configs name its tanh GELU both ways
 
@@ -108,7 +108,7 @@ def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device
         sliding = c.layer_types[i] == "sliding_attention"
         attn = llama.attention(c, w, i, scale=c.query_pre_attn_scalar ** -0.5, window=c.sliding_window if sliding else None,
                                rope=1 if sliding and c.rope_local_theta is not None else 0, softcap=c.attn_logit_softcap)
-        mlp = MLP(linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+        mlp = MLP(linear(fused(w, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                   linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
         layers.append(DecoderLayer(attn, mlp, attn_norm=w.pop(p + "input_layernorm.weight"),
                                    post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),

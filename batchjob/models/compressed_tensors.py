@@ -1,0 +1,197 @@
+"""A compressed-tensors checkpoint (the `quantization_config` llm-compressor writes): which schemes load, and its
+quantized weights -> kernels/quantization.py QuantizedWeight (int8 codes and scales kept as stored: no
+re-quantization) or the compute dtype (fp8 and weight-only int8, dequantized at load). Any other scheme is
+refused in one line that names it.
+
+Read from the format as compressed-tensors writes it (`quant_method` "compressed-tensors", `format`
+int-quantized | float-quantized | naive-quantized, `config_groups` of `targets` + `weights` +
+`input_activations` QuantizationArgs, `ignore`): a quantized linear `X` stores `X.weight` (int8 or
+float8_e4m3fn codes), `X.weight_scale` ([out, 1] per channel, [1] or a scalar per tensor) and, with static
+activations, `X.input_scale`. Symmetric int8 codes span [-128, 127] there (scale = amax / 127.5): kept as they are.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+from batchjob.kernels.quantization import QuantizedWeight
+from batchjob.models.weights import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("int-quantized", "float-quantized", "naive-quantized")  # codes stored one per int8 / fp8 element
+CODE_DTYPES = {"int": torch.int8, "float": torch.float8_e4m3fn}
+SUPPORTED = ("supported: W8A8 int8 (symmetric 8-bit int weights per channel or per tensor, activations per token "
+             "or per tensor), int8 weight-only, fp8 e4m3 weights per channel or per tensor")
+_SIDECARS = ("weight_scale", "input_scale", "weight_zero_point", "input_zero_point", "weight_g_idx")
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    targets: tuple[str, ...]
+    weight_type: str  # int | float
+    activations: str  # "dynamic per-token" | "static per-tensor" | ... | "none" (weight-only)
+
+    @property
+    def runs_int8(self) -> bool:
+        """W8A8 int8: Int8Linear on the codes. The others (fp8, weight-only int8) are dequantized at load."""
+        return self.weight_type == "int" and self.activations != "none"
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedTensors:
+    """A folder's compressed-tensors scheme, checked before any weight is read."""
+    groups: tuple[_Group, ...]
+    ignore: tuple[str, ...]
+    source: str
+
+    @property
+    def quantization(self) -> str:
+        """LoadedModel.quantization: "int8" where some group runs W8A8 int8, else "dequantized"."""
+        return "int8" if any(g.runs_int8 for g in self.groups) else "dequantized"
+
+    @property
+    def scheme(self) -> str:
+        parts = dict.fromkeys(f"{'int8' if g.weight_type == 'int' else 'fp8'} weights, {g.activations} activations"
+                              for g in self.groups)
+        return "compressed-tensors " + "; ".join(parts)
+
+    def keeps(self, t: torch.Tensor, name: str) -> bool:
+        """Whether the loader keeps this tensor as stored (codes and their scales) instead of casting it."""
+        return t.dtype in (torch.int8, torch.float8_e4m3fn) or name.rsplit(".", 1)[-1] in _SIDECARS
+
+    def weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The folder's tensors (codes and scales as stored, the rest in `dtype`) -> HF-named weights: int8 W8A8
+        linears as QuantizedWeight, fp8 and weight-only int8 ones dequantized to `dtype`."""
+        out, dequantized, static = {}, set(), 0
+        for name in [n for n in weights if n.endswith(".weight_scale")]:
+            module = name.removesuffix(".weight_scale")
+            group = self._group_of(module)
+            codes = weights.pop(module + ".weight")
+            scale = weights.pop(name).float()
+            codes = _codes(codes, group.weight_type, module, self.source)
+            if scale.numel() == 1:
+                scale = scale.reshape(1).expand(codes.shape[0]).contiguous()  # a tensor scale, broadcast to channels
+            elif scale.numel() == codes.shape[0]:
+                scale = scale.reshape(-1)
+            else:
+                raise ModelLoadError(f"{self.source}: {name} has shape {tuple(scale.shape)}; a per-channel or "
+                                     f"per-tensor scale of {module}.weight {tuple(codes.shape)} has {codes.shape[0]} or 1")
+            if weights.pop(module + ".input_scale", None) is not None:
+                static += 1
+            qw = QuantizedWeight(codes, scale, self.scheme)
+            if group.runs_int8:
+                out[module + ".weight"] = qw
+            else:
+                out[module + ".weight"] = qw.dequantized(dtype)
+                dequantized.add(f"{'int8 weight-only' if group.weight_type == 'int' else 'fp8'}")
+        stray = [n for n in weights if n.rsplit(".", 1)[-1] in _SIDECARS]
+        if stray:
+            raise ModelLoadError(f"{self.source}: {stray[0]} belongs to no quantized weight (no weight_scale beside it)")
+        if static:
+            log.warning("%s: %d static per-tensor activation scales (input_scale) are not used: activations are "
+                        "quantized per token at run time (dynamic), as --quantization int8 does", self.source, static)
+        if dequantized:
+            log.warning("%s: %s weights are dequantized to %s at load (no fp8 or weight-only compute here): those "
+                        "matmuls run in the compute dtype", self.source, " and ".join(sorted(dequantized)),
+                        str(dtype).removeprefix("torch."))
+        return weights | out
+
+    def _group_of(self, module: str) -> _Group:
+        if any(_matches(t, module) for t in self.ignore):
+            raise ModelLoadError(f"{self.source}: {module} is in the quantization_config's ignore list but has a "
+                                 "weight_scale")
+        for g in self.groups:
+            if any(_matches(t, module) for t in g.targets):
+                return g
+        raise ModelLoadError(f"{self.source}: {module} has a weight_scale but no config group targets it")
+
+
+def compressed_tensors(config: dict, source: str) -> CompressedTensors | None:
+    """The scheme of a config.json's `quantization_config` (None: a float checkpoint); raises ModelLoadError, one
+    line naming the scheme, for what this engine does not run."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise ModelLoadError(f"{source}: quantization_config quant_method {method!r} is not supported; supported: "
+                             f"'compressed-tensors' ({SUPPORTED.removeprefix('supported: ')})")
+    fmt = qc.get("format")
+    if fmt not in FORMATS:
+        raise ModelLoadError(f"{source}: compressed-tensors format {fmt!r} is not supported (formats: "
+                             f"{', '.join(FORMATS)}); {SUPPORTED}")
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ModelLoadError(f"{source}: compressed-tensors sparsity format {sparsity['format']!r} is not supported; "
+                             f"{SUPPORTED}")
+    if qc.get("kv_cache_scheme"):
+        raise ModelLoadError(f"{source}: compressed-tensors kv_cache_scheme (static KV cache scales) is not supported; "
+                             "use --kv-cache-dtype int8 on a checkpoint without it")
+    groups = tuple(_group(name, g, source) for name, g in (qc.get("config_groups") or {}).items())
+    if not groups:
+        raise ModelLoadError(f"{source}: compressed-tensors quantization_config has no config_groups")
+    return CompressedTensors(groups, tuple(qc.get("ignore") or ()), source)
+
+
+def _group(name: str, g: dict, source: str) -> _Group:
+    w, a = g.get("weights"), g.get("input_activations")
+    if g.get("output_activations"):
+        raise ModelLoadError(f"{source}: compressed-tensors group {name}: output activation quantization is not "
+                             f"supported; {SUPPORTED}")
+    if not w:
+        raise ModelLoadError(f"{source}: compressed-tensors group {name}: activation-only quantization is not "
+                             f"supported; {SUPPORTED}")
+    wtype = w.get("type", "int")
+    ok = (w.get("num_bits") == 8 and wtype in CODE_DTYPES and w.get("symmetric", True)
+          and w.get("strategy", "tensor") in ("channel", "tensor") and not w.get("dynamic")
+          and w.get("group_size") is None and not w.get("block_structure") and not w.get("actorder"))
+    if not ok:
+        raise ModelLoadError(f"{source}: compressed-tensors group {name}: weights {_args(w)} are not supported; {SUPPORTED}")
+    if a is None:
+        acts = "none"
+    else:
+        ok = (a.get("num_bits") == 8 and a.get("type", "int") == wtype and a.get("symmetric", True)
+              and a.get("strategy") in ("token", "tensor") and a.get("group_size") is None)
+        if not ok:
+            raise ModelLoadError(f"{source}: compressed-tensors group {name}: activations {_args(a)} (weights "
+                                 f"{_args(w)}) are not supported; {SUPPORTED}")
+        acts = f"{'dynamic' if a.get('dynamic') else 'static'} per-{a['strategy']}"
+    return _Group(tuple(g.get("targets") or ()), wtype, acts)
+
+
+def _args(q: dict) -> str:
+    """QuantizationArgs in words: "int4 group (group_size 128) asymmetric"."""
+    words = [f"{q.get('type', 'int')}{q.get('num_bits')}", str(q.get("strategy"))]
+    if q.get("group_size"):
+        words.append(f"(group_size {q['group_size']})")
+    if q.get("block_structure"):
+        words.append(f"(block {q['block_structure']})")
+    if not q.get("symmetric", True):
+        words.append("asymmetric")
+    if q.get("dynamic") and q.get("dynamic") is not True:
+        words.append(f"dynamic={q['dynamic']}")
+    return " ".join(words)
+
+
+def _matches(target: str, module: str) -> bool:
+    """compressed-tensors' target rule: "re:<pattern>" matches the module's name; a class name ("Linear") every
+    linear (all quantized tensors here are linear weights); a plain name the module or its last components."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == "Linear" or module == target or module.endswith("." + target)
+
+
+def _codes(codes: torch.Tensor, wtype: str, module: str, source: str) -> torch.Tensor:
+    want = CODE_DTYPES[wtype]
+    if codes.dtype == want:
+        return codes
+    # naive-quantized may store integer codes in a float dtype
+    if (wtype == "int" and codes.is_floating_point() and torch.equal(codes, codes.round())
+            and -128 <= codes.min() and codes.max() <= 127):
+        return codes.to(torch.int8)
+    raise ModelLoadError(f"{source}: {module}.weight is {str(codes.dtype).removeprefix('torch.')}; its config group "
+                         f"stores {str(want).removeprefix('torch.')} codes")
