@@ -27,7 +27,7 @@ from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.run import run_job
 from batchjob.job.engine_setup import build_models, engine_for
 from batchjob.models.loader import load_model, resolve_model_path
-from batchjob.job.prompt_records import conversation_records, prompt_records
+from batchjob.job.prompt_records import conversation_records, is_token_ids, prompt_records
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
 from batchjob.job.results import Completion, OutputColumns, PendingRow
 from batchjob.job.rows_in_flight import RowsInFlight
@@ -276,16 +276,12 @@ def score_records(prompts: Any, continuations: Any) -> list[dict | str]:
     records = prompt_records(prompts)
     if continuations is None:
         return records
-    if isinstance(continuations, str) or _is_ids(continuations):
+    if isinstance(continuations, str) or is_token_ids(continuations):
         continuations = [continuations]
     if not isinstance(continuations, (list, tuple)) or len(continuations) != len(records):
         raise ValueError(f"continuations: expected one per prompt ({len(records)}), got "
                          f"{len(continuations) if isinstance(continuations, (list, tuple)) else type(continuations).__name__}")
     return [{**r, "continuation": c} if isinstance(r, dict) else r for r, c in zip(records, continuations)]
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 # the cache behind generate()

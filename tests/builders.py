@@ -492,3 +492,22 @@ def _add_gpt2_vocab(w, hf_dir: Path) -> None:
     w.add_eos_token_id(vocab[tcfg["eos_token"]])
     w.add_add_bos_token(bool(tcfg.get("add_bos_token", False)))
     w.add_chat_template(tcfg["chat_template"])
+
+
+def run_rows(model: CausalLM, prompts: list[list[int]], params, *, budget: int = 2048, caching: bool = True,
+             num_blocks: int = 512, block_size: int = 8, max_steps: int = 2000, **scheduler):
+    """Every prompt as a row with `params` through a fresh engine until none is left (at most `max_steps`
+    steps: a row that never finishes fails the test instead of hanging it); returns (engine, rows)."""
+    from batchjob.engine.core.sequence import Sequence
+
+    engine = Engine(model, [], EngineConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                                            scheduler=SchedulerConfig(max_num_batched_tokens=budget, **scheduler)))
+    seqs = [Sequence(i, list(p), params) for i, p in enumerate(prompts)]
+    for s in seqs:
+        assert engine.add(s) is None
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        engine.step()
+    assert not engine.has_work, [(s.num_computed, s.num_prompt, s.status) for s in seqs]
+    return engine, seqs

@@ -162,7 +162,7 @@ def _prompt(value):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if _ids(value):
         return value  # token ids
     raise ValueError("body.prompt: expected one prompt per line: a string or a list of token ids")
 

@@ -43,10 +43,16 @@ def _is_single(prompts: Any) -> bool:
     if isinstance(prompts, (str, Mapping)):
         return True
     if isinstance(prompts, (list, tuple)) and prompts:
-        ids = all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ids = is_token_ids(prompts)
         # token ids, or one conversation (a prompt dict never has role or content)
         return ids or all(isinstance(m, Mapping) for m in prompts) and any("role" in m or "content" in m for m in prompts)
     return False
+
+
+def is_token_ids(value: Any) -> bool:
+    """A non-empty list (or tuple) of ints: a prompt given as token ids."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                    for t in value)
 
 
 def _record(index: int, prompt: Any) -> dict | str:

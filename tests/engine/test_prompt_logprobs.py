@@ -7,9 +7,8 @@ import random
 import pytest
 import torch
 
-from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
-from batchjob.engine.engine import Engine, EngineConfig
+from batchjob.engine.core.sequence import SamplingParams
+from tests.builders import run_rows
 from tests.engine.test_determinism import FLAGS, tiny_model as determinism_model
 from tests.job.test_embed import ours
 
@@ -24,18 +23,9 @@ def tiny(request, tiny_model_dir):
     return ours(path), ref
 
 
-def run(model, ps, params, *, budget=2048, caching=True, num_blocks=512, block_size=8, **extra):
-    engine = Engine(model, [], EngineConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                                            scheduler=SchedulerConfig(max_num_batched_tokens=budget, **extra)))
-    seqs = [Sequence(i, list(p), params) for i, p in enumerate(ps)]
-    for s in seqs:
-        assert engine.add(s) is None
-    for _ in range(2000):
-        if not engine.has_work:
-            break
-        engine.step()
-    assert not engine.has_work, [(s.num_computed, s.num_prompt, s.status) for s in seqs]
-    assert engine.pool.num_used == 0 or params.max_tokens > 0 and caching
+def run(model, ps, params, *, caching=True, **options):
+    engine, seqs = run_rows(model, ps, params, caching=caching, **options)
+    assert engine.pool.num_used == 0 or params.max_tokens > 0 and caching  # a scoring row's blocks go back
     return seqs
 
 

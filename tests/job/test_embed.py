@@ -13,6 +13,7 @@ from batchjob.engine.core.sequence import PoolingParams, SamplingParams, Sequenc
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.models.loader import load_model
 from batchjob.models.registry import build_model
+from tests.builders import run_rows
 from tests.engine.test_determinism import FLAGS, tiny_model as determinism_model
 
 
@@ -31,15 +32,9 @@ def tiny(request, tiny_model_dir):
     return ours(path), ref
 
 
-def embed(model, ps, pooling, *, budget=2048, caching=True, block_size=8, num_blocks=512, **extra):
-    engine = Engine(model, [], EngineConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
-                                            scheduler=SchedulerConfig(max_num_batched_tokens=budget, **extra)))
+def embed(model, ps, pooling, **options):
     params = SamplingParams(max_tokens=10_000, pooling=pooling)  # max_tokens does not matter to an embed row
-    seqs = [Sequence(i, list(p), params) for i, p in enumerate(ps)]
-    for s in seqs:
-        assert engine.add(s) is None
-    while engine.has_work:
-        engine.step()
+    engine, seqs = run_rows(model, ps, params, **options)
     assert engine.pool.num_used == 0  # every row's blocks went back
     return seqs
 
