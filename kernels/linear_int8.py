@@ -35,7 +35,7 @@ import logging
 import torch
 
 from batchjob.kernels.dispatch import KernelError
-from batchjob.kernels.native.scaled_mm import native_scaled_mm
+from batchjob.kernels.native.scaled_mm import PackedInt8, native_scaled_mm
 from batchjob.kernels.reference.scaled_mm import int8_matmul_int32, int8_scaled_mm, quantize_rows_int8, quantize_weight_int8
 
 
@@ -45,16 +45,12 @@ class QuantizationError(KernelError):
 
 
 @functools.cache
-def _onednn_int8() -> bool:
-    """Whether this torch has oneDNN's int8 linear (x86 builds with mkldnn)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
+def _int_mm_exact() -> bool:
+    """Whether this torch's CPU `_int_mm` (int8 x int8 -> int32) runs and is exact: the GEMM where the native
+    VNNI kernel is not built."""
     try:
-        q = torch.ones(8, 8, dtype=torch.int8)
-        packed = torch.ops.onednn.qlinear_prepack(q, None)
-        out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, torch.ones(8), torch.zeros(8, dtype=torch.int64),
-                                                 None, 1.0, 0, torch.float32, "none", [], "")
-        return bool((out == 8).all())
+        a = torch.full((3, 40), 127, dtype=torch.int8)
+        return bool((torch._int_mm(a, a.T) == 127 * 127 * 40).all())
     except (RuntimeError, AttributeError):
         return False
 
@@ -83,7 +79,7 @@ class Int8Linear:
     """One int8 weight matrix [out, in] with fp32 per-output-channel scales (and an optional bias [out]),
     callable on x [..., in] -> [..., out] in x's dtype."""
 
-    __slots__ = ("codes", "scales", "bias", "out_features", "packed", "_unit", "_zero", "_native", "_gpu")
+    __slots__ = ("scales", "bias", "out_features", "_packed", "_codes", "_native", "_gpu")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                  codes: torch.Tensor | None = None, scales: torch.Tensor | None = None):
@@ -98,27 +94,36 @@ class Int8Linear:
         self.out_features = codes.shape[0]
         self.scales = scales.float().contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
-        self.packed = None
+        self._packed: PackedInt8 | None = None
         self._gpu = None
         self._native = None
         if codes.device.type == "cpu":
             self._native = native_scaled_mm()
-            if _onednn_int8():
-                self.packed = torch.ops.onednn.qlinear_prepack(codes.contiguous(), None)
-                self._unit = torch.ones(self.out_features)  # the scales are applied after (see the docstring)
-                self._zero = torch.zeros(self.out_features, dtype=torch.int64)
+            if self._native is not None and self._native.has_gemm:
+                self._packed = self._native.pack_weight(codes)
         else:
             self._gpu = _gpu_backend(codes.device)
         # the packed copy is what runs; the plain codes stay only where nothing packed them
-        self.codes = codes.contiguous() if self.packed is None else None
+        self._codes = codes.contiguous() if self._packed is None else None
+
+    @property
+    def kernel(self) -> str:
+        """What runs a call, for logs and tests: native-vnni | int_mm | reference | triton."""
+        if self._gpu is not None:
+            return "triton" if self._gpu.__name__.endswith("triton.scaled_mm") else "reference"
+        if self._packed is not None:
+            return "native-vnni"
+        return "int_mm" if _int_mm_exact() else "reference"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self._gpu is not None:
             xq, xs = self._gpu.quantize_rows_int8(x)
-            return self._gpu.int8_scaled_mm(xq, xs, self.codes, self.scales, self.bias, x.dtype)
+            return self._gpu.int8_scaled_mm(xq, xs, self._codes, self.scales, self.bias, x.dtype)
         native = self._native if self._native is not None and self._native.supports(x.dtype) else None
+        if native and self._packed is not None:  # the whole call in one native op
+            return native.int8_linear(x, self._packed, self.scales, self.bias, x.dtype)
         xq, xs = native.quantize_rows(x) if native else quantize_rows_int8(x)
         acc = self.sums(xq)
         if native:
@@ -127,18 +132,16 @@ class Int8Linear:
         return (out if self.bias is None else out + self.bias).to(x.dtype)
 
     def sums(self, xq: torch.Tensor) -> torch.Tensor:
-        """xq [M, in] int8 @ codes.T: the exact int32 sums (as fp32 values where oneDNN computes them: fp32
-        of the int32 sum, the conversion the reference's rescale does)."""
-        if self.packed is not None:
-            return torch.ops.onednn.qlinear_pointwise(xq.contiguous(), 1.0, 0, self.packed, self._unit, self._zero, None,
-                                                      1.0, 0, torch.float32, "none", [], "")
-        return int8_matmul_int32(xq, self.codes)
+        """xq [M, in] int8 @ codes.T: the exact int32 sums."""
+        if self._packed is not None:
+            return self._native.int8_sums(xq, self._packed)
+        if self._codes.device.type == "cpu" and _int_mm_exact():
+            return torch._int_mm(xq.contiguous(), self._codes.T)
+        return int8_matmul_int32(xq, self._codes)
 
     def weight_codes(self) -> torch.Tensor:
-        """The int8 weight [out, in] (from the packed copy where only that is kept: the sums of unit rows)."""
-        if self.codes is not None:
-            return self.codes
-        return self.sums(torch.eye(self.packed.shape[0], dtype=torch.int8)).T.round().to(torch.int8).contiguous()
+        """The int8 weight [out, in] (unpacked from the packed copy where only that is kept)."""
+        return self._packed.codes() if self._packed is not None else self._codes
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch reference of `self(x)` for tests: int8_scaled_mm of the reference quantization."""

@@ -4,10 +4,12 @@ timed in the same rounds (taking turns, best of `reps`), with its rate in GOP/s 
 - bf16: kernels/linear.py's Linear (oneDNN packed, AMX calls of 64 rows), what `--quantization none` runs;
 - F.linear bf16: the raw oneDNN bf16 GEMM on the plain weight, one call (no row tiles);
 - _int_mm: raw `torch._int_mm` int8 x int8 -> int32 on a [K, N] weight, the GEMM alone;
-- qlinear: raw oneDNN int8 inner product on a weight packed at load (the GEMM Int8Linear runs), alone;
+- int8 GEMM: the GEMM Int8Linear runs, alone (the native VNNI kernel's int32 sums, kernels/native/csrc/scaled_mm.cpp);
+- qlinear: raw oneDNN int8 inner product on a weight packed at load (`onednn.qlinear_prepack`), alone; only on
+  a CPU with AMX-int8 (on AMD Zen 4 it takes 0.4-2 s per call: docs/design/int8-matmul.md);
 - _int_mm+torch: the naive W8A8 path: the torch reference quantize, `_int_mm`, the torch rescale;
-- int8: kernels/linear_int8.py's Int8Linear, what `--quantization int8` runs (native quantize + qlinear +
-  native rescale).
+- int8: kernels/linear_int8.py's Int8Linear, what `--quantization int8` runs (one native call: quantize, GEMM,
+  rescale).
 
     python -m batchjob.bench.int8_matmul [--rows 1,8,64,256] [--reps 15] [--json PATH]
 """
@@ -23,13 +25,14 @@ import torch.nn.functional as F
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads, vocab 49152 (N, K)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-PATHS = ("bf16", "F.linear bf16", "_int_mm", "qlinear", "_int_mm+torch", "int8")
+PATHS = ("bf16", "F.linear bf16", "_int_mm", "int8 GEMM", "qlinear", "_int_mm+torch", "int8")
 
 
 def _paths(n: int, k: int, rows: int, g: torch.Generator, copies: int) -> dict:
     """Each path over `copies` distinct weights (as the layers of a step: not hot in cache), one call each."""
     from batchjob.kernels.linear import Linear
     from batchjob.kernels.linear_int8 import Int8Linear
+    from batchjob.kernels.native.build import cpu_identity
     from batchjob.kernels.reference.scaled_mm import quantize_rows_int8, quantize_weight_int8
 
     ws = [torch.randn(n, k, generator=g).mul(0.05).bfloat16() for _ in range(copies)]
@@ -39,8 +42,7 @@ def _paths(n: int, k: int, rows: int, g: torch.Generator, copies: int) -> dict:
     xq, _ = quantize_rows_int8(x)
     lins = [Linear(w) for w in ws]
     qlins = [Int8Linear(w) for w in ws]
-    qlins_raw = [Int8Linear(w) for w in ws]  # qlinear alone: its own packed copies, not the ones int8 just read
-    del wqs
+    gemms = [Int8Linear(w) for w in ws]  # the GEMM alone: its own packed copies, not the ones int8 just read
 
     def each(fn, items):
         return lambda: [fn(item) for item in items]
@@ -54,8 +56,12 @@ def _paths(n: int, k: int, rows: int, g: torch.Generator, copies: int) -> dict:
     fns = {"bf16": each(lambda lin: lin(x), lins), "F.linear bf16": each(lambda w: F.linear(x, w), ws),
            "_int_mm": each(lambda item: torch._int_mm(xq, item[0]), wq_ts), "_int_mm+torch": each(naive, wq_ts),
            "int8": each(lambda lin: lin(x), qlins)}
-    if qlins[0].packed is not None:
-        fns["qlinear"] = each(lambda lin: lin.sums(xq), qlins_raw)
+    fns["int8 GEMM"] = each(lambda lin: lin.sums(xq), gemms)
+    if "amx_int8" in cpu_identity()[1]:
+        packed = [torch.ops.onednn.qlinear_prepack(wq, None) for wq, _ in wqs]
+        unit, zero = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+        fns["qlinear"] = each(lambda p: torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, p, unit, zero, None, 1.0, 0,
+                                                                            torch.float32, "none", [], ""), packed)
     return fns
 
 

@@ -1,5 +1,6 @@
-"""The compiled ends of the CPU int8 matmul (kernels/native/csrc/scaled_mm.cpp), loaded through ctypes:
-per-row int8 quantization of the activations, and the rescale of the GEMM's sums into the output dtype.
+"""The compiled CPU int8 matmul (kernels/native/csrc/scaled_mm.cpp), loaded through ctypes: the whole W8A8 call
+in one (`int8_linear`: per-row quantization, the AVX512-VNNI GEMM on a weight packed at load by `pack_weight`,
+the rescale), where the CPU has VNNI; and its two ends alone (`quantize_rows`, `rescale`) around another GEMM.
 
 `native_scaled_mm()` builds the library at first use (kernels/native/build.py) and returns None where it
 cannot (no compiler, no AVX-512): the int8 linear then runs the torch references of the same ops."""
@@ -7,13 +8,35 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from batchjob.kernels.native.build import BuildError, build, default_log
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_CODES, _SUMS = 2, 2  # bj_int8_linear's x given as int8 codes; its output as the int32 sums
+NB, K_QUAD = 64, 4  # the packed weight's blocks: 64 output columns x k in quads (scaled_mm.cpp)
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@dataclass(frozen=True, slots=True)
+class PackedInt8:
+    """An int8 weight [n, k] as bj_int8_linear reads it: `data` [ceil(n/64) * kp * 64] int8 (kp = k rounded up to
+    4; zeros in the padding), `corr` [ceil(n/64) * 64] int32 (128 * each column's sum: vpdpbusd's shift)."""
+    data: torch.Tensor
+    corr: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def kp(self) -> int:
+        return -(-self.k // K_QUAD) * K_QUAD
+
+    def codes(self) -> torch.Tensor:
+        """The int8 weight [n, k] back out of the packing."""
+        blocks = self.data.view(-1, self.kp // K_QUAD, NB, K_QUAD)  # [block, quad, column, byte]
+        return blocks.permute(0, 2, 1, 3).reshape(-1, self.kp)[:self.n, :self.k].contiguous()
 
 
 class NativeScaledMM:
@@ -24,6 +47,11 @@ class NativeScaledMM:
         self._quantize.argtypes, self._quantize.restype = [_P, _I64, _I, _I, _I, _P, _P, _I], _I
         self._rescale = lib.bj_rescale_rows
         self._rescale.argtypes, self._rescale.restype = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I], _I
+        self._pack = lib.bj_pack_int8_weight
+        self._pack.argtypes, self._pack.restype = [_P, _I, _I, _P, _P], _I
+        self._linear = lib.bj_int8_linear
+        self._linear.argtypes, self._linear.restype = [_P, _I64, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I], _I
+        self.has_gemm = bool(lib.bj_int8_linear_available())  # built with AVX512-VNNI
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -52,6 +80,40 @@ class NativeScaledMM:
                          None if bias is None else bias.data_ptr(), out.data_ptr(), _DTYPE_CODES[out_dtype],
                          torch.get_num_threads()):
             raise RuntimeError(f"native int8 rescale refused acc {tuple(acc.shape)} -> {out_dtype}")
+        return out
+
+
+    def pack_weight(self, codes: torch.Tensor) -> PackedInt8:
+        """int8 codes [n, k] -> the packing bj_int8_linear reads (done once, at load)."""
+        codes = codes.contiguous()
+        n, k = codes.shape
+        kp, blocks = -(-k // K_QUAD) * K_QUAD, -(-n // NB)
+        data = torch.empty(blocks * kp * NB, dtype=torch.int8)
+        corr = torch.empty(blocks * NB, dtype=torch.int32)
+        if self._pack(codes.data_ptr(), n, k, data.data_ptr(), corr.data_ptr()):
+            raise RuntimeError(f"native int8 packing refused a weight {tuple(codes.shape)}")
+        return PackedInt8(data, corr, n, k)
+
+    def int8_linear(self, x: torch.Tensor, w: PackedInt8, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+        """x [M, k] fp32/bf16 (rows may be strided) -> int8_scaled_mm(quantize_rows_int8(x), w) in out_dtype,
+        bitwise; w_scale and bias fp32 [n]."""
+        return self._call(x, _DTYPE_CODES[x.dtype], None, w, w_scale, bias, out_dtype, _DTYPE_CODES[out_dtype])
+
+    def int8_sums(self, xq: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+        """xq [M, k] int8 codes @ w's codes.T: the exact int32 sums [M, n]."""
+        return self._call(xq, _CODES, None, w, None, None, torch.int32, _SUMS)
+
+    def _call(self, x, x_code, x_scale, w: PackedInt8, w_scale, bias, out_dtype, out_code) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        out = torch.empty((rows, w.n), dtype=out_dtype)
+        err = self._linear(x.data_ptr(), x.stride(0) if rows > 1 else w.k, x_code, x_scale, rows, w.k, w.data.data_ptr(),
+                           w.corr.data_ptr(), w.n, None if w_scale is None else w_scale.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), out_code, torch.get_num_threads())
+        if err:
+            raise RuntimeError(f"native int8 linear refused x {tuple(x.shape)} {x.dtype} @ [{w.n}, {w.k}] (code {err})")
         return out
 
 

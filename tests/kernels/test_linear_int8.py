@@ -4,7 +4,7 @@ invariance a resume depends on."""
 import pytest
 import torch
 
-from batchjob.kernels.linear_int8 import Int8Linear, _onednn_int8
+from batchjob.kernels.linear_int8 import Int8Linear, _int_mm_exact
 from batchjob.kernels.native.scaled_mm import native_scaled_mm
 from batchjob.kernels.reference.scaled_mm import (int8_matmul_int32, int8_scaled_mm, quantize_rows_int8,
                                                   quantize_weight_int8)
@@ -37,19 +37,24 @@ def test_native_quantize_rows_equals_the_reference_bitwise(dtype):
 
 
 def test_the_int8_sums_are_exact():
-    """oneDNN's int8 GEMM (or the fallback) against exact int32 sums, at extreme codes: the sums stay under
-    2**24 here (K = 1024), so their fp32 form is the int32 itself."""
+    """The GEMM (the native VNNI kernel, else `_int_mm`, else the reference) against exact int32 sums, at
+    extreme codes, past 2**24 (where an fp32 sum would round), with k and n off the packing's multiples
+    (k in quads, n in blocks of 64: the padding must add nothing)."""
     g = torch.Generator().manual_seed(2)
-    for n, k in ((96, 40), (960, 576), (200, 1024)):
+    for n, k in ((96, 40), (100, 37), (960, 576), (200, 4099)):
         w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         w[0] = 127  # the largest sums: 127 * 127 * k
+        w[-1] = -127
         lin = Int8Linear(codes=w, scales=torch.ones(n))
         assert torch.equal(lin.weight_codes(), w)
-        for rows in (1, 7, 64, 300):
+        for rows in (1, 5, 7, 64, 300):
             xq = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
             xq[0] = 127
+            xq[-1] = -127
             acc = lin.sums(xq)
-            assert torch.equal(acc.to(torch.int64), int8_matmul_int32(xq, w).to(torch.int64)), (n, k, rows)
+            assert acc.dtype == torch.int32 and torch.equal(acc, int8_matmul_int32(xq, w)), (n, k, rows)
+        assert acc[0, 0] == 127 * 127 * k and acc[-1, -1] == 127 * 127 * k
+    assert 127 * 127 * 4099 > 2 ** 24
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +115,12 @@ def test_from_codes_and_errors():
         Int8Linear(codes=q.float(), scales=s)
 
 
-def test_onednn_int8_is_used_where_torch_has_it():
+def test_the_native_kernel_runs_where_the_cpu_has_vnni():
+    """The whole call in one native op on a CPU with AVX512-VNNI (both development machines); elsewhere
+    `_int_mm` with the native quantize/rescale. Only one copy of the weight is kept."""
     lin = Int8Linear(torch.randn(16, 8))
-    assert (lin.packed is not None) == _onednn_int8()
-    assert (lin.codes is None) == _onednn_int8()  # only one copy of the weight is kept
+    ops = native_scaled_mm()
+    if ops is not None and ops.has_gemm:
+        assert lin.kernel == "native-vnni" and lin._codes is None
+    else:
+        assert lin.kernel == ("int_mm" if _int_mm_exact() else "reference")

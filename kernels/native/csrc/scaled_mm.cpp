@@ -13,6 +13,10 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <type_traits>
 
 namespace {
 
@@ -101,6 +105,227 @@ extern "C" int bj_rescale_rows(const void* acc, int acc_int32, int rows, int n, 
     if (dtype == 0) rescale_rows((const float*)acc, rows, n, xs, ws, bias, (float*)out, threads);
     else if (dtype == 1) rescale_rows((const float*)acc, rows, n, xs, ws, bias, (uint16_t*)out, threads);
     else return 1;
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole W8A8 call in one (bj_int8_linear): quantize the rows, the GEMM on AVX512-VNNI `vpdpbusd`, the rescale
+// from registers. For CPUs with VNNI (AMD Zen 4, Intel Ice Lake and later): oneDNN's int8 inner product on such a
+// CPU costs more than the GEMM itself at decode sizes (measured: docs/design/int8-matmul.md).
+//
+// vpdpbusd multiplies unsigned bytes by signed bytes: the activation codes q (signed, [-127, 127]) go in as
+// q + 128 (unsigned), and the sum gains 128 * sum_k w[n, k], a per-column constant precomputed at packing
+// (`corr`) and subtracted: the int32 sums are exact (|sum| < 255 * 127 * k < 2**31 for k < 66,000).
+//
+// The weight is packed once (bj_pack_int8_weight) in blocks of 64 output columns: block b holds, for each
+// quad of k (k/4 of them, k padded to a multiple of 4 with zeros), 64 columns x 4 bytes = four zmm of
+// 16 columns each, so one k-quad of a block is 256 contiguous bytes and a block streams in order.
+// A micro-tile is MR rows (up to 6) x 64 columns: 4 x MR int32 accumulators over all of k, then
+// ((float)(acc - corr) * x_scale[row]) * w_scale[col] (+ bias) rounded to the output dtype, the reference's
+// rescale. Integer sums do not depend on the order: a row's result depends on that row alone.
+
+namespace {
+
+constexpr int NB = 64;  // output columns per packed block
+
+inline int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+#ifdef __AVX512VNNI__
+constexpr int MR_MAX = 6;  // rows per micro-tile: 4 x 6 accumulators + 4 weight registers + 1 of 32 zmm
+
+inline int64_t round_up64(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// one row x [k] -> unsigned codes u = q + 128 [kp] (padding 128: it meets zero weights) and its scale
+template <typename T>
+inline void quantize_row_u8(const T* xr, int k, int kp, uint8_t* u, float* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load(xr + i, tail(k, i))));
+  const float a = _mm512_reduce_max_ps(amax);
+  const float inv = a > 0.0f ? (1.0f / a) * 127.0f : 1.0f;  // as quantize_rows above
+  *scale = a > 0.0f ? a / 127.0f : 1.0f;
+  const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512i shift = _mm512_set1_epi32(128);
+  for (int i = 0; i < kp; i += 16) {
+    const __mmask16 m = tail(k, i), mp = tail(kp, i);
+    __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load(xr + i, m), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_mask_storeu_epi8(u + i, mp, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvttps_epi32(v), shift)));
+  }
+}
+
+// int8 codes given (with their scales, by the caller): only the shift and the padding
+inline void codes_row_u8(const int8_t* xr, int k, int kp, uint8_t* u) {
+  const __m512i shift = _mm512_set1_epi8((char)0x80);
+  for (int i = 0; i < kp; i += 64) {
+    const int left = kp - i, real = k - i;
+    const __mmask64 mp = left >= 64 ? ~0ull : ((1ull << left) - 1), m = real >= 64 ? ~0ull : real > 0 ? ((1ull << real) - 1) : 0;
+    _mm512_mask_storeu_epi8(u + i, mp, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, xr + i), shift));
+  }
+}
+
+template <int MR, typename T>
+inline void micro_tile(const uint8_t* a, int kp, const int8_t* blk, const int32_t* corr, const float* xs,
+                       const float* ws, const float* bias, T* out, int64_t ldo, int cols) {
+  __m512i acc[MR][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  const int kq = kp / 4;
+  for (int q = 0; q < kq; ++q) {
+    const int8_t* b = blk + (int64_t)q * NB * 4;
+    const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), b2 = _mm512_loadu_si512(b + 128),
+                  b3 = _mm512_loadu_si512(b + 192);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t word;
+      __builtin_memcpy(&word, a + (int64_t)r * kp + q * 4, 4);
+      const __m512i av = _mm512_set1_epi32(word);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, b0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, b1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], av, b2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], av, b3);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const int c = j * 16;
+    if (c >= cols) break;
+    const __mmask16 m = tail(cols, c);
+    const __m512i cr = _mm512_loadu_si512(corr + c);
+    if constexpr (std::is_same_v<T, int32_t>) {  // the exact sums
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) _mm512_mask_storeu_epi32(out + r * ldo + c, m, _mm512_sub_epi32(acc[r][j], cr));
+    } else {
+      const __m512 w = load(ws + c, m), bv = bias ? load(bias + c, m) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 f = _mm512_cvt_roundepi32_ps(_mm512_sub_epi32(acc[r][j], cr), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(xs[r])), w);
+        if (bias) v = _mm512_add_ps(v, bv);
+        store(out + r * ldo + c, v, m);
+      }
+    }
+  }
+}
+
+template <typename T>
+inline void rows_tile(int mr, const uint8_t* a, int kp, const int8_t* blk, const int32_t* corr, const float* xs,
+                      const float* ws, const float* bias, T* out, int64_t ldo, int cols) {
+  switch (mr) {
+    case 6: micro_tile<6>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+    case 5: micro_tile<5>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+    case 4: micro_tile<4>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+    case 3: micro_tile<3>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+    case 2: micro_tile<2>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+    default: micro_tile<1>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+  }
+}
+
+constexpr int PANEL = 192;  // rows whose codes stay in L2 while a thread's blocks go past them
+
+template <typename X, typename T>
+void int8_linear(const X* x, int64_t stride, const float* x_scale, int m, int k, const int8_t* packed,
+                 const int32_t* corr, int n, const float* ws, const float* bias, T* out, int threads) {
+  const int kp = round_up(k, 4), nblocks = (n + NB - 1) / NB;
+  // the codes and scales of the rows: scratch kept by the calling thread, grown as needed
+  static thread_local uint8_t* codes = nullptr;
+  static thread_local float* scales = nullptr;
+  static thread_local int64_t capacity = 0, rows_capacity = 0;
+  if ((int64_t)m * kp > capacity) {
+    free(codes);
+    capacity = round_up64(std::max<int64_t>((int64_t)m * kp, 1 << 16), 64);
+    codes = (uint8_t*)aligned_alloc(64, capacity);
+  }
+  if (m > rows_capacity) {
+    free(scales);
+    rows_capacity = round_up64(std::max<int64_t>(m, 256), 16);
+    scales = (float*)aligned_alloc(64, rows_capacity * sizeof(float));
+  }
+  uint8_t* a = codes;
+  float* xs = scales;
+  // one thread when there is too little work to share (a step's many small calls)
+  const int nt = (int64_t)m * n * k >= (1 << 18) ? threads : 1;
+#pragma omp parallel num_threads(nt)
+  {
+#pragma omp for schedule(static)
+    for (int r = 0; r < m; ++r) {
+      if constexpr (std::is_same_v<X, int8_t>) {
+        codes_row_u8(x + r * stride, k, kp, a + (int64_t)r * kp);
+        xs[r] = x_scale ? x_scale[r] : 1.0f;
+      } else {
+        quantize_row_u8(x + r * stride, k, kp, a + (int64_t)r * kp, xs + r);
+      }
+    }
+    for (int p = 0; p < m; p += PANEL) {
+      const int pe = std::min(m, p + PANEL);
+#pragma omp for schedule(static) nowait
+      for (int b = 0; b < nblocks; ++b) {
+        const int c0 = b * NB, cols = std::min(NB, n - c0);
+        const int8_t* blk = packed + (int64_t)b * kp * NB;
+        for (int r = p; r < pe; r += MR_MAX)
+          rows_tile(std::min(MR_MAX, pe - r), a + (int64_t)r * kp, kp, blk, corr + c0, xs + r, ws ? ws + c0 : nullptr,
+                    bias ? bias + c0 : nullptr, out + (int64_t)r * n + c0, n, cols);
+      }
+    }
+  }
+}
+
+template <typename X>
+int int8_linear_to(const X* x, int64_t stride, const float* x_scale, int m, int k, const int8_t* packed,
+                   const int32_t* corr, int n, const float* ws, const float* bias, void* out, int odtype, int threads) {
+  if (odtype == 0) int8_linear(x, stride, x_scale, m, k, packed, corr, n, ws, bias, (float*)out, threads);
+  else if (odtype == 1) int8_linear(x, stride, x_scale, m, k, packed, corr, n, ws, bias, (uint16_t*)out, threads);
+  else if (odtype == 2) int8_linear(x, stride, x_scale, m, k, packed, corr, n, ws, bias, (int32_t*)out, threads);
+  else return 1;
+  return 0;
+}
+
+#endif  // __AVX512VNNI__
+
+}  // namespace
+
+extern "C" int bj_int8_linear_available() {
+#ifdef __AVX512VNNI__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x [m, k] (row stride `stride`) @ the packed int8 weight -> out [m, n] (contiguous). x: 0 fp32 or 1 bf16 (quantized
+// here per row: int8_scaled_mm(quantize_rows_int8(x), ...) bitwise), or 2 int8 codes with their fp32 scales
+// `x_scale` [m] (null: 1). out: 0 fp32 or 1 bf16 (rescaled), or 2 int32 (the exact sums; ws and bias unused).
+// Returns 0, 1 for arguments it refuses, 2 where this build has no VNNI (bj_int8_linear_available).
+extern "C" int bj_int8_linear(const void* x, int64_t stride, int xdtype, const float* x_scale, int m, int k,
+                              const int8_t* packed, const int32_t* corr, int n, const float* ws, const float* bias,
+                              void* out, int odtype, int threads) {
+#ifndef __AVX512VNNI__
+  return 2;
+#else
+  if (m < 0 || k <= 0 || n <= 0 || stride < k || (odtype != 2 && ws == nullptr)) return 1;
+  if (m == 0) return 0;
+  if (xdtype == 0) return int8_linear_to((const float*)x, stride, x_scale, m, k, packed, corr, n, ws, bias, out, odtype, threads);
+  if (xdtype == 1) return int8_linear_to((const uint16_t*)x, stride, x_scale, m, k, packed, corr, n, ws, bias, out, odtype, threads);
+  if (xdtype == 2) return int8_linear_to((const int8_t*)x, stride, x_scale, m, k, packed, corr, n, ws, bias, out, odtype, threads);
+  return 1;
+#endif
+}
+// w int8 [n, k] (row-major) -> packed [ceil(n/64)][kp/4][64][4], kp = k rounded up to 4, zeros in the padding;
+// corr int32 [ceil(n/64)*64] = 128 * sum_k w[col, k] (0 for padding columns).
+extern "C" int bj_pack_int8_weight(const int8_t* w, int n, int k, int8_t* packed, int32_t* corr) {
+  if (n <= 0 || k <= 0) return 1;
+  const int kp = round_up(k, 4), np = round_up(n, NB);
+  for (int c = 0; c < np; ++c) {
+    int32_t s = 0;
+    int8_t* blk = packed + (int64_t)(c / NB) * kp * NB + (c % NB) * 4;
+    for (int kk = 0; kk < kp; ++kk) {
+      const int8_t v = (c < n && kk < k) ? w[(int64_t)c * k + kk] : 0;
+      blk[(kk / 4) * NB * 4 + kk % 4] = v;
+      s += v;
+    }
+    corr[c] = 128 * s;
   }
   return 0;
 }
