@@ -26,6 +26,7 @@ from batchjob.engine.engine import Engine
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.run import run_job
 from batchjob.job.engine_setup import build_models, engine_for
+from batchjob.kernels.quantization import keeps_fp8_codes
 from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.job.prompt_records import conversation_records, is_token_ids, prompt_records
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
@@ -99,7 +100,8 @@ class LLM:
             self.dtype = choose_dtype(self.config.dtype, self.device)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
-            self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == "int8")
+            self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == "int8",
+                                     fp8_codes=keeps_fp8_codes(self.config.quantization, self.device))
             self.tokenizer = self.loaded.tokenizer
             self._models = build_models(self.config, self.loaded, self.device, self.dtype)  # they take the weights
             self._engine: Engine | None = engine_for(self.config, self.loaded, *self._models)

@@ -1,5 +1,6 @@
 """What a model's weight matmuls are built as at load (`--quantization none|int8|fp8`): the one switch
-between kernels/linear.py's `Linear` (the compute dtype) and kernels/linear_int8.py's `Int8Linear` (W8A8).
+between kernels/linear.py's `Linear` (the compute dtype), kernels/linear_int8.py's `Int8Linear` (W8A8 int8)
+and kernels/linear_fp8.py's `Fp8Linear` (W8A8 fp8 e4m3, CUDA with compute capability >= 8.9 only).
 
 The families call `linear(weight, bias)` for every projection and stay unaware of quantization;
 `build_model` sets the format for the duration of one build (`weight_matmuls(...)`, a context variable, so
@@ -11,11 +12,17 @@ to the body's quantization error (perplexity 29.71 with it, 29.81 without, bf16 
 0.558 vs 0.544), and it is 1.6-1.7x faster than bf16 at 1-8 rows, as fast at 64 (bench/int8_matmul.py),
 with half the memory.
 
+Under fp8 the LM head stays in the compute dtype, as vLLM keeps it (its fp8 config quantizes linear layers, not
+the LM head, and llm-compressor's fp8 recipes list lm_head in `ignore`): nothing measured here says an fp8 head
+would be harmless (fp8 has not run on a GPU yet), and the head is the last matmul before sampling.
+
 A pre-quantized checkpoint hands some weights over as `QuantizedWeight`s (codes + scales, as the file stores
 them): compressed-tensors W8A8 int8 (models/compressed_tensors.py: its codes and per-channel scales become the
 Int8Linear's as they are, and its float weights, the `ignore` list, stay in the compute dtype) and GGUF Q8_0
 (models/gguf_file.py: int8 codes with one scale per 32 weights along K, re-quantized per output channel under
-int8, dequantized exactly as before otherwise). `resolved_quantization` decides the format such a model runs.
+int8, dequantized exactly as before otherwise), and compressed-tensors W8A8 fp8 where the device computes fp8
+(`keeps_fp8_codes`: the loader is told so; its e4m3 codes and scales become the Fp8Linear's as they are;
+elsewhere they are dequantized at load). `resolved_quantization` decides the format such a model runs.
 """
 from __future__ import annotations
 
@@ -27,18 +34,21 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels.linear import Linear
+from batchjob.kernels.linear_fp8 import Fp8Linear
 from batchjob.kernels.linear_int8 import Int8Linear, QuantizationError
-from batchjob.kernels.reference.scaled_mm import quantize_weight_int8
+from batchjob.kernels.reference.scaled_mm import quantize_weight_fp8, quantize_weight_int8
 
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")  # auto: the checkpoint's (none for a float one)
-WeightMatmul = Linear | Int8Linear  # what a layer calls for a projection: x [..., in] -> [..., out]
+WeightMatmul = Linear | Int8Linear | Fp8Linear  # what a layer calls for a projection: x [..., in] -> [..., out]
+FP8_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
 @dataclass(frozen=True, slots=True)
 class MatmulFormat:
-    quantization: str = "none"  # none | int8 (fp8 never gets this far: check_quantization refuses it)
-    lm_head: bool = True  # the LM head quantized too (as shipped; off: bench/int8_quality.py's comparison)
-    prequantized: bool = False  # int8 where the checkpoint gave codes; its float weights stay float
+    quantization: str = "none"  # none | int8 | fp8 (fp8 only where check_quantization let it: CUDA, cap >= 8.9)
+    lm_head: bool = True  # under int8, the LM head quantized too (as shipped; off: bench/int8_quality.py's
+    # comparison); under fp8 it stays in the compute dtype whatever this says (the module docstring)
+    prequantized: bool = False  # int8 / fp8 where the checkpoint gave codes; its float weights stay float
 
 
 @dataclass(slots=True)
@@ -71,6 +81,13 @@ class QuantizedWeight:
             return self.codes, self.scales.float()
         return quantize_weight_int8(self.dequantized(torch.float32))
 
+    def fp8_channel(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn codes [out, in], fp32 scales [out]): the checkpoint's own where it has them, else the
+        per-channel quantization of the exact fp32 values (quantize_weight_fp8)."""
+        if self.group == 0 and self.codes.dtype == torch.float8_e4m3fn:
+            return self.codes, self.scales.float()
+        return quantize_weight_fp8(self.dequantized(torch.float32))
+
     @staticmethod
     def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
         """Parts concatenated along the output dim (a fused QKV or gate/up): codes and scales concatenate; parts
@@ -85,17 +102,34 @@ class QuantizedWeight:
         return torch.cat([p.dequantized(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
+def fp8_capable(device: torch.device | str) -> bool:
+    """Whether `device` computes fp8: CUDA with compute capability >= 8.9."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+def keeps_fp8_codes(requested: str, device: torch.device | str) -> bool:
+    """For the loader, which is told what the device computes: whether a compressed-tensors W8A8 fp8 checkpoint
+    keeps its e4m3 codes (LoadedModel.quantization "fp8": it runs fp8) or is dequantized at load ("dequantized":
+    the compute dtype). Kept where `device` computes fp8, unless --quantization none asks for the compute dtype
+    (a way around the fp8 kernels, which have not run on a GPU yet); so `--quantization int8` on such a
+    checkpoint is refused everywhere (resolved_quantization), naming what it runs as there."""
+    return requested != "none" and fp8_capable(device)
+
+
 def resolved_quantization(requested: str, checkpoint: str | None, scheme: str, source: str) -> str:
     """The format a model's weight matmuls run in (none | int8 | fp8): `requested` (--quantization; auto = the
     checkpoint's) against what a pre-quantized checkpoint fixes (`checkpoint`, as LoadedModel.quantization says:
-    "int8" runs int8, "dequantized" the compute dtype). As vLLM decides: the checkpoint's quantization wins, and
-    an explicit option that conflicts with it is an error, not silently overridden."""
+    "int8" runs int8, "fp8" fp8, "dequantized" the compute dtype). As vLLM decides: the checkpoint's
+    quantization wins, and an explicit option that conflicts with it is an error, not silently overridden."""
     if checkpoint is None:
         return "none" if requested == "auto" else requested
-    runs = "int8" if checkpoint == "int8" else "none"
+    runs = checkpoint if checkpoint in ("int8", "fp8") else "none"
     if requested not in ("auto", runs):
+        why = ("" if runs != "none" else " here, its weights dequantized at load (fp8 compute needs a CUDA GPU with "
+               "compute capability >= 8.9; weight-only compute is not written)")
         raise QuantizationError(f"quantization: {source} is a pre-quantized checkpoint ({scheme}) that runs as "
-                                f"{runs!r}; --quantization {requested} conflicts with it: use auto (or {runs})")
+                                f"{runs!r}{why}; --quantization {requested} conflicts with it: use auto (or {runs})")
     return runs
 
 
@@ -112,10 +146,9 @@ def check_quantization(quantization: str, device: torch.device | str) -> None:
             raise QuantizationError("quantization: 'fp8' compute needs a GPU with fp8 (CUDA compute capability >= 8.9); "
                                     "on the CPU use --quantization int8")
         cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
+        if cap < FP8_CAPABILITY:
             raise QuantizationError(f"quantization: 'fp8' compute needs CUDA compute capability >= 8.9, this GPU has "
                                     f"{cap[0]}.{cap[1]}; use --quantization int8 or none")
-        raise QuantizationError("quantization: 'fp8' compute is not implemented yet; use --quantization none")
 
 
 @contextmanager
@@ -131,19 +164,27 @@ def weight_matmuls(quantization: str = "none", lm_head: bool = True, prequantize
 def linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> WeightMatmul:
     """A projection's weight matmul ([out, in], bias [out]) in the format in force. A fused projection (QKV,
     gate/up) is quantized per output channel as one: the same codes and scales as each part alone. A
-    QuantizedWeight arrives only under int8 (build_model dequantizes them otherwise)."""
+    QuantizedWeight arrives only under int8 or fp8 (build_model dequantizes them otherwise): its codes as stored
+    where they are of that kind, else re-quantized per channel from its exact values."""
     fmt = _format.get()
     if isinstance(weight, QuantizedWeight):
+        if fmt.quantization == "fp8":
+            codes, scales = weight.fp8_channel()
+            return Fp8Linear(bias=bias, codes=codes, scales=scales)
         codes, scales = weight.int8_channel()
         return Int8Linear(bias=bias, codes=codes, scales=scales)
-    if fmt.quantization == "int8" and not fmt.prequantized:
+    if fmt.prequantized:
+        return Linear(weight, bias)
+    if fmt.quantization == "int8":
         return Int8Linear(weight, bias)
+    if fmt.quantization == "fp8":
+        return Fp8Linear(weight, bias)
     return Linear(weight, bias)
 
 
 def lm_head_linear(weight: torch.Tensor | QuantizedWeight) -> WeightMatmul:
-    """The LM head's matmul: the compute dtype unless the format quantizes the LM head too (or the checkpoint
-    did)."""
+    """The LM head's matmul: the compute dtype unless int8 quantizes the LM head too (or the checkpoint did);
+    under fp8 the compute dtype (the module docstring says why)."""
     fmt = _format.get()
     if isinstance(weight, QuantizedWeight):
         return linear(weight)

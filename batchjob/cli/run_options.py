@@ -106,11 +106,12 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
      "int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or int4 (groups of 16 along head_dim, ~3.2x); "
      "read by every backend: native (AVX512-VNNI), Triton and the torch references (default: auto)"),
     ("--quantization", "quantization", click.Choice(["auto", "none", "int8", "fp8"]), "weight matmuls: auto = the "
-     "checkpoint's (a compressed-tensors W8A8 int8 folder runs int8, its codes as stored; a float one: none); none = the "
-     "compute dtype; int8 = W8A8, any bf16/fp32 checkpoint quantized at load (weights per output channel, activations "
+     "checkpoint's (a compressed-tensors W8A8 int8 folder runs int8, its codes as stored; a W8A8 fp8 one fp8 where fp8 "
+     "runs, else dequantized at load; a float one: none); none = the compute dtype; int8 = W8A8, any bf16/fp32 checkpoint quantized at load (weights per output channel, activations "
      "per token at run time; the LM head too; embeddings and norms stay in the compute dtype), CPU (oneDNN int8 GEMM, "
      "AMX/VNNI) and CUDA (Triton); about +4% perplexity on SmolLM2-135M (docs/guide/quantization.md); "
-     "fp8 = a GPU with compute capability >= 8.9 (not yet). An option that conflicts with a pre-quantized "
+     "fp8 = W8A8 float8 e4m3 on a CUDA GPU with compute capability >= 8.9 (Triton; the LM head stays in the compute "
+     "dtype; untested on a GPU so far, verified under the Triton interpreter only), refused elsewhere. An option that conflicts with a pre-quantized "
      "checkpoint is an error (default: auto)"),
     ("--async-scheduling", "async_scheduling", click.Choice(["auto", "on", "off"]), "schedule and launch step N+1 "
      "while step N runs on the device, then collect N (default: auto = on CUDA; the text is the same either way)"),

@@ -75,7 +75,8 @@ class JobConfig:
     cuda_graphs: bool = True  # CUDA + Triton kernels: decode steps replay captured CUDA graphs
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8 | int4: quantized KV (kernels/reference/kv_quant.py)
     quantization: str = "auto"  # auto (the checkpoint's: none for a float one) | none | int8 (W8A8 at load,
-    # kernels/linear_int8.py) | fp8 (GPU): weight matmuls; a pre-quantized checkpoint's own wins (resolved_quantization)
+    # kernels/linear_int8.py) | fp8 (CUDA, cap >= 8.9: kernels/linear_fp8.py): weight matmuls; a pre-quantized
+    # checkpoint's own wins (resolved_quantization)
     async_scheduling: str = "auto"  # auto (on CUDA) | on | off: schedule step N+1 while step N runs
     speculative: str = "none"  # none | ngram (prompt lookup) | draft (a smaller model proposes: --draft-model)
     num_speculative_tokens: int = 4  # tokens proposed per row and step

@@ -10,7 +10,7 @@ from batchjob.engine.core.lanes import Lane
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.spec_decode.config import speculative_config
 from batchjob.models.causal_lm import CausalLM
-from batchjob.kernels.quantization import resolved_quantization
+from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
 from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
 
@@ -35,11 +35,12 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
     """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
                         kv_cache_dtype=cfg.kv_cache_dtype, quantization=model_quantization(cfg, loaded),
-                        prequantized=loaded.quantization == "int8")
+                        prequantized=loaded.prequantized)
     draft = None
     if cfg.speculative == "draft":
         try:
-            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == "int8")
+            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == "int8",
+                                  fp8_codes=keeps_fp8_codes(cfg.quantization, device))
         except ModelLoadError as e:
             raise ModelLoadError(f"--draft-model: {e}") from None
         if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
@@ -48,7 +49,7 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                                  "target's tokenizer (e.g. a smaller model of the same family)")
         draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
                             block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
-                            quantization=model_quantization(cfg, proposer), prequantized=proposer.quantization == "int8")
+                            quantization=model_quantization(cfg, proposer), prequantized=proposer.prequantized)
     return model, draft
 
 

@@ -30,6 +30,7 @@ from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import JsonlSource, Source
 from batchjob.job.engine_setup import build_engine
+from batchjob.kernels.quantization import keeps_fp8_codes
 from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.job.progress import Progress, Snapshot
 from batchjob.job.stats import StatsRecorder
@@ -81,7 +82,8 @@ class Job:
               dtype: torch.dtype, template: str | None) -> None:
         if restart:
             clear_for_restart(out, [folder for _, _, folder, _ in sources])
-        self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == "int8")
+        self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == "int8",
+                                 fp8_codes=keeps_fp8_codes(cfg.quantization, device))
         resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default: the model folder's pooling
         self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
         if self.shard is not None:

@@ -15,7 +15,7 @@ class CausalLM(Protocol):
     device: torch.device
     kernels: KernelSet  # the kernel set chosen at load (kernels/dispatch.py)
     kv_cache_dtype: str  # auto | int8 | int4
-    quantization: str  # the weight matmuls: none | int8 (kernels/quantization.py)
+    quantization: str  # the weight matmuls: none | int8 | fp8 (kernels/quantization.py)
 
     def fit_kernels(self, block_size: int) -> None: ...
 

@@ -1,7 +1,8 @@
 """A compressed-tensors checkpoint (the `quantization_config` llm-compressor writes): which schemes load, and its
 quantized weights -> kernels/quantization.py QuantizedWeight (int8 codes and scales kept as stored: no
-re-quantization) or the compute dtype (fp8 and weight-only int8, dequantized at load). Any other scheme is
-refused in one line that names it.
+re-quantization; W8A8 fp8 ones too where the loader is told the device computes fp8, `fp8_codes`) or the
+compute dtype (fp8 elsewhere and weight-only schemes, dequantized at load). Any other scheme is refused in one
+line that names it.
 
 Read from the format as compressed-tensors writes it (`quant_method` "compressed-tensors", `format`
 int-quantized | float-quantized | naive-quantized, `config_groups` of `targets` + `weights` +
@@ -37,8 +38,14 @@ class _Group:
 
     @property
     def runs_int8(self) -> bool:
-        """W8A8 int8: Int8Linear on the codes. The others (fp8, weight-only int8) are dequantized at load."""
+        """W8A8 int8: Int8Linear on the codes. Weight-only ones are dequantized at load."""
         return self.weight_type == "int" and self.activations != "none"
+
+    @property
+    def runs_fp8(self) -> bool:
+        """W8A8 fp8: Fp8Linear on the codes where the device computes fp8, else dequantized at load. fp8
+        weight-only (W8A16) is dequantized at load everywhere (no weight-only kernel is written)."""
+        return self.weight_type == "float" and self.activations != "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +54,15 @@ class CompressedTensors:
     groups: tuple[_Group, ...]
     ignore: tuple[str, ...]
     source: str
+    fp8_codes: bool = False  # the device computes fp8 (kernels/quantization.py keeps_fp8_codes): W8A8 fp8 kept
 
     @property
     def quantization(self) -> str:
-        """LoadedModel.quantization: "int8" where some group runs W8A8 int8, else "dequantized"."""
-        return "int8" if any(g.runs_int8 for g in self.groups) else "dequantized"
+        """LoadedModel.quantization: "int8" where some group runs W8A8 int8 (fp8 groups beside it are dequantized),
+        else "fp8" where some group runs W8A8 fp8 and `fp8_codes`, else "dequantized"."""
+        if any(g.runs_int8 for g in self.groups):
+            return "int8"
+        return "fp8" if self.fp8_codes and any(g.runs_fp8 for g in self.groups) else "dequantized"
 
     @property
     def scheme(self) -> str:
@@ -64,9 +75,10 @@ class CompressedTensors:
         return t.dtype in (torch.int8, torch.float8_e4m3fn) or name.rsplit(".", 1)[-1] in _SIDECARS
 
     def weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The folder's tensors (codes and scales as stored, the rest in `dtype`) -> HF-named weights: int8 W8A8
-        linears as QuantizedWeight, fp8 and weight-only int8 ones dequantized to `dtype`."""
-        out, dequantized, static = {}, set(), 0
+        """The folder's tensors (codes and scales as stored, the rest in `dtype`) -> HF-named weights: W8A8
+        linears of the kind the model runs (`quantization`) as QuantizedWeight, the others dequantized to `dtype`."""
+        out, dequantized, static = {}, {}, 0
+        runs = self.quantization
         for name in [n for n in weights if n.endswith(".weight_scale")]:
             module = name.removesuffix(".weight_scale")
             group = self._group_of(module)
@@ -80,24 +92,24 @@ class CompressedTensors:
             else:
                 raise ModelLoadError(f"{self.source}: {name} has shape {tuple(scale.shape)}; a per-channel or "
                                      f"per-tensor scale of {module}.weight {tuple(codes.shape)} has {codes.shape[0]} or 1")
-            if weights.pop(module + ".input_scale", None) is not None:
-                static += 1
+            input_scale = weights.pop(module + ".input_scale", None)
             qw = QuantizedWeight(codes, scale, self.scheme)
-            if group.runs_int8:
+            if (group.runs_int8 and runs == "int8") or (group.runs_fp8 and runs == "fp8"):
                 out[module + ".weight"] = qw
-            else:
+                static += input_scale is not None
+            else:  # its input scale, if any, has nothing to scale: the matmul runs in the compute dtype
                 out[module + ".weight"] = qw.dequantized(dtype)
-                dequantized.add(f"{'int8 weight-only' if group.weight_type == 'int' else 'fp8'}")
+                dequantized.update([_why_dequantized(group, runs)])
         stray = [n for n in weights if n.rsplit(".", 1)[-1] in _SIDECARS]
         if stray:
             raise ModelLoadError(f"{self.source}: {stray[0]} belongs to no quantized weight (no weight_scale beside it)")
         if static:
             log.warning("%s: %d static per-tensor activation scales (input_scale) are not used: activations are "
-                        "quantized per token at run time (dynamic), as --quantization int8 does", self.source, static)
+                        "quantized per token at run time (dynamic), as --quantization %s does", self.source, static, runs)
         if dequantized:
-            log.warning("%s: %s weights are dequantized to %s at load (no fp8 or weight-only compute here): those "
-                        "matmuls run in the compute dtype", self.source, " and ".join(sorted(dequantized)),
-                        str(dtype).removeprefix("torch."))
+            log.warning("%s: %s weights are dequantized to %s at load (%s): those matmuls run in the compute dtype",
+                        self.source, " and ".join(sorted(dequantized)), str(dtype).removeprefix("torch."),
+                        "; ".join(dict.fromkeys(dequantized[k] for k in sorted(dequantized))))
         return weights | out
 
     def _group_of(self, module: str) -> _Group:
@@ -110,9 +122,20 @@ class CompressedTensors:
         raise ModelLoadError(f"{self.source}: {module} has a weight_scale but no config group targets it")
 
 
-def compressed_tensors(config: dict, source: str) -> CompressedTensors | None:
+def _why_dequantized(group: _Group, runs: str) -> tuple[str, str]:
+    """(the weights' kind, why they are dequantized at load), for the load's one log line."""
+    if group.activations == "none":
+        return f"{'int8' if group.weight_type == 'int' else 'fp8'} weight-only", "no weight-only compute is written"
+    if runs == "int8":
+        return "fp8", "the checkpoint runs int8, and its fp8 groups in the compute dtype"
+    return "fp8", ("fp8 compute runs on a CUDA GPU with compute capability >= 8.9 only, and not under "
+                   "--quantization none")
+
+
+def compressed_tensors(config: dict, source: str, fp8_codes: bool = False) -> CompressedTensors | None:
     """The scheme of a config.json's `quantization_config` (None: a float checkpoint); raises ModelLoadError, one
-    line naming the scheme, for what this engine does not run."""
+    line naming the scheme, for what this engine does not run. `fp8_codes`: W8A8 fp8 weights keep their codes
+    (the device computes fp8, kernels/quantization.py keeps_fp8_codes), else they are dequantized at load."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
@@ -134,7 +157,7 @@ def compressed_tensors(config: dict, source: str) -> CompressedTensors | None:
     groups = tuple(_group(name, g, source) for name, g in (qc.get("config_groups") or {}).items())
     if not groups:
         raise ModelLoadError(f"{source}: compressed-tensors quantization_config has no config_groups")
-    return CompressedTensors(groups, tuple(qc.get("ignore") or ()), source)
+    return CompressedTensors(groups, tuple(qc.get("ignore") or ()), source, fp8_codes)
 
 
 def _group(name: str, g: dict, source: str) -> _Group:

@@ -32,7 +32,7 @@ class DecoderLM:
         self.device = device
         self.kernel_choice = kernels
         self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/reference/kv_quant.py)
-        self.quantization = "none"  # the weight matmuls' format (none | int8): build_model sets it
+        self.quantization = "none"  # the weight matmuls' format (none | int8 | fp8): build_model sets it
         self.layers = layers
         self.embed = embed
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)

@@ -20,10 +20,12 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAP_BYTES = 64 << 20  # bytes read through one mapping of a shard before it is closed and reopened
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py)."""
+def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) -> LoadedModel:
+    """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py; W8A8
+    fp8 ones kept as codes only with `fp8_codes`, else dequantized here)."""
     config_json = json.loads((folder / "config.json").read_text())
-    quant = compressed_tensors(config_json, source=str(folder / "config.json"))  # refused before reading weights
+    # refused before reading weights
+    quant = compressed_tensors(config_json, source=str(folder / "config.json"), fp8_codes=fp8_codes)
     config = config_from_hf(config_json, source=str(folder / "config.json"))
     shards = _safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}

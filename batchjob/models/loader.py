@@ -42,13 +42,16 @@ def resolve_model_path(spec: str | Path) -> Path:
     return _resolve(str(spec))[0]
 
 
-def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32, int8_codes: bool = False) -> LoadedModel:
+def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32, int8_codes: bool = False,
+               fp8_codes: bool = False) -> LoadedModel:
     """`int8_codes`: for a model built with --quantization int8, a GGUF file's Q8_0 matrices stay int8 codes with
-    their block scales (gguf_file.py); a compressed-tensors folder's codes always do."""
+    their block scales (gguf_file.py); a compressed-tensors folder's int8 codes always do. `fp8_codes`: for a
+    device that computes fp8 (kernels/quantization.py keeps_fp8_codes), a compressed-tensors W8A8 fp8 folder's
+    codes stay codes (LoadedModel.quantization "fp8"); else they are dequantized at load."""
     path, hf_id = _resolve(str(spec))
     if path.is_dir():
         if (path / "config.json").is_file():
-            loaded = load_hf_folder(path, dtype)
+            loaded = load_hf_folder(path, dtype, fp8_codes=fp8_codes)
             return dataclasses.replace(loaded, name=hf_id) if hf_id else loaded  # not the snapshot's commit hash
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:

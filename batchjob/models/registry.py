@@ -68,10 +68,11 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here,
     QuantizationError for a `quantization` (none | int8 | fp8, kernels/quantization.py) that cannot. Under int8
     the weight matmuls are quantized as they are built, the LM head among them unless `quantize_lm_head` is False
-    (no job option: for bench/int8_quality.py's comparison, docs/guide/quantization.md). `prequantized`: the
-    checkpoint's int8 codes are the model's (LoadedModel.quantization "int8"): under int8 its float weights (the
-    LM head, what its `ignore` list names) stay in the compute dtype. A QuantizedWeight (a checkpoint's codes)
-    runs int8 under int8 and is dequantized to `dtype` otherwise; the embeddings and MoE routers always are.
+    (no job option: for bench/int8_quality.py's comparison, docs/guide/quantization.md); under fp8 too, the LM
+    head kept in the compute dtype. `prequantized`: the checkpoint's int8 or fp8 codes are the model's
+    (LoadedModel.prequantized): its float weights (the LM head, what its `ignore` list names) stay in the compute
+    dtype. A QuantizedWeight (a checkpoint's codes) runs under int8 or fp8 and is dequantized to `dtype`
+    otherwise; the embeddings and MoE routers always are.
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
@@ -82,12 +83,13 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
                          "more than one model from a load)")
     dev = torch.device(device)
     check_quantization(quantization, dev)
-    if prequantized and quantization != "int8":
-        raise ValueError(f"build_model: a pre-quantized int8 checkpoint runs with quantization 'int8', not {quantization!r}")
+    if prequantized and quantization not in ("int8", "fp8"):
+        raise ValueError(f"build_model: a pre-quantized checkpoint runs with its own quantization (int8 or fp8), "
+                         f"not {quantization!r}")
     w = {}
     for name in list(weights):
         t = weights.pop(name)
-        if isinstance(t, QuantizedWeight) and (quantization != "int8" or name.endswith(_FLOAT_MATMULS)):
+        if isinstance(t, QuantizedWeight) and (quantization not in ("int8", "fp8") or name.endswith(_FLOAT_MATMULS)):
             t = t.dequantized(dtype)
         w[name] = t.to(device=dev, dtype=dtype)
     with weight_matmuls(quantization, lm_head=quantize_lm_head, prequantized=prequantized):

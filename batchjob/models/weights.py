@@ -25,10 +25,18 @@ class LoadedModel:
     identity: dict  # JSON-able: what the model is, for a job fingerprint
     name: str
     # what a pre-quantized checkpoint fixes (kernels/quantization.py resolved_quantization): "int8" (its int8
-    # codes are the model's: it runs int8), "dequantized" (fp8 or weight-only int8, dequantized at load: it runs
-    # in the compute dtype), None (a float checkpoint or a GGUF file: any --quantization)
+    # codes are the model's: it runs int8), "fp8" (its fp8 codes are: the loader was told the device computes
+    # fp8, kernels/quantization.py keeps_fp8_codes; it runs fp8), "dequantized" (fp8 elsewhere, or weight-only,
+    # dequantized at load: it runs in the compute dtype), None (a float checkpoint or a GGUF file: any
+    # --quantization)
     quantization: str | None = None
     quantization_scheme: str = ""  # the checkpoint's scheme in words, for messages
+
+    @property
+    def prequantized(self) -> bool:
+        """Whether the weights hold a checkpoint's codes that the model runs as they are (build_model's
+        `prequantized`)."""
+        return self.quantization in ("int8", "fp8")
 
 
 def checked_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

@@ -45,6 +45,12 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return q, scale
 
+def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn codes [N, K], scale fp32 [N]): per output channel, the rows' rule (scale =
+    amax / 448, 1 for an all-zero channel), as vLLM's per-channel fp8 weight quantization (symmetric, amax / 448)."""
+    q, scale = quantize_rows_fp8(w)
+    return q, scale.squeeze(1)
+
 def fp8_scaled_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
     """(xq [M,K] e4m3 @ wq [N,K].T) summed in fp32 (float64 here: a GPU's fp32 order differs, within fp32
     rounding), then acc * x_scale[M,1] * w_scale[N] (+ bias) in fp32, then cast to out_dtype."""

@@ -19,4 +19,4 @@ def test_triton_scaled_mm_matches_the_reference_under_the_interpreter():
     out = subprocess.run([sys.executable, "-m", "tests.kernels.triton_cases", "--device", "cpu", "-k", "scaled mm"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 7 and "all passed" in out.stdout, out.stdout
+    assert out.stdout.count("ok ") == 8 and "all passed" in out.stdout, out.stdout

@@ -108,6 +108,7 @@ def run(device: str, only: str | None = None) -> int:
         cases.append((f"int8 scaled mm {m}x{n}x{k}", lambda m=m, n=n, k=k: int8_scaled_mm_case(m, n, k, device)))
         cases.append((f"fp8 scaled mm {m}x{n}x{k}", lambda m=m, n=n, k=k: fp8_scaled_mm_case(m, n, k, device)))
     cases.append(("int8 scaled mm: Int8Linear and the start-up check", lambda: int8_linear_case(device)))
+    cases.append(("fp8 scaled mm: Fp8Linear and the start-up check", lambda: fp8_linear_case(device)))
     failed = 0
     for name, fn in cases:
         if only and only not in name:
@@ -378,6 +379,51 @@ def int8_linear_case(device):
     lin = Int8Linear(w, bias)
     assert torch.equal(lin(x), lin.reference(x))
     return None
+
+
+FP8_LINEAR = [(1, 64, 64), (9, 96, 200), (40, 130, 72)]  # (rows, out, in): a decode row, several tiles, odd tails
+
+
+def fp8_linear_case(device):
+    """An Fp8Linear on the Triton backend, shaped as a model calls it (a bias, leading dims, bf16 and fp32): on
+    CUDA the start-up check passes, it is the backend Fp8Linear picks, and its result is the torch reference's
+    within fp32 rounding of the sums (fp32: 1e-5 of the largest value; bf16: one ulp more), the codes bitwise.
+    Under the interpreter its e4m3 cast differs (fp8_scaled_mm_case), so the check is not asserted there and the
+    result is compared with the reference GEMM on the Triton kernel's own codes and scales; the check's GEMM
+    half runs with the reference's quantizer in place of the interpreter's."""
+    from batchjob.kernels.linear_fp8 import Fp8Linear, _backend
+    from batchjob.kernels.reference import scaled_mm as ref
+    from batchjob.kernels.triton import scaled_mm as tri
+    from batchjob.kernels.triton.check import check_scaled_mm_fp8
+
+    if device != "cpu":
+        assert check_scaled_mm_fp8(torch.device(device)) is None
+        assert _backend(torch.device(device)) is tri
+    else:
+        assert check_scaled_mm_fp8(torch.device(device)) in (None, "fp8 row quantization differs from the reference")
+        own = tri.quantize_rows_fp8
+        tri.quantize_rows_fp8 = ref.quantize_rows_fp8
+        try:
+            assert check_scaled_mm_fp8(torch.device(device)) is None
+        finally:
+            tri.quantize_rows_fp8 = own
+    worst = 0.0
+    for m, n, k in FP8_LINEAR:
+        x, w, bias = _scaled_mm_operands(m, n, k, device, seed=7 * m + n + k)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1 / 128 + 1e-5)):
+            lin = Fp8Linear(w.to(dtype), bias.to(dtype), backend=tri)
+            xd = x.to(dtype)
+            got = lin(xd.view(1, m, k)).view(m, n)  # leading dims, as the layers call it
+            assert got.dtype == dtype and got.shape == (m, n)
+            if device == "cpu":
+                q, s = tri.quantize_rows_fp8(xd)
+                want = ref.fp8_scaled_mm(q, s, lin.codes, lin.scales, lin.bias, dtype)
+            else:
+                want = lin.reference(xd)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert err <= tol, (m, n, k, dtype, err)
+            worst = max(worst, err) if dtype == torch.float32 else worst
+    return worst
 
 
 def main(argv=None) -> int:

@@ -145,7 +145,7 @@ def test_a_w8a8_job_runs_int8_and_a_conflicting_option_is_refused(w8a8_dir, tmp_
 
 def test_build_model_refuses_a_prequantized_model_without_int8(w8a8_dir):
     loaded = load_model(w8a8_dir)
-    with pytest.raises(ValueError, match="pre-quantized int8 checkpoint runs with quantization 'int8'"):
+    with pytest.raises(ValueError, match=r"pre-quantized checkpoint runs with its own quantization \(int8 or fp8\), not 'none'"):
         build_model(loaded.config, loaded.weights, torch.float32, kernels="torch", quantization="none", prequantized=True)
     from batchjob.kernels.quantization import resolved_quantization
     with pytest.raises(QuantizationError, match="conflicts"):
