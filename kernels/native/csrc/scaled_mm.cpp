@@ -124,6 +124,10 @@ extern "C" int bj_rescale_rows(const void* acc, int acc_int32, int rows, int n, 
 // A micro-tile is MR rows (up to 6) x 64 columns: 4 x MR int32 accumulators over all of k, then
 // ((float)(acc - corr) * x_scale[row]) * w_scale[col] (+ bias) rounded to the output dtype, the reference's
 // rescale. Integer sums do not depend on the order: a row's result depends on that row alone.
+// Threads take contiguous runs of blocks; the rows' tiles go past a block one after the other (it stays in L2),
+// and while they do, they prefetch the next block in equal parts (it comes from memory: a step's weights do not
+// fit in the caches; measured on Zen 4, same process A/B: 1.1-1.3x on gate/up and the LM head at 1-64 rows,
+// neutral on the narrow layers).
 
 namespace {
 
@@ -165,16 +169,20 @@ inline void codes_row_u8(const int8_t* xr, int k, int kp, uint8_t* u) {
 }
 
 template <int MR, typename T>
-inline void micro_tile(const uint8_t* a, int kp, const int8_t* blk, const int32_t* corr, const float* xs,
-                       const float* ws, const float* bias, T* out, int64_t ldo, int cols) {
+inline void micro_tile(const uint8_t* a, int kp, const int8_t* blk, const char* pf, int pf_lines, const int32_t* corr,
+                       const float* xs, const float* ws, const float* bias, T* out, int64_t ldo, int cols) {
   __m512i acc[MR][4];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
   const int kq = kp / 4;
+  // pf_lines cache lines at pf (of the next block: towards L2 while this block computes), spread evenly over the
+  // k loop (Bresenham: `due` counts pf_lines per quad against kq)
+  int due = 0, line = 0;
   for (int q = 0; q < kq; ++q) {
     const int8_t* b = blk + (int64_t)q * NB * 4;
+    for (due += pf_lines; due >= kq; due -= kq) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);
     const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64), b2 = _mm512_loadu_si512(b + 128),
                   b3 = _mm512_loadu_si512(b + 192);
 #pragma GCC unroll 8
@@ -211,15 +219,16 @@ inline void micro_tile(const uint8_t* a, int kp, const int8_t* blk, const int32_
 }
 
 template <typename T>
-inline void rows_tile(int mr, const uint8_t* a, int kp, const int8_t* blk, const int32_t* corr, const float* xs,
-                      const float* ws, const float* bias, T* out, int64_t ldo, int cols) {
+inline void rows_tile(int mr, const uint8_t* a, int kp, const int8_t* blk, const char* pf, int pf_lines,
+                      const int32_t* corr, const float* xs, const float* ws, const float* bias, T* out, int64_t ldo,
+                      int cols) {
   switch (mr) {
-    case 6: micro_tile<6>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
-    case 5: micro_tile<5>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
-    case 4: micro_tile<4>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
-    case 3: micro_tile<3>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
-    case 2: micro_tile<2>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
-    default: micro_tile<1>(a, kp, blk, corr, xs, ws, bias, out, ldo, cols); break;
+    case 6: micro_tile<6>(a, kp, blk, pf, pf_lines, corr, xs, ws, bias, out, ldo, cols); break;
+    case 5: micro_tile<5>(a, kp, blk, pf, pf_lines, corr, xs, ws, bias, out, ldo, cols); break;
+    case 4: micro_tile<4>(a, kp, blk, pf, pf_lines, corr, xs, ws, bias, out, ldo, cols); break;
+    case 3: micro_tile<3>(a, kp, blk, pf, pf_lines, corr, xs, ws, bias, out, ldo, cols); break;
+    case 2: micro_tile<2>(a, kp, blk, pf, pf_lines, corr, xs, ws, bias, out, ldo, cols); break;
+    default: micro_tile<1>(a, kp, blk, pf, pf_lines, corr, xs, ws, bias, out, ldo, cols); break;
   }
 }
 
@@ -264,8 +273,12 @@ void int8_linear(const X* x, int64_t stride, const float* x_scale, int m, int k,
       for (int b = 0; b < nblocks; ++b) {
         const int c0 = b * NB, cols = std::min(NB, n - c0);
         const int8_t* blk = packed + (int64_t)b * kp * NB;
-        for (int r = p; r < pe; r += MR_MAX)
-          rows_tile(std::min(MR_MAX, pe - r), a + (int64_t)r * kp, kp, blk, corr + c0, xs + r, ws ? ws + c0 : nullptr,
+        // the next block (this thread's, with static scheduling) in equal parts over this block's row tiles
+        const int tiles = (pe - p + MR_MAX - 1) / MR_MAX, lines = kp * NB / 64, share = (lines + tiles - 1) / tiles;
+        const char* nxt = b + 1 < nblocks ? (const char*)(blk + (int64_t)kp * NB) : nullptr;
+        for (int r = p, t = 0; r < pe; r += MR_MAX, ++t)
+          rows_tile(std::min(MR_MAX, pe - r), a + (int64_t)r * kp, kp, blk, nxt ? nxt + (int64_t)t * share * 64 : nullptr,
+                    nxt ? std::max(0, std::min(share, lines - t * share)) : 0, corr + c0, xs + r, ws ? ws + c0 : nullptr,
                     bias ? bias + c0 : nullptr, out + (int64_t)r * n + c0, n, cols);
       }
     }
