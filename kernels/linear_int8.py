@@ -87,8 +87,13 @@ class Int8Linear:
         fp32 `scales` [out] (a checkpoint quantized already)."""
         if (weight is None) == (codes is None):
             raise ValueError("Int8Linear: give either a float weight or int8 codes and their scales")
+        native = native_scaled_mm() if (weight if weight is not None else codes).device.type == "cpu" else None
         if weight is not None:
-            codes, scales = quantize_weight_int8(weight)
+            if native is not None and native.supports(weight.dtype):  # the same codes, in one pass per row
+                codes, scales = native.quantize_rows(weight)
+                scales = scales.squeeze(1)
+            else:
+                codes, scales = quantize_weight_int8(weight)
         elif scales is None or codes.dtype != torch.int8 or scales.shape != (codes.shape[0],):
             raise ValueError("Int8Linear: codes must be int8 [out, in] with fp32 scales [out]")
         self.out_features = codes.shape[0]
@@ -98,8 +103,8 @@ class Int8Linear:
         self._gpu = None
         self._native = None
         if codes.device.type == "cpu":
-            self._native = native_scaled_mm()
-            if self._native is not None and self._native.has_gemm:
+            self._native = native
+            if native is not None and native.has_gemm:
                 self._packed = self._native.pack_weight(codes)
         else:
             self._gpu = _gpu_backend(codes.device)

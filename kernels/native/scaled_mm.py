@@ -48,7 +48,7 @@ class NativeScaledMM:
         self._rescale = lib.bj_rescale_rows
         self._rescale.argtypes, self._rescale.restype = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I], _I
         self._pack = lib.bj_pack_int8_weight
-        self._pack.argtypes, self._pack.restype = [_P, _I, _I, _P, _P], _I
+        self._pack.argtypes, self._pack.restype = [_P, _I, _I, _P, _P, _I], _I
         self._linear = lib.bj_int8_linear
         self._linear.argtypes, self._linear.restype = [_P, _I64, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I], _I
         self.has_gemm = bool(lib.bj_int8_linear_available())  # built with AVX512-VNNI
@@ -90,7 +90,7 @@ class NativeScaledMM:
         kp, blocks = -(-k // K_QUAD) * K_QUAD, -(-n // NB)
         data = torch.empty(blocks * kp * NB, dtype=torch.int8)
         corr = torch.empty(blocks * NB, dtype=torch.int32)
-        if self._pack(codes.data_ptr(), n, k, data.data_ptr(), corr.data_ptr()):
+        if self._pack(codes.data_ptr(), n, k, data.data_ptr(), corr.data_ptr(), torch.get_num_threads()):
             raise RuntimeError(f"native int8 packing refused a weight {tuple(codes.shape)}")
         return PackedInt8(data, corr, n, k)
 

@@ -327,18 +327,22 @@ extern "C" int bj_int8_linear(const void* x, int64_t stride, int xdtype, const f
 }
 // w int8 [n, k] (row-major) -> packed [ceil(n/64)][kp/4][64][4], kp = k rounded up to 4, zeros in the padding;
 // corr int32 [ceil(n/64)*64] = 128 * sum_k w[col, k] (0 for padding columns).
-extern "C" int bj_pack_int8_weight(const int8_t* w, int n, int k, int8_t* packed, int32_t* corr) {
+extern "C" int bj_pack_int8_weight(const int8_t* w, int n, int k, int8_t* packed, int32_t* corr, int threads) {
   if (n <= 0 || k <= 0) return 1;
-  const int kp = round_up(k, 4), np = round_up(n, NB);
-  for (int c = 0; c < np; ++c) {
-    int32_t s = 0;
-    int8_t* blk = packed + (int64_t)(c / NB) * kp * NB + (c % NB) * 4;
-    for (int kk = 0; kk < kp; ++kk) {
-      const int8_t v = (c < n && kk < k) ? w[(int64_t)c * k + kk] : 0;
-      blk[(kk / 4) * NB * 4 + kk % 4] = v;
-      s += v;
+  const int kp = round_up(k, 4), blocks = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int b = 0; b < blocks; ++b) {
+    int8_t* blk = packed + (int64_t)b * kp * NB;
+    for (int j = 0; j < NB; ++j) {
+      const int c = b * NB + j;
+      int32_t s = 0;
+      for (int kk = 0; kk < kp; ++kk) {
+        const int8_t v = (c < n && kk < k) ? w[(int64_t)c * k + kk] : 0;
+        blk[(kk / 4) * NB * 4 + j * 4 + kk % 4] = v;
+        s += v;
+      }
+      corr[c] = 128 * s;
     }
-    corr[c] = 128 * s;
   }
   return 0;
 }
