@@ -2,29 +2,22 @@
 once at load (symmetric, per output channel), the activations per row at run time (dynamic), so a row's
 scale depends on that row alone. The semantics are kernels/reference/scaled_mm.py's `int8_scaled_mm`.
 
-On a CPU, three steps per call (measured on the 2-core Sapphire Rapids development machine, numbers in
-docs/design/int8-matmul.md; `python -m batchjob.bench.int8_matmul` repeats them):
-1. the rows' quantization: kernels/native/csrc/scaled_mm.cpp (one pass per row; the torch reference's six ops
-   cost 40-110 us per call, more than many of SmolLM2's GEMMs);
-2. the GEMM: oneDNN's int8 inner product (AMX-int8 here) on a weight packed once at load
-   (`onednn.qlinear_prepack`, as inductor's x86 quantization packs it), with unit scales, so it returns the
-   int32 sums exactly converted to fp32. oneDNN takes only one activation scale per call, not one per row,
-   so the per-row scale is applied after. `torch._int_mm` (oneDNN too) repacks the weight on every call:
-   as fast on the small layers, 1.5-2x slower on the LM head;
-3. the rescale `(acc * x_scale) * w_scale (+ bias)` into the output dtype: scaled_mm.cpp again, in the
-   reference's order, so the result equals the reference bitwise.
+On a CPU with AVX512-VNNI (AMD Zen 4 and later, Intel Ice Lake and later) a call is one native op,
+kernels/native/csrc/scaled_mm.cpp `bj_int8_linear`: the rows quantized per row (bitwise the reference), the
+GEMM on `vpdpbusd` over the weight packed once at load (blocks of 64 columns; the unsigned shift's correction,
+128 x each column's sum, precomputed there), the rescale `(acc * x_scale) * w_scale (+ bias)` from registers in
+the reference's order. So a call equals the reference bitwise. Measured on the 2-core AMD EPYC (Zen 4)
+development machine, SmolLM2's shapes, weights from memory as in a step (docs/design/int8-matmul.md; `python -m
+batchjob.bench.int8_matmul` repeats them): 3.1-3.4x faster than the bf16 `Linear` at 1 row, 1.9-2.4x at 64 rows,
+1.7-2.0x at 256. oneDNN's int8 inner product, which this path used before, takes 0.4-0.5 s for a 64-row QKV on
+that CPU (and was only 10-30% faster than AMX bf16 on a Sapphire Rapids one); `torch._int_mm` reorders the
+weight on every call (1.2-2.6x slower than ours at 1-64 rows).
 
-Measured per call, weights from memory as in a step, ms for bf16 `Linear` -> Int8Linear: QKV [960x576] at
-1 row 0.215 -> 0.155, 64 rows 0.155 -> 0.206, 256 rows 0.766 -> 0.553; gate/up [3072x576] 8 rows
-0.587 -> 0.379, 64 rows 0.537 -> 0.584; LM head [49152x576] 1 row 5.60 -> 3.29, 64 rows 5.01 -> 4.98. So
-int8 pays at few rows and many, and breaks even at 64 (oneDNN's cold 64-row int8 GEMM is only 10-30%
-faster than AMX bf16, and quantize + rescale + Python cost ~25-30 us a call).
+Batch invariance comes free: integer sums are exact in any order, and the quantize and rescale see one row at a
+time. No row tiling is needed (the bf16 Linear runs AMX in calls of 64 rows for this, kernels/linear.py).
 
-Batch invariance comes free: integer sums are exact in any order, so oneDNN's blocking (which changes with
-the row count) cannot change a row's result, and the quantize and rescale steps see one row at a time. No
-row tiling is needed (the bf16 Linear runs AMX in calls of 64 rows for this, kernels/linear.py).
-
-Where neither oneDNN's int8 kernels nor the native ops exist, the torch references run (slow but equal).
+Where the native GEMM is not built (no VNNI, no compiler), `_int_mm` runs between the native quantize and
+rescale (or the torch references where those are missing too): slower, equal.
 On CUDA the Triton kernels (kernels/triton/scaled_mm.py) plug in at `_gpu_backend`, after their start-up check.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ int8: embeddings, norms and MoE routers (small, and routing is sensitive to them
 
 The LM head is int8 too. Measured on SmolLM2 (bench/int8_quality.py, 64 prompts): it adds nothing measurable
 to the body's quantization error (perplexity 29.71 with it, 29.81 without, bf16 28.51; mean |logit error|
-0.558 vs 0.544), and it is 1.6-1.7x faster than bf16 at 1-8 rows, as fast at 64 (bench/int8_matmul.py),
+0.558 vs 0.544), and it is 3x faster than bf16 at 1-8 rows, 2x at 64 (bench/int8_matmul.py, AMD Zen 4),
 with half the memory.
 
 Under fp8 the LM head stays in the compute dtype, as vLLM keeps it (its fp8 config quantizes linear layers, not
