@@ -29,6 +29,7 @@ import torch
 
 from batchjob.kernels.dispatch import KernelError
 from batchjob.kernels.native.scaled_mm import PackedInt8, native_scaled_mm
+from batchjob.kernels.reference import scaled_mm as reference_scaled_mm
 from batchjob.kernels.reference.scaled_mm import int8_matmul_int32, int8_scaled_mm, quantize_rows_int8, quantize_weight_int8
 
 
@@ -63,16 +64,14 @@ def _gpu_backend(device: torch.device):
     if problem is None:
         return triton_scaled_mm
     logging.getLogger(__name__).warning("int8 on %s: %s; running the torch references instead", device, problem)
-    from batchjob.kernels.reference import scaled_mm as reference
-
-    return reference
+    return reference_scaled_mm
 
 
 class Int8Linear:
     """One int8 weight matrix [out, in] with fp32 per-output-channel scales (and an optional bias [out]),
     callable on x [..., in] -> [..., out] in x's dtype."""
 
-    __slots__ = ("scales", "bias", "out_features", "_packed", "_codes", "_native", "_gpu")
+    __slots__ = ("scales", "bias", "out_features", "kernel", "_packed", "_codes", "_native", "_gpu")
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                  codes: torch.Tensor | None = None, scales: torch.Tensor | None = None):
@@ -103,15 +102,11 @@ class Int8Linear:
             self._gpu = _gpu_backend(codes.device)
         # the packed copy is what runs; the plain codes stay only where nothing packed them
         self._codes = codes.contiguous() if self._packed is None else None
-
-    @property
-    def kernel(self) -> str:
-        """What runs a call, for logs and tests: native-vnni | int_mm | reference | triton."""
+        # what runs a call, for logs and tests: native-vnni | int_mm | reference | triton
         if self._gpu is not None:
-            return "triton" if self._gpu.__name__.endswith("triton.scaled_mm") else "reference"
-        if self._packed is not None:
-            return "native-vnni"
-        return "int_mm" if _int_mm_exact() else "reference"
+            self.kernel = "reference" if self._gpu is reference_scaled_mm else "triton"
+        else:
+            self.kernel = "native-vnni" if self._packed is not None else "int_mm" if _int_mm_exact() else "reference"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -138,7 +139,6 @@ inline int round_up(int v, int m) { return (v + m - 1) / m * m; }
 #ifdef __AVX512VNNI__
 constexpr int MR_MAX = 6;  // rows per micro-tile: 4 x 6 accumulators + 4 weight registers + 1 of 32 zmm
 
-inline int64_t round_up64(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // one row x [k] -> unsigned codes u = q + 128 [kp] (padding 128: it meets zero weights) and its scale
 template <typename T>
@@ -238,22 +238,13 @@ template <typename X, typename T>
 void int8_linear(const X* x, int64_t stride, const float* x_scale, int m, int k, const int8_t* packed,
                  const int32_t* corr, int n, const float* ws, const float* bias, T* out, int threads) {
   const int kp = round_up(k, 4), nblocks = (n + NB - 1) / NB;
-  // the codes and scales of the rows: scratch kept by the calling thread, grown as needed
-  static thread_local uint8_t* codes = nullptr;
-  static thread_local float* scales = nullptr;
-  static thread_local int64_t capacity = 0, rows_capacity = 0;
-  if ((int64_t)m * kp > capacity) {
-    free(codes);
-    capacity = round_up64(std::max<int64_t>((int64_t)m * kp, 1 << 16), 64);
-    codes = (uint8_t*)aligned_alloc(64, capacity);
-  }
-  if (m > rows_capacity) {
-    free(scales);
-    rows_capacity = round_up64(std::max<int64_t>(m, 256), 16);
-    scales = (float*)aligned_alloc(64, rows_capacity * sizeof(float));
-  }
-  uint8_t* a = codes;
-  float* xs = scales;
+  // the codes and scales of the rows: scratch kept by the calling thread (freed with it), grown as needed
+  static thread_local std::vector<uint8_t> codes;
+  static thread_local std::vector<float> scales;
+  if ((int64_t)codes.size() < (int64_t)m * kp) codes.resize((int64_t)m * kp);
+  if ((int)scales.size() < m) scales.resize(m);
+  uint8_t* a = codes.data();
+  float* xs = scales.data();
   // one thread when there is too little work to share (a step's many small calls)
   const int nt = (int64_t)m * n * k >= (1 << 18) ? threads : 1;
 #pragma omp parallel num_threads(nt)
