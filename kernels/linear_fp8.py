@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from batchjob.kernels.linear_int8 import QuantizationError
+from batchjob.kernels.linear_int8 import scaled_mm_backend
 from batchjob.kernels.reference import scaled_mm as reference
 from batchjob.kernels.reference.scaled_mm import quantize_weight_fp8
 
@@ -41,23 +41,13 @@ class Fp8Backend(Protocol):
 
 @functools.cache
 def _backend(device: torch.device) -> Fp8Backend:
-    """The one place where fp8 compute plugs in: on CUDA the Triton module once its start-up check against the
-    references passed on this device; else (a failed check, or not CUDA) the torch references on the device,
-    with one log line saying why."""
+    """What computes on `device`: on CUDA kernels/linear_int8.py's `scaled_mm_backend` (the Triton module once its
+    fp8 start-up check passed, else the references); elsewhere the torch references, with one log line."""
     if device.type != "cuda":
         log.warning("fp8 on %s: no fp8 kernels here (fp8 is the GPU form; a CPU runs --quantization int8); running "
                     "the torch references", device)
         return reference
-    try:
-        from batchjob.kernels.triton import scaled_mm as triton_scaled_mm
-        from batchjob.kernels.triton.check import check_scaled_mm_fp8
-    except ImportError:
-        raise QuantizationError(f"quantization: 'fp8' compute on {device.type} needs triton; use --quantization none") from None
-    problem = check_scaled_mm_fp8(device)
-    if problem is None:
-        return triton_scaled_mm
-    log.warning("fp8 on %s: %s; running the torch references instead", device, problem)
-    return reference
+    return scaled_mm_backend(device, "fp8")
 
 
 class Fp8Linear:

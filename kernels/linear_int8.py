@@ -18,7 +18,7 @@ time. No row tiling is needed (the bf16 Linear runs AMX in calls of 64 rows for 
 
 Where the native GEMM is not built (no VNNI, no compiler), `_int_mm` runs between the native quantize and
 rescale (or the torch references where those are missing too): slower, equal.
-On CUDA the Triton kernels (kernels/triton/scaled_mm.py) plug in at `_gpu_backend`, after their start-up check.
+On CUDA the Triton kernels (kernels/triton/scaled_mm.py) plug in at `scaled_mm_backend`, after their start-up check.
 """
 from __future__ import annotations
 
@@ -50,20 +50,22 @@ def _int_mm_exact() -> bool:
 
 
 @functools.cache
-def _gpu_backend(device: torch.device):
-    """The one place where int8 compute on a GPU plugs in: the Triton module with the reference's
-    `quantize_rows_int8` and `int8_scaled_mm` signatures (kernels/triton/scaled_mm.py), once its start-up check
-    against the references passed on this device (kernels/triton/check.py check_scaled_mm); else the torch
-    references on the device (slow but equal), with one log line saying why."""
+def scaled_mm_backend(device: torch.device, quantization: str):
+    """The one place where W8A8 compute on a GPU plugs in (`quantization` int8 | fp8): the Triton module with the
+    reference's signatures (kernels/triton/scaled_mm.py), once its start-up check against the references passed
+    on this device (kernels/triton/check.py check_scaled_mm / check_scaled_mm_fp8); else the torch references on
+    the device (slow but equal), with one log line saying why."""
     try:
         from batchjob.kernels.triton import scaled_mm as triton_scaled_mm
-        from batchjob.kernels.triton.check import check_scaled_mm
+        from batchjob.kernels.triton.check import check_scaled_mm, check_scaled_mm_fp8
     except ImportError:
-        raise QuantizationError(f"quantization: 'int8' compute on {device.type} needs triton; use --quantization none") from None
-    problem = check_scaled_mm(device)
+        raise QuantizationError(f"quantization: {quantization!r} compute on {device.type} needs triton; use "
+                                f"--quantization none") from None
+    problem = (check_scaled_mm if quantization == "int8" else check_scaled_mm_fp8)(device)
     if problem is None:
         return triton_scaled_mm
-    logging.getLogger(__name__).warning("int8 on %s: %s; running the torch references instead", device, problem)
+    logging.getLogger(__name__).warning("%s on %s: %s; running the torch references instead", quantization, device,
+                                        problem)
     return reference_scaled_mm
 
 
@@ -99,7 +101,7 @@ class Int8Linear:
             if native is not None and native.has_gemm:
                 self._packed = self._native.pack_weight(codes)
         else:
-            self._gpu = _gpu_backend(codes.device)
+            self._gpu = scaled_mm_backend(codes.device, "int8")
         # the packed copy is what runs; the plain codes stay only where nothing packed them
         self._codes = codes.contiguous() if self._packed is None else None
         # what runs a call, for logs and tests: native-vnni | int_mm | reference | triton

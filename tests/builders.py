@@ -2,6 +2,7 @@
 llama.cpp writes them. Plain functions; the fixtures over them are in conftest.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -511,3 +512,32 @@ def run_rows(model: CausalLM, prompts: list[list[int]], params, *, budget: int =
         engine.step()
     assert not engine.has_work, [(s.num_computed, s.num_prompt, s.status) for s in seqs]
     return engine, seqs
+
+
+def matmuls(obj, kind: type, path=(), seen=None) -> dict[tuple, object]:
+    """The `kind` matmuls (Int8Linear, Fp8Linear, Linear) reachable from a model's layers, by their path
+    (attribute names and list indices): for counting them, and with `replace`, swapping them for test doubles."""
+    seen = set() if seen is None else seen
+    found = {}
+    items = (vars(obj).items() if hasattr(obj, "__dict__") else
+             ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else ())
+    for name, value in list(items):
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, kind):
+            found[(*path, name)] = value
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                if dataclasses.is_dataclass(v) or hasattr(v, "__dict__"):
+                    found |= matmuls(v, kind, (*path, name, i), seen)
+        elif dataclasses.is_dataclass(value):
+            found |= matmuls(value, kind, (*path, name), seen)
+    return found
+
+
+def replace(obj, path: tuple, value) -> None:
+    """Sets what `path` (a key of `matmuls`) names in obj to `value`."""
+    for key in path[:-1]:
+        obj = obj[key] if isinstance(key, int) else getattr(obj, key)
+    setattr(obj, path[-1], value)

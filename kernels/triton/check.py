@@ -76,6 +76,16 @@ def check(kern, device: torch.device, num_kv_heads: int = 2, softcap: float | No
     return None
 
 
+def _scaled_mm_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The start-up checks' rows x [37, 200] (one all zero: scale 1), weight [96, 200] and bias [96]."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 200, generator=g) * 3).to(device)
+    x[5] = 0
+    w = torch.randn(96, 200, generator=g).to(device)
+    bias = torch.randn(96, generator=g).to(device)
+    return x, w, bias
+
+
 def check_scaled_mm(device: torch.device) -> str | None:
     """None when the Triton W8A8 kernels (kernels/triton/scaled_mm.py) equal the references on `device`: row
     codes and scales bitwise, the int8 matmul bitwise in fp32 (exact int32 sums, the same rescale), and in
@@ -83,11 +93,7 @@ def check_scaled_mm(device: torch.device) -> str | None:
     from batchjob.kernels.reference import scaled_mm as ref
     from batchjob.kernels.triton import scaled_mm as tri
 
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(37, 200, generator=g) * 3).to(device)
-    x[5] = 0  # an all-zero row: scale 1
-    w = torch.randn(96, 200, generator=g).to(device)
-    bias = torch.randn(96, generator=g).to(device)
+    x, w, bias = _scaled_mm_inputs(device)
     wq, ws = ref.quantize_weight_int8(w)
     q, s = tri.quantize_rows_int8(x)
     rq, rs = ref.quantize_rows_int8(x)
@@ -111,11 +117,7 @@ def check_scaled_mm_fp8(device: torch.device) -> str | None:
     from batchjob.kernels.reference import scaled_mm as ref
     from batchjob.kernels.triton import scaled_mm as tri
 
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(37, 200, generator=g) * 3).to(device)
-    x[5] = 0  # an all-zero row: scale 1
-    w = torch.randn(96, 200, generator=g).to(device)
-    bias = torch.randn(96, generator=g).to(device)
+    x, w, bias = _scaled_mm_inputs(device)
     wq, ws = ref.quantize_weight_fp8(w)
     q, s = tri.quantize_rows_fp8(x)
     rq, rs = ref.quantize_rows_fp8(x)

@@ -1,4 +1,4 @@
-"""Triton W8A8 scaled matmuls for CUDA (kernels/linear_int8.py `_gpu_backend`): `quantize_rows_int8` and
+"""Triton W8A8 scaled matmuls for CUDA (kernels/linear_int8.py `scaled_mm_backend`): `quantize_rows_int8` and
 `int8_scaled_mm` with the signatures and semantics of kernels/reference/scaled_mm.py, which they must equal:
 codes and scales bitwise (the reference computes 127 / amax as (1 / amax) * 127, and rounds half to even), the
 int32 sums exactly, the rescale (acc * x_scale) * w_scale (+ bias) in fp32 in that order (fp fusion off, so no

@@ -367,17 +367,17 @@ def fp8_scaled_mm_case(m, n, k, device):
 def int8_linear_case(device):
     """The start-up check passes; on CUDA an Int8Linear runs the Triton kernels (its backend) and equals its
     torch reference bitwise in fp32."""
-    from batchjob.kernels.linear_int8 import Int8Linear, _gpu_backend
+    from batchjob.kernels.linear_int8 import Int8Linear, scaled_mm_backend
     from batchjob.kernels.triton import scaled_mm as tri
     from batchjob.kernels.triton.check import check_scaled_mm
 
     assert check_scaled_mm(torch.device(device)) is None
     if device == "cpu":
-        return None  # an Int8Linear on the CPU runs oneDNN, not Triton
-    assert _gpu_backend(torch.device(device)) is tri
+        return None  # an Int8Linear on the CPU runs the native kernel, not Triton
+    assert scaled_mm_backend(torch.device(device), "int8") is tri
     x, w, bias = _scaled_mm_operands(9, 96, 200, device, seed=3)
     lin = Int8Linear(w, bias)
-    assert torch.equal(lin(x), lin.reference(x))
+    assert lin.kernel == "triton" and torch.equal(lin(x), lin.reference(x))
     return None
 
 

@@ -4,7 +4,6 @@ same tokens and logits as the same model with every projection computed by the t
 batch in bfloat16, and a job resumed after a crash writes the text of a job run straight through."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from batchjob.kernels.linear_int8 import Int8Linear
 from batchjob.kernels.native.build import cpu_identity
 from batchjob.models.config import ModelConfig
 from batchjob.models.registry import build_model
+from tests.builders import matmuls, replace
 from tests.engine.test_determinism import PROMPTS, generate
 
 NATIVE = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_identity()[1]
@@ -38,25 +38,13 @@ class ReferenceMatmul:
         return self.lin.reference(x)
 
 
-def int8_matmuls(obj, swap: bool = False, seen=None) -> int:
+def int8_matmuls(model, swap: bool = False) -> int:
     """The Int8Linears reachable from a model's layers (counted; with `swap`, replaced by ReferenceMatmul)."""
-    seen = set() if seen is None else seen
-    count = 0
-    items = (vars(obj).items() if hasattr(obj, "__dict__") else
-             ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else ())
-    for name, value in list(items):
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, Int8Linear):
-            count += 1
-            if swap:
-                setattr(obj, name, ReferenceMatmul(value))
-        elif isinstance(value, list):
-            count += sum(int8_matmuls(v, swap, seen) for v in value if dataclasses.is_dataclass(v) or hasattr(v, "__dict__"))
-        elif dataclasses.is_dataclass(value):
-            count += int8_matmuls(value, swap, seen)
-    return count
+    found = matmuls(model, Int8Linear)
+    if swap:
+        for path, lin in found.items():
+            replace(model, path, ReferenceMatmul(lin))
+    return len(found)
 
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6

@@ -7,7 +7,6 @@ rounding differs). A compressed-tensors W8A8 fp8 folder keeps its codes as store
 dequantized at load everywhere else, as before. Nothing here has run on a GPU."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -24,6 +23,7 @@ from batchjob.kernels.quantization import QuantizedWeight, resolved_quantization
 from batchjob.kernels.reference.scaled_mm import quantize_rows_fp8, quantize_weight_fp8
 from batchjob.models.loader import load_model
 from batchjob.models.registry import build_model
+from tests.builders import matmuls, replace
 from tests.models.test_compressed_tensors import TOKEN, W8A8, quantization_config, write_folder
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6
@@ -36,34 +36,6 @@ def fp8_gate_open(monkeypatch):
     """As on a GPU with fp8: build_model's device check passes, the API's loader keeps a checkpoint's fp8 codes."""
     monkeypatch.setattr(batchjob.models.registry, "check_quantization", lambda quantization, device: None)
     monkeypatch.setattr(batchjob.api, "keeps_fp8_codes", lambda requested, device: requested != "none")
-
-
-def matmuls(obj, kind: type, path=(), seen=None) -> dict[tuple, object]:
-    """The `kind` matmuls reachable from a model's layers, by their path (attribute names and list indices), as
-    tests/models/test_quantization.py walks them."""
-    seen = set() if seen is None else seen
-    found = {}
-    items = (vars(obj).items() if hasattr(obj, "__dict__") else
-             ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else ())
-    for name, value in list(items):
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, kind):
-            found[(*path, name)] = value
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                if dataclasses.is_dataclass(v) or hasattr(v, "__dict__"):
-                    found |= matmuls(v, kind, (*path, name, i), seen)
-        elif dataclasses.is_dataclass(value):
-            found |= matmuls(value, kind, (*path, name), seen)
-    return found
-
-
-def replace(obj, path: tuple, value) -> None:
-    for key in path[:-1]:
-        obj = obj[key] if isinstance(key, int) else getattr(obj, key)
-    setattr(obj, path[-1], value)
 
 
 class Fp8Activations:
