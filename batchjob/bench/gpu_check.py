@@ -7,8 +7,9 @@
 3. attention: paged decode attention at 128 rows x 2k context (SmolLM2's and 1B-class shapes, bf16):
    GB/s of K/V read, and that as a share of the device's measured copy bandwidth (target >= 70%);
 4. decode: W1-style steps (256 rows) on SmolLM2 and on a random 1B-shaped Llama: torch kernels, Triton
-   eager (synchronous, then with async output), Triton with CUDA graphs: tokens/s, and the step time
-   against the weights + KV bytes roofline at the measured bandwidth;
+   eager (synchronous, then with async output), Triton with CUDA graphs, and that with `--quantization int8`
+   and (compute capability >= 8.9) `fp8` weight matmuls: tokens/s, and the step time against the weights + KV
+   bytes roofline at the measured bandwidth (the roofline of the bf16 weights for every variant);
 5. peer: HF transformers `generate`, static batches of 16, on the same GPU (when transformers is here).
 
 Writes a JSON file and prints a table. `--smoke` runs tiny shapes on the CPU under TRITON_INTERPRET=1
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from batchjob.kernels.quantization import fp8_capable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,15 +106,16 @@ def random_llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, k
 
 
 def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prompt: int, out: int, bandwidth: float,
-                      cuda_graphs: bool = True, async_scheduling: bool | None = None) -> dict:
-    """tokens/s of decode steps with `rows` rows, and the step time over the weights + KV roofline."""
+                      cuda_graphs: bool = True, async_scheduling: bool | None = None, quantization: str = "none") -> dict:
+    """tokens/s of decode steps with `rows` rows, and the step time over the weights + KV roofline. `weights` is
+    kept (the model is built from a copy of the dict), so each variant builds from the same load."""
     from batchjob.engine.engine import Engine, EngineConfig
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
     from batchjob.engine.core.sequence import SamplingParams, Sequence
     from batchjob.models.registry import build_model
 
-    model = build_model(cfg, weights, dtype, str(device), kernels=kernels)
+    model = build_model(cfg, dict(weights), dtype, str(device), kernels=kernels, quantization=quantization)
     sched = SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=max(2048, rows))
     engine = Engine(model, [], EngineConfig(scheduler=sched, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, kv_cache_bytes=rows * (prompt + out + 16) * 2 * cfg.num_layers
                                             * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 + (64 << 20)))
@@ -135,7 +139,7 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
     step = decode_s / max(1, decode_steps)
     roofline = (weight_bytes + kv_bytes) / bandwidth
     graphs = engine.runner.decode_graphs
-    return {"kernels": model.kernels.name, "cuda_graphs": graphs is not None, "async_scheduling": engine.async_scheduling,
+    return {"kernels": model.kernels.name, "quantization": quantization, "cuda_graphs": graphs is not None, "async_scheduling": engine.async_scheduling,
             "graph_replays": graphs.replays if graphs else 0,
             "graph_capture_s": round(graphs.capture_s, 2) if graphs else 0.0, "rows": rows, "decode_steps": decode_steps,
             "tokens_s": round(decode_rows / decode_s, 1) if decode_s else None,
@@ -229,11 +233,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 cfg, weights = random_llama(*shape, device=device, dtype=dtype)
             r, p, o = (4, 8, 4) if smoke else (256, 128, 128)
-            # (kernels, CUDA graphs, async output): the references; Triton eager, synchronous; + async; + graphs
-            variants = [("triton", False, None)] if smoke else [("torch", False, None), ("triton", False, False),
-                                                                 ("triton", False, True), ("triton", True, True)]
+            # (kernels, CUDA graphs, async output, quantization): the references; Triton eager, synchronous;
+            # + async; + graphs; + int8 / fp8 weight matmuls (smoke: int8 on the CPU runs the native kernel)
+            variants = [("triton", False, None, "none"), ("triton", False, None, "int8")] if smoke else [
+                ("torch", False, None, "none"), ("triton", False, False, "none"), ("triton", False, True, "none"),
+                ("triton", True, True, "none"), ("triton", True, True, "int8")]
+            if not smoke and fp8_capable(device):
+                variants.append(("triton", True, True, "fp8"))
             report["decode"][name] = [decode_throughput(cfg, weights, device, dtype, k, r, p, o, bw, cuda_graphs=g,
-                                                        async_scheduling=a) for k, g, a in variants]
+                                                        async_scheduling=a, quantization=q) for k, g, a, q in variants]
             del weights
         if not smoke:
             report["hf_generate"] = hf_generate(device, 64, 128, 128)
@@ -255,7 +263,8 @@ def table(report: dict) -> str:
                      f"{a.get('share_of_copy', 0):.0%} of copy")
     for name, runs in report.get("decode", {}).items():
         for r in runs:
-            how = f"{r['kernels']}{' +graphs' if r['cuda_graphs'] else ''}{' +async' if r['async_scheduling'] else ''}"
+            how = (f"{r['kernels']}{' +graphs' if r['cuda_graphs'] else ''}{' +async' if r['async_scheduling'] else ''}"
+                   f"{'' if r['quantization'] == 'none' else ' ' + r['quantization']}")
             lines.append(f"decode {name:8} {how:22} {r['tokens_s']} tok/s, step {r['step_ms']} ms = "
                          f"{r['over_roofline']}x roofline")
     peer = report.get("hf_generate", {})
