@@ -55,14 +55,15 @@ class JobSummary:
 
 def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: list[str], total: int | None,
                rows_before: int, output: str) -> str:
-    """The first line: the model and how it runs, the inputs and their rows, the output, and a resume's start."""
+    """The first line: the model and how it runs (its weight matmuls where quantized: `int8 matmuls`), the inputs and their rows, the output, and a resume's start."""
     rows = f"{total:,} rows" if total is not None else "rows: not known until read"
     if cfg.limit is not None:
         rows += f" (--limit {cfg.limit:,})"
     dtype = str(model.dtype).removeprefix('torch.')
     kv = dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype
-    line = (f"batchjob: {loaded.name} ({dtype}, kv cache {kv}, {model.kernels.name} kernels, {model.device.type}, "
-            f"{torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
+    matmuls = "" if model.quantization == "none" else f", {model.quantization} matmuls"
+    line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.name} kernels, "
+            f"{model.device.type}, {torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line

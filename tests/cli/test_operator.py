@@ -70,6 +70,9 @@ def test_the_start_line_says_what_runs_and_a_resume_says_how_far_it_is(tmp_path,
     quantized = run("--model", model, "--input", src, "--output", tmp_path / "int8", "--max-tokens", 2, "--limit", 1,
                     "--kv-cache-dtype", "int8")
     assert ", kv cache int8, " in start_line(quantized.stderr)  # a quantized KV cache says so
+    int8 = run("--model", model, "--input", src, "--output", tmp_path / "w8a8", "--max-tokens", 2, "--limit", 1,
+               "--quantization", "int8")
+    assert re.search(r"\((bfloat16|float32), int8 matmuls, kv cache ", start_line(int8.stderr))  # so do int8 matmuls
 
 
 def test_a_finished_job_run_again_says_so_and_does_nothing(tmp_path, model):
