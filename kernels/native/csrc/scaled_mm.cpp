@@ -112,8 +112,8 @@ extern "C" int bj_rescale_rows(const void* acc, int acc_int32, int rows, int n, 
 
 // ---------------------------------------------------------------------------------------------------------------
 // The whole W8A8 call in one (bj_int8_linear): quantize the rows, the GEMM on AVX512-VNNI `vpdpbusd`, the rescale
-// from registers. For CPUs with VNNI (AMD Zen 4, Intel Ice Lake and later): oneDNN's int8 inner product on such a
-// CPU costs more than the GEMM itself at decode sizes (measured: docs/design/int8-matmul.md).
+// from registers. For CPUs with VNNI (AMD Zen 4, Intel Ice Lake and later): oneDNN's int8 inner product took 0.4-0.5 s
+// for one 64-row matmul on Zen 4, and three ops cost 25-30 us a call more than one (docs/design/int8-matmul.md).
 //
 // vpdpbusd multiplies unsigned bytes by signed bytes: the activation codes q (signed, [-127, 127]) go in as
 // q + 128 (unsigned), and the sum gains 128 * sum_k w[n, k], a per-column constant precomputed at packing
@@ -138,7 +138,6 @@ inline int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
 #ifdef __AVX512VNNI__
 constexpr int MR_MAX = 6;  // rows per micro-tile: 4 x 6 accumulators + 4 weight registers + 1 of 32 zmm
-
 
 // one row x [k] -> unsigned codes u = q + 128 [kp] (padding 128: it meets zero weights) and its scale
 template <typename T>
