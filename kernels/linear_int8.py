@@ -93,15 +93,9 @@ class Int8Linear:
         self.out_features = codes.shape[0]
         self.scales = scales.float().contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
-        self._packed: PackedInt8 | None = None
-        self._gpu = None
-        self._native = None
-        if codes.device.type == "cpu":
-            self._native = native
-            if native is not None and native.has_gemm:
-                self._packed = self._native.pack_weight(codes)
-        else:
-            self._gpu = scaled_mm_backend(codes.device, "int8")
+        self._native = native
+        self._packed: PackedInt8 | None = native.pack_weight(codes) if native is not None and native.has_gemm else None
+        self._gpu = scaled_mm_backend(codes.device, "int8") if codes.device.type != "cpu" else None
         # the packed copy is what runs; the plain codes stay only where nothing packed them
         self._codes = codes.contiguous() if self._packed is None else None
         # what runs a call, for logs and tests: native-vnni | int_mm | reference | triton

@@ -3,7 +3,8 @@ in one (`int8_linear`: per-row quantization, the AVX512-VNNI GEMM on a weight pa
 the rescale), where the CPU has VNNI; and its two ends alone (`quantize_rows`, `rescale`) around another GEMM.
 
 `native_scaled_mm()` builds the library at first use (kernels/native/build.py) and returns None where it
-cannot (no compiler, no AVX-512): the int8 linear then runs the torch references of the same ops."""
+cannot (no compiler, no AVX-512): the int8 linear then runs `_int_mm` between the torch references' quantize
+and rescale (kernels/linear_int8.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -40,7 +41,8 @@ class PackedInt8:
 
 
 class NativeScaledMM:
-    """quantize_rows / rescale on CPU tensors of fp32 or bf16; the same results as the references, bitwise."""
+    """quantize_rows / rescale, and (where `has_gemm`) pack_weight / int8_linear / int8_sums, on CPU tensors of
+    fp32 or bf16; the same results as the references, bitwise."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._quantize = lib.bj_quantize_rows_int8
@@ -82,7 +84,6 @@ class NativeScaledMM:
             raise RuntimeError(f"native int8 rescale refused acc {tuple(acc.shape)} -> {out_dtype}")
         return out
 
-
     def pack_weight(self, codes: torch.Tensor) -> PackedInt8:
         """int8 codes [n, k] -> the packing bj_int8_linear reads (done once, at load)."""
         codes = codes.contiguous()
@@ -98,18 +99,21 @@ class NativeScaledMM:
                     out_dtype: torch.dtype) -> torch.Tensor:
         """x [M, k] fp32/bf16 (rows may be strided) -> int8_scaled_mm(quantize_rows_int8(x), w) in out_dtype,
         bitwise; w_scale and bias fp32 [n]."""
-        return self._call(x, _DTYPE_CODES[x.dtype], None, w, w_scale, bias, out_dtype, _DTYPE_CODES[out_dtype])
+        return self._call(x, _DTYPE_CODES[x.dtype], w, w_scale, bias, out_dtype, _DTYPE_CODES[out_dtype])
 
     def int8_sums(self, xq: torch.Tensor, w: PackedInt8) -> torch.Tensor:
         """xq [M, k] int8 codes @ w's codes.T: the exact int32 sums [M, n]."""
-        return self._call(xq, _CODES, None, w, None, None, torch.int32, _SUMS)
+        return self._call(xq, _CODES, w, None, None, torch.int32, _SUMS)
 
-    def _call(self, x, x_code, x_scale, w: PackedInt8, w_scale, bias, out_dtype, out_code) -> torch.Tensor:
+    def _call(self, x, x_code, w: PackedInt8, w_scale, bias, out_dtype, out_code) -> torch.Tensor:
+        """bj_int8_linear; int8 codes go in with unit scales (the kernel's x_scale argument left null)."""
+        if x.dim() != 2 or x.shape[1] != w.k:
+            raise ValueError(f"native int8 linear: x {tuple(x.shape)} for a weight [{w.n}, {w.k}]")
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
         out = torch.empty((rows, w.n), dtype=out_dtype)
-        err = self._linear(x.data_ptr(), x.stride(0) if rows > 1 else w.k, x_code, x_scale, rows, w.k, w.data.data_ptr(),
+        err = self._linear(x.data_ptr(), x.stride(0) if rows > 1 else w.k, x_code, None, rows, w.k, w.data.data_ptr(),
                            w.corr.data_ptr(), w.n, None if w_scale is None else w_scale.data_ptr(),
                            None if bias is None else bias.data_ptr(), out.data_ptr(), out_code, torch.get_num_threads())
         if err:
