@@ -1,4 +1,11 @@
-"""Compiling the C++ kernels in kernels/native/csrc/ at first use, and caching the result per CPU.
+"""Compiling the C++ kernels in kernels/native/csrc/ at first use, for the best instruction set the CPU has, and
+caching the result per CPU.
+
+The kernels are written once over vec.h, which has three paths: `avx512` (AVX-512 F/BW/VL/DQ, with BF16 and
+VNNI where the CPU has them), `avx2` (AVX2 + FMA + F16C, with AVX-VNNI where present) and `generic` (no
+intrinsics: what the compiler makes of plain C++; it stands in for Arm). `cpu_isa()` picks the best path this
+CPU runs; `BATCHJOB_CPU_ISA=avx512|avx2|generic` forces one (a lower one for tests and comparisons; one the CPU
+lacks is refused). On x86 `generic` is built for the baseline x86-64 (SSE2 only, no vector extensions).
 
 Nothing is compiled at install (pip stays pure Python). The first run on a machine compiles each needed
 specialisation (head_dim, GQA group) with the system compiler into the user's cache folder
@@ -15,6 +22,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -23,8 +31,15 @@ import time
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-strict-aliasing"]  # the kernels read caches and bf16 pairs through other types
+ISAS = ("avx512", "avx2", "generic")  # best first
+ISA_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": ("avx2", "fma", "f16c"), "generic": ()}
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "generic": "generic C++"}
+# what a path is compiled with when only compiled, not run (tests/kernels: the AVX-512 path compiles on any x86)
+ISA_TARGET_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                               "-mfma", "-mf16c"],
+                    "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
 
 
 class BuildError(RuntimeError):
@@ -74,11 +89,54 @@ def compiler_version(cxx: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else "unknown"
 
 
-def check_cpu() -> None:
-    _, flags = cpu_identity()
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
-    if missing:
-        raise BuildError(f"this CPU lacks {', '.join(missing)} (the native kernels need AVX-512)")
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def isa_runs_here(isa: str) -> bool:
+    """Whether this CPU runs the `isa` path (generic runs everywhere)."""
+    return isa == "generic" or (_x86() and set(ISA_NEEDS[isa]) <= cpu_identity()[1])
+
+
+def cpu_isa() -> str:
+    """The instruction-set path the kernels are built for: $BATCHJOB_CPU_ISA (avx512, avx2, generic), or the best this
+    CPU runs. Raises BuildError for an unknown name or a path this CPU lacks."""
+    asked = os.environ.get("BATCHJOB_CPU_ISA", "").strip().lower() or "auto"
+    if asked == "auto":
+        return next(isa for isa in ISAS if isa_runs_here(isa))
+    if asked not in ISAS:
+        raise BuildError(f"BATCHJOB_CPU_ISA={asked!r} is not one of auto, {', '.join(ISAS)}")
+    if not isa_runs_here(asked):
+        missing = [f for f in ISA_NEEDS[asked] if f not in cpu_identity()[1]] or ["x86-64"]
+        raise BuildError(f"BATCHJOB_CPU_ISA={asked}: this CPU lacks {', '.join(missing)}; use auto or a lower path "
+                         f"({', '.join(ISAS[ISAS.index(asked) + 1:])})")
+    return asked
+
+
+def isa_flags(isa: str, native: bool = True) -> list[str]:
+    """Compiler flags for the `isa` path: tuned for this CPU (`native`), or the path's own target flags (to compile a
+    path this CPU cannot run)."""
+    define = f"-DBJ_ISA_{isa.upper()}"
+    if not native:
+        return [*ISA_TARGET_FLAGS[isa], define]
+    if isa == "generic":  # x86: the baseline, no vector extensions; elsewhere (Arm) the CPU's own (NEON, SVE)
+        return ["-mcpu=native", define] if platform.machine().lower() in ("aarch64", "arm64") else [define]
+    if isa == "avx2" and "avx512f" in cpu_identity()[1]:
+        return ["-march=native", "-mno-avx512f", define]  # an AVX-512 CPU running the AVX2 path (tests, comparisons)
+    return ["-march=native", define]
+
+
+def compile_only(source: str, defines: dict[str, int], isa: str) -> None:
+    """Compile `source` for the `isa` path with its target flags to an object thrown away: a path this CPU cannot run
+    is still checked to build. Raises BuildError with the compiler's first error."""
+    cxx = compiler()
+    args = [a for a in FLAGS if a != "-shared"] + isa_flags(isa, native=False) + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([cxx, *args, "-c", str(CSRC / source), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        first = next((ln for ln in out.stderr.splitlines() if "error" in ln), out.stderr.strip()[:300])
+        raise BuildError(f"compiling {source} for {isa} failed: {first}")
 
 
 def build_all(specs: list[tuple[str, dict[str, int]]], log=None) -> list[Path]:
@@ -87,25 +145,27 @@ def build_all(specs: list[tuple[str, dict[str, int]]], log=None) -> list[Path]:
     t0 = time.perf_counter()
     paths = [build(source, defines, log=log, built=built) for source, defines in specs]
     if built and log:
-        log(f"compiled kernels for this CPU ({'; '.join(built)}) in {time.perf_counter() - t0:.1f} s, "
+        log(f"compiled {ISA_NAMES[cpu_isa()]} kernels for this CPU ({'; '.join(built)}) in {time.perf_counter() - t0:.1f} s, "
             f"cached in {paths[0].parent}")
     return paths
 
 
-def build(source: str, defines: dict[str, int], log=None, built: list[str] | None = None) -> Path:
-    """Path of the compiled shared library for `source` (a file in kernels/native/csrc/) with `defines`,
-    compiling it first if this machine has no build of it yet. Raises BuildError. A compile is reported
-    through `log` in one line, or appended to `built` for the caller to report."""
-    check_cpu()
+def build(source: str, defines: dict[str, int], log=None, built: list[str] | None = None, isa: str | None = None) -> Path:
+    """Path of the compiled shared library for `source` (a file in kernels/native/csrc/) with `defines`, for the
+    `isa` path (default: `cpu_isa()`), compiling it first if this machine has no build of it yet. Raises
+    BuildError. A compile is reported through `log` in one line, or appended to `built` for the caller to report."""
+    isa = isa or cpu_isa()
+    if not isa_runs_here(isa):
+        raise BuildError(f"this CPU cannot run the {isa} path")
     cxx = compiler()
     src = CSRC / source
     text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # with the headers it includes
-    args = FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    args = FLAGS + isa_flags(isa) + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     model, flags = cpu_identity()
     key = hashlib.sha256(b"\0".join([
         text, " ".join(args).encode(), compiler_version(cxx).encode(), model.encode(), " ".join(sorted(flags)).encode(),
     ])).hexdigest()[:20]
-    tag = "-".join(f"{k.lower()}{v}" for k, v in sorted(defines.items()))
+    tag = "-".join([isa, *(f"{k.lower()}{v}" for k, v in sorted(defines.items()))])
     folder = cache_dir()
     lib = folder / f"{src.stem}-{tag}-{key}.so"
     if lib.is_file():
@@ -143,7 +203,7 @@ def build(source: str, defines: dict[str, int], log=None, built: list[str] | Non
         if built is not None:
             built.append(what)
         elif log:
-            log(f"compiled kernels for this CPU ({what}) in {time.perf_counter() - t0:.1f} s, cached in {folder}")
+            log(f"compiled {ISA_NAMES[isa]} kernels for this CPU ({what}) in {time.perf_counter() - t0:.1f} s, cached in {folder}")
         return lib
     finally:
         if lock is not None:

@@ -2,11 +2,13 @@
 seconds (no torch headers to parse) and a call costs ~10 us.
 
 `NativeKernels(head_dim, gqa, dtype, block_size)` compiles the sources specialised to the model's
-head_dim and GQA group at first use (kernels/native/build.py) and raises BuildError when that cannot work here
-(a dtype, head_dim or block size without a kernel, no C++ compiler, a CPU without AVX-512); the caller
-then falls back to the torch references. With `kv_cache_dtype` int8 or int4 it also builds
-paged_attention_quant.cpp (AVX512-VNNI) and kv_quant_store.cpp, whose caches are `PackedKV` pairs in
-their layouts (kernels/native/csrc/kv_quant_layout.h).
+head_dim and GQA group at first use, for the CPU's instruction set (kernels/native/build.py: AVX-512, AVX2 or
+generic C++), and raises BuildError when that cannot work here (a dtype, head_dim or block size without a
+kernel, no C++ compiler); the caller then falls back to the torch references. fp32 and bf16 run on every path
+(bf16 dot products in hardware with AVX512-BF16, widened to fp32 elsewhere). With `kv_cache_dtype` int8 or int4 it also builds
+paged_attention_quant.cpp and kv_quant_store.cpp, on every path too (integer dot products with VNNI where the CPU
+has it, an exact emulation elsewhere: kernels/native/csrc/vec_int.h), whose caches are `PackedKV` pairs in their
+layouts (kernels/native/csrc/kv_quant_layout.h).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels.interface import AttentionMetadata, KernelSet
-from batchjob.kernels.native.build import BuildError, build_all, cpu_identity
+from batchjob.kernels.native.build import BuildError, build_all, cpu_isa
 from batchjob.kernels.reference.kv_quant import group4
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -24,8 +26,7 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
-    _, flags = cpu_identity()
-    return (torch.float32, torch.bfloat16) if "avx512_bf16" in flags else (torch.float32,)
+    return (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -47,16 +48,14 @@ class NativeKernels(KernelSet):
     def __init__(self, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int, log=None,
                  kv_cache_dtype: str = "auto"):
         if dtype not in supported_dtypes():
-            raise BuildError(f"no native kernel for {str(dtype).removeprefix('torch.')} on this CPU "
-                             f"(fp32, and bf16 with AVX512-BF16)")
+            raise BuildError(f"no native kernel for {str(dtype).removeprefix('torch.')} (fp32 and bf16)")
         if head_dim % 16 or head_dim > 256:
             raise BuildError(f"no native kernel for head_dim {head_dim} (multiples of 16 up to 256)")
         if block_size % 16:
             raise BuildError(f"no native kernel for block_size {block_size} (multiples of 16)")
+        self.isa = cpu_isa()  # the instruction-set path built (BuildError for a forced one this CPU lacks)
         specs = [("paged_attention.cpp", {"HEAD_DIM": head_dim, "GQA": gqa}), ("fused.cpp", {})]
         if kv_cache_dtype != "auto":
-            if "avx512_vnni" not in cpu_identity()[1]:
-                raise BuildError(f"no native kernel for a {kv_cache_dtype} KV cache on this CPU (it needs AVX512-VNNI)")
             if group4(head_dim) % 16:
                 raise BuildError(f"no native kernel for int4 groups of {group4(head_dim)} (multiples of 16)")
             shape = {"HEAD_DIM": head_dim, "GQA": gqa, "GROUP": group4(head_dim)}

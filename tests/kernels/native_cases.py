@@ -1,19 +1,31 @@
 """Paged-attention cases shared by the native kernel tests: random rows of cached and new tokens, a step over
-them in shuffled blocks, and the dtypes this CPU runs natively."""
+them in shuffled blocks, the dtypes the native kernels run, and the instruction-set paths this CPU runs (`isa`:
+a fixture that builds the kernels for each of them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import shutil
 
 import pytest
 import torch
 
 from batchjob.kernels import AttentionMetadata
-from batchjob.kernels.native.build import cpu_identity
+from batchjob.kernels.native.build import ISAS, cpu_identity, isa_runs_here
 
-HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_identity()[1]
+HAS_AVX512 = isa_runs_here("avx512")
 HAS_BF16 = HAS_AVX512 and "avx512_bf16" in cpu_identity()[1]
-needs_native = pytest.mark.skipif(not HAS_AVX512, reason="the native kernels need AVX-512")
-DTYPES = [torch.float32] + ([torch.bfloat16] if HAS_BF16 else [])
+RUNNABLE_ISAS = [isa for isa in ISAS if isa_runs_here(isa)]  # best first
+BEST_ISA = RUNNABLE_ISAS[0]
+needs_native = pytest.mark.skipif(shutil.which("g++") is None, reason="the native kernels need a C++ compiler (g++)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=RUNNABLE_ISAS)
+def isa(request, monkeypatch) -> str:
+    """Each instruction-set path this CPU runs (AVX-512, AVX2, generic), forced through BATCHJOB_CPU_ISA."""
+    monkeypatch.setenv("BATCHJOB_CPU_ISA", request.param)
+    return request.param
 
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ import torch
 from batchjob.kernels import KernelError, select_kernels
 from batchjob.kernels.native.build import BuildError, build, cpu_identity
 from batchjob.kernels.reference.kernel_set import TorchKernels
-from tests.kernels.native_cases import DTYPES, HAS_AVX512, SPEC, Row, attend, needs_native, random_rows
+from batchjob.kernels.native.build import compile_only, isa_runs_here
+from tests.kernels.native_cases import BEST_ISA, DTYPES, HAS_BF16, RUNNABLE_ISAS, SPEC, Row, attend, isa, needs_native, random_rows  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 def native(head_dim: int, gqa: int, dtype: torch.dtype, block_size: int):
@@ -31,11 +33,16 @@ def reference(rows, block_size, window=None, softcap=None) -> list[torch.Tensor]
 SHAPES = [(64, 1), (64, 3), (80, 2), (80, 5), (96, 4), (96, 7), (128, 6), (128, 8)]  # (head_dim, GQA group)
 
 
+# every shape on the best path this CPU runs, two on the lower ones (they run the same code over another vec.h)
+ISA_SHAPES = [(isa, *shape) for isa in RUNNABLE_ISAS for shape in (SHAPES if isa == BEST_ISA else SHAPES[2:4])]
+
+
 @needs_native
-@pytest.mark.parametrize("head_dim,gqa", SHAPES)
+@pytest.mark.parametrize("isa_name,head_dim,gqa", ISA_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_native_attention_matches_the_fp32_reference(head_dim, gqa, block_size, dtype):
+def test_native_attention_matches_the_fp32_reference(isa_name, head_dim, gqa, block_size, dtype, monkeypatch):
+    monkeypatch.setenv("BATCHJOB_CPU_ISA", isa_name)
     kernels = native(head_dim, gqa, dtype, block_size)
     rows = random_rows(SPEC, 2, gqa, head_dim, dtype, seed=head_dim + gqa)
     # bf16: both see the same rounded inputs; what remains is bf16 output rounding and P in bf16
@@ -53,7 +60,7 @@ def test_native_attention_matches_the_fp32_reference(head_dim, gqa, block_size, 
 @needs_native
 @pytest.mark.parametrize("head_dim,gqa", [(64, 3), (256, 2)])  # SmolLM2's shape; Gemma 2's head_dim
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_native_attention_with_a_logit_soft_cap_matches_the_fp32_reference(head_dim, gqa, dtype):
+def test_native_attention_with_a_logit_soft_cap_matches_the_fp32_reference(head_dim, gqa, dtype, isa):
     """Gemma 2's tanh(s / cap) * cap on the scores, for decodes, fresh prompts, continued chunks and prefix hits,
     with and without a sliding window; a row's result still bitwise the same alone. The queries are scaled
     x4 so that the scores go past a cap of 5 (where the tanh bends them) and near Gemma 2's 50."""
@@ -77,7 +84,7 @@ def test_native_attention_with_a_logit_soft_cap_matches_the_fp32_reference(head_
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_native_store_kv_puts_each_token_where_attention_reads_it(dtype):
+def test_native_store_kv_puts_each_token_where_attention_reads_it(dtype, isa):
     """Tokens stored one at a time, in random order, from strided views of a fused projection, give the
     same cache as all stored at once."""
     kernels = native(64, 3, dtype, 16)
@@ -95,7 +102,7 @@ def test_native_store_kv_puts_each_token_where_attention_reads_it(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_a_rows_attention_is_bitwise_the_same_alone_or_in_any_batch_and_thread_count(dtype):
+def test_a_rows_attention_is_bitwise_the_same_alone_or_in_any_batch_and_thread_count(dtype, isa):
     rng = random.Random(1)
     spec = [(rng.randint(0, 300), 1) for _ in range(24)] + [(rng.randint(0, 80), rng.randint(2, 40)) for _ in range(8)]
     kernels = native(64, 3, dtype, 16)
@@ -119,7 +126,7 @@ def test_a_rows_attention_is_bitwise_the_same_alone_or_in_any_batch_and_thread_c
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_a_tokens_attention_is_the_same_decoded_or_in_any_prefill_chunk(dtype):
+def test_a_tokens_attention_is_the_same_decoded_or_in_any_prefill_chunk(dtype, isa):
     """Token p of a 70-token prompt: computed in one chunk, in chunks of 1 (decodes), 16 or 23 tokens
     (extends over the cached prefix), beside other rows or alone. Bitwise the same each time, so
     recompute after preemption, chunked prefill and prefix-cache hits cannot change a row's numbers."""
@@ -222,17 +229,14 @@ def test_the_first_build_says_so_in_one_line_and_the_next_is_silent(monkeypatch,
     monkeypatch.setenv("BATCHJOB_CACHE_DIR", str(tmp_path))
     lines = []
     build("paged_attention.cpp", {"HEAD_DIM": 32, "GQA": 1}, log=lines.append)
-    assert len(lines) == 1 and lines[0].startswith("compiled kernels for this CPU") and " s, cached in " in lines[0]
+    assert len(lines) == 1 and re.match(r"compiled (AVX-512|AVX2|generic C\+\+) kernels for this CPU", lines[0]), lines
+    assert " s, cached in " in lines[0]
     build("paged_attention.cpp", {"HEAD_DIM": 32, "GQA": 1}, log=lines.append)
     assert len(lines) == 1
 
 
 def test_the_cache_key_covers_the_cpu_and_the_compiler(monkeypatch, tmp_path):
     """A build made on one CPU is never loaded on another: its flags are part of the file name's key."""
-    if not HAS_AVX512:
-        with pytest.raises(BuildError, match="AVX-512"):
-            build("paged_attention.cpp", {"HEAD_DIM": 16, "GQA": 1})
-        return
     monkeypatch.setenv("BATCHJOB_CACHE_DIR", str(tmp_path))
     first = build("paged_attention.cpp", {"HEAD_DIM": 16, "GQA": 1})
     model, flags = cpu_identity()
@@ -244,7 +248,7 @@ def test_the_cache_key_covers_the_cpu_and_the_compiler(monkeypatch, tmp_path):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("rows,n", [(1, 576), (7, 100), (64, 64), (33, 1000)])
-def test_fused_norms_match_the_reference(dtype, rows, n):
+def test_fused_norms_match_the_reference(dtype, rows, n, isa):
     kernels, ref = native(64, 1, dtype, 16), TorchKernels()
     g = torch.Generator().manual_seed(n)
     x, h = (torch.randn(rows, n, generator=g).to(dtype) for _ in range(2))
@@ -263,7 +267,7 @@ def test_fused_norms_match_the_reference(dtype, rows, n):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
-def test_fused_rotary_is_bitwise_the_reference(dtype, head_dim):
+def test_fused_rotary_is_bitwise_the_reference(dtype, head_dim, isa):
     from batchjob.kernels import RotaryEmbedding
 
     kernels = native(head_dim, 1, dtype, 16)
@@ -281,7 +285,7 @@ def test_fused_rotary_is_bitwise_the_reference(dtype, head_dim):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("rows,n", [(1, 1536), (5, 100), (64, 128)])
-def test_fused_silu_mul_matches_the_reference(dtype, rows, n):
+def test_fused_silu_mul_matches_the_reference(dtype, rows, n, isa):
     kernels = native(64, 1, dtype, 16)
     gate_up = (4 * torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n))).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends
@@ -293,7 +297,7 @@ def test_fused_silu_mul_matches_the_reference(dtype, rows, n):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("rows,n", [(1, 9216), (5, 100), (64, 128)])  # 9216: Gemma 2 2B's MLP
-def test_fused_gelu_tanh_mul_matches_the_reference(dtype, rows, n):
+def test_fused_gelu_tanh_mul_matches_the_reference(dtype, rows, n, isa):
     kernels = native(64, 1, dtype, 16)
     gate_up = (4 * torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n))).to(dtype)
     gate_up[0, :8] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -5.0, 5.0, float("inf"), float("-inf")])
@@ -306,7 +310,7 @@ def test_fused_gelu_tanh_mul_matches_the_reference(dtype, rows, n):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("rows,vocab", [(1, 256000), (3, 1001), (40, 49152)])
-def test_fused_softcap_matches_the_reference(dtype, rows, vocab):
+def test_fused_softcap_matches_the_reference(dtype, rows, vocab, isa):
     """Gemma 2's final logit soft-cap (30): a new tensor of x's dtype, NaN and infinities as torch has them,
     the range of the tanh's two branches and a tail shorter than a vector."""
     kernels = native(64, 1, dtype, 16)
@@ -325,7 +329,7 @@ def test_fused_softcap_matches_the_reference(dtype, rows, vocab):
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("vocab", [5, 16, 400, 32000, 49152, 1001])
-def test_native_argmax_is_torch_argmax(dtype, vocab):
+def test_native_argmax_is_torch_argmax(dtype, vocab, isa):
     kernels = native(64, 1, dtype, 16)
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(9, vocab, generator=g).to(dtype)
@@ -338,3 +342,55 @@ def test_native_argmax_is_torch_argmax(dtype, vocab):
     x[6, vocab - 1] = float("nan")
     assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
     assert torch.equal(kernels.argmax(x[:1]), x[:1].argmax(dim=-1))
+
+
+@needs_native
+def test_every_instruction_set_path_gives_the_same_bits(monkeypatch):
+    """AVX-512, AVX2 and generic C++ run the same operations in the same order over 16 lanes (vec.h): for the same
+    inputs their fp32 attention and fused ops are bitwise equal (bf16 attention too, except on AVX512-BF16 hardware,
+    whose dot-product instruction rounds its own way)."""
+    if len(RUNNABLE_ISAS) < 2:
+        pytest.skip("one instruction-set path runs here")
+    rows = random_rows(SPEC, 2, 3, 64, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(0)
+    x, h = torch.randn(9, 576, generator=g), torch.randn(9, 576, generator=g)
+    gate_up = 4 * torch.randn(9, 2 * 576, generator=g)
+    results = {}
+    for isa_name in RUNNABLE_ISAS:
+        monkeypatch.setenv("BATCHJOB_CPU_ISA", isa_name)
+        got = []
+        for dtype in DTYPES:
+            k = native(64, 3, dtype, 16)
+            assert k.isa == isa_name
+            if dtype == torch.float32 or not HAS_BF16:
+                got += [*attend(k, rows, 16, window=24, dtype=dtype), *attend(k, rows, 16, softcap=5.0, dtype=dtype)]
+            got += [k.add_rms_norm(x.to(dtype), h.to(dtype).clone(), torch.ones(576, dtype=dtype), 1e-6),
+                    k.silu_mul(gate_up.to(dtype)), k.gelu_tanh_mul(gate_up.to(dtype)), k.softcap(gate_up.to(dtype), 3.0),
+                    k.argmax(gate_up.to(dtype))]
+        results[isa_name] = got
+    first, *others = RUNNABLE_ISAS
+    for other in others:
+        for i, (a, b) in enumerate(zip(results[first], results[other])):
+            assert torch.equal(a, b), (first, other, i)
+
+
+@pytest.mark.skipif(not isa_runs_here("avx2") and not isa_runs_here("avx512"), reason="not an x86 CPU")
+@pytest.mark.parametrize("source,defines", [("paged_attention.cpp", {"HEAD_DIM": 64, "GQA": 3}), ("fused.cpp", {})])
+def test_the_avx512_path_compiles_on_any_x86(source, defines):
+    """The AVX-512 path is at least compiled where the CPU cannot run it (and the other paths everywhere)."""
+    for isa_name in ("avx512", "avx2", "generic"):
+        compile_only(source, defines, isa_name)
+
+
+def test_a_forced_path_this_cpu_lacks_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("BATCHJOB_CPU_ISA", "sse9")
+    with pytest.raises(KernelError, match="BATCHJOB_CPU_ISA='sse9' is not one of auto, avx512, avx2, generic"):
+        select_kernels("native", "cpu", torch.float32, 64, 1)
+    if isa_runs_here("avx512"):
+        return
+    monkeypatch.setenv("BATCHJOB_CPU_ISA", "avx512")
+    with pytest.raises(KernelError, match="BATCHJOB_CPU_ISA=avx512: this CPU lacks avx512f"):
+        select_kernels("native", "cpu", torch.float32, 64, 1)
+    lines = []
+    assert select_kernels("auto", "cpu", torch.float32, 64, 1, log=lines.append).name == "torch"
+    assert len(lines) == 1 and "this CPU lacks avx512f" in lines[0]

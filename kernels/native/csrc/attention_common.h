@@ -2,12 +2,12 @@
 // int8/int4 caches): the compile-time shape, the work-item row, the key mask of a tile, the fixed-order
 // online softmax (with Gemma 2's logit soft-cap) and exp2. Everything here is per row and lane-wise, the root of
 // batch invariance.
-// kernels/native/build.py hashes this header into every kernel's cache key.
+// Written over vec.h (AVX-512, AVX2 or generic, chosen at build); kernels/native/build.py hashes this header into
+// every kernel's cache key.
 #pragma once
 
 #include "simd_math.h"
 
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -31,7 +31,13 @@ constexpr int TILE = 16;                              // keys per tile (one zmm 
 constexpr int MAX_ROWS = 64;                          // query rows (tokens x heads of a KV head) per work item
 constexpr int QTILE = MAX_ROWS / G > 0 ? MAX_ROWS / G : 1;  // query tokens per work item
 constexpr int NACC = D / 16;                          // fp32 accumulator vectors per query row
-constexpr int RB = 16 / NACC >= 4 ? 4 : (16 / NACC >= 1 ? 16 / NACC : 1);  // query rows computed together
+// query rows computed together: as many as the accumulators fit in registers (32 zmm; 16 ymm, two a vector; the
+// generic path takes AVX-512's). A row's arithmetic does not depend on it.
+#if defined(BJ_ISA_AVX2)
+constexpr int RB = 8 / NACC >= 2 ? 2 : 1;
+#else
+constexpr int RB = 16 / NACC >= 4 ? 4 : (16 / NACC >= 1 ? 16 / NACC : 1);
+#endif
 static_assert(D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
 static_assert(G >= 1 && G <= 16, "GQA group must be 1..16");
 
@@ -96,55 +102,46 @@ inline int init_rows(const Args& A, int row, int h, int tb, int te, Row* rows, f
   return nrows;
 }
 
-inline __mmask16 key_mask(int t0, const Row& r) {
-  if (r.lo <= t0 && r.hi >= t0 + TILE) return 0xffff;  // off the diagonal: every key is visible
-  const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(t0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  return _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(r.lo)) & _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(r.hi));
+// The keys [t0, t0 + 16) that row r sees, as a lane mask.
+inline m16 key_mask(int t0, const Row& r) {
+  if (r.lo <= t0 && r.hi >= t0 + TILE) return ALL;  // off the diagonal: every key is visible
+  const int b = r.lo - t0 > 0 ? r.lo - t0 : 0, e = r.hi - t0 < TILE ? r.hi - t0 : TILE;
+  return e > b ? (ALL >> (TILE - e)) & ~((1u << b) - 1u) : 0;
 }
 
 // Online-softmax update of n rows (n <= RB) from their raw scores: p (masked lanes 0) and the factor
 // each row's accumulators must be scaled by. Every step is lane-wise or per row: a row's numbers do not
 // depend on the rows beside it. CAP: the scores are soft-capped first (Logits).
 template <int N, bool CAP>
-inline void softmax_rows(__m512* s, Row* const* rows, int t0, Logits L, float* alpha) {
+inline void softmax_rows(vf* s, Row* const* rows, int t0, Logits L, float* alpha) {
   alignas(64) float diff[16] = {0};
   bool first[N];
   for (int r = 0; r < N; ++r) {
-    const __mmask16 valid = key_mask(t0, *rows[r]);
-    __m512 logit;
+    const m16 valid = key_mask(t0, *rows[r]);
+    vf logit;
     if constexpr (CAP)
-      logit = _mm512_mul_ps(tanh_ps(_mm512_mul_ps(s[r], _mm512_set1_ps(L.cap_in))), _mm512_set1_ps(L.cap_out));
+      logit = tanh_ps(s[r] * vset(L.cap_in)) * vset(L.cap_out);
     else
-      logit = _mm512_mul_ps(s[r], _mm512_set1_ps(L.scale_log2));
-    const __m512 x = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), logit);
-    const float m_new = fmaxf(rows[r]->m, _mm512_reduce_max_ps(x));
-    s[r] = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+      logit = s[r] * vset(L.scale_log2);
+    const vf x = select(valid, vset(-INFINITY), logit);
+    const float m_new = fmaxf(rows[r]->m, reduce_max(x));
+    s[r] = keep(valid, exp2_ps(x - vset(m_new)));
     first[r] = rows[r]->m == -INFINITY;
     diff[r] = first[r] ? 0.0f : rows[r]->m - m_new;
     rows[r]->m = m_new;
   }
-  _mm512_store_ps(diff, exp2_ps(_mm512_load_ps(diff)));
+  vstore(diff, exp2_ps(vload(diff)));
   for (int r = 0; r < N; ++r) {
     alpha[r] = first[r] ? 1.0f : diff[r];  // a first tile finds acc = 0 and l = 0
     rows[r]->l = (first[r] ? 0.0f : rows[r]->l * alpha[r]) + hsum(s[r]);
   }
 }
 
-// A row's output: its D accumulators / l, as fp32, or (with AVX512-BF16) rounded to bf16.
-inline void store_row(const float* acc, float inv_l, float* out) {
-  const __m512 s = _mm512_set1_ps(inv_l);
-  for (int i = 0; i < NACC; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_load_ps(acc + 16 * i), s));
-}
-#ifdef __AVX512BF16__
-inline void store_row(const float* acc, float inv_l, uint16_t* out) {
-  const __m512 s = _mm512_set1_ps(inv_l);
-  for (int i = 0; i < NACC; ++i)
-    _mm256_storeu_si256((__m256i*)(out + 16 * i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + 16 * i), s)));
-}
-#endif
-
-inline void prefetch_l2(const void* p, int bytes) {
-  for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
+// A row's output: its D accumulators / l, as fp32 or rounded to bf16 (nearest even).
+template <typename T>
+inline void store_row(const float* acc, float inv_l, T* out) {
+  const vf s = vset(inv_l);
+  for (int i = 0; i < NACC; ++i) vstore(out + 16 * i, vload(acc + 16 * i) * s);
 }
 
 // Runs item(row, KV head, first token, end token) over a step's work items (a row's query tokens in

@@ -1,4 +1,4 @@
-// Fused elementwise ops of a Llama layer on the CPU (AVX-512): residual add + RMSNorm, rotary embedding
+// Fused elementwise ops of a Llama layer on the CPU (vec.h: AVX-512, AVX2 or generic): residual add + RMSNorm, rotary embedding
 // in place on q and k, SiLU(gate) * up, GELU-tanh(gate) * up (Gemma). Each replaces a chain of small torch
 // ops (one pass over the data instead of 5-8, no temporaries). Also Gemma 2's final logit soft-cap,
 // tanh(x / cap) * cap.
@@ -17,48 +17,19 @@
 
 #include "simd_math.h"
 
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
 namespace {
 
-// Rounds fp32 lanes to bf16 (nearest even) and widens back: the value torch stores for a bf16 result.
-inline __m512 round_bf16(__m512 x) {
-#ifdef __AVX512BF16__
-  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
-#else
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
-#endif
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
+// 16 values of T (float, or bf16 bits as uint16_t) as fp32; stored back from values already rounded to T
 template <typename T>
-struct IO;
-
-template <>
-struct IO<float> {
-  static __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-  static void store(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
-  static __m512 round(__m512 x) { return x; }
+struct IO {
+  static vf load(const T* p, m16 m) { return vload(p, m); }
+  static void store(T* p, vf x, m16 m) { vstore(p, x, m); }
+  static vf round(vf x) { return round_to(x, (const T*)nullptr); }
 };
-
-template <>
-struct IO<uint16_t> {  // bf16
-  static __m512 load(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-  }
-  static void store(uint16_t* p, __m512 x, __mmask16 m) {
-    // x holds bf16 values already (rounded): keep the high halves
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-  }
-  static __m512 round(__m512 x) { return round_bf16(x); }
-};
-
-inline __mmask16 tail(int n, int i) { return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u); }
 
 // residual (if given) += x, then out = weight * (residual / rms(residual)), per row of n values.
 template <typename T>
@@ -69,23 +40,23 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int rows, in
   for (int r = 0; r < rows; ++r) {
     T* h = residual + (int64_t)r * n;
     const T* xr = x ? x + r * x_stride : nullptr;
-    __m512 ss = _mm512_setzero_ps();
+    vf ss = vzero();
     for (int i = 0; i < n; i += 16) {
-      const __mmask16 m = tail(n, i);
-      __m512 v = io::load(h + i, m);
+      const m16 m = tail(n, i);
+      vf v = io::load(h + i, m);
       if (xr) {
-        v = io::round(_mm512_add_ps(v, io::load(xr + i, m)));
+        v = io::round(v + io::load(xr + i, m));
         io::store(h + i, v, m);
       }
-      ss = _mm512_fmadd_ps(v, v, ss);
+      ss = fmadd(v, v, ss);
     }
     const float inv = 1.0f / sqrtf(hsum(ss) / (float)n + eps);
-    const __m512 s = _mm512_set1_ps(inv);
+    const vf s = vset(inv);
     T* o = out + (int64_t)r * n;
     for (int i = 0; i < n; i += 16) {
-      const __mmask16 m = tail(n, i);
-      const __m512 normed = io::round(_mm512_mul_ps(io::load(h + i, m), s));
-      io::store(o + i, io::round(_mm512_mul_ps(io::load(weight + i, m), normed)), m);
+      const m16 m = tail(n, i);
+      const vf normed = io::round(io::load(h + i, m) * s);
+      io::store(o + i, io::round(io::load(weight + i, m) * normed), m);
     }
   }
 }
@@ -105,24 +76,18 @@ void rotary(T* x, int64_t stride, int tokens, int heads, int d, const T* cos, co
     for (int h = 0; h < heads; ++h) {
       T* v = x + t * stride + (int64_t)h * d;
       for (int i = 0; i < half; i += 16) {
-        const __mmask16 m = tail(half, i);
-        const __m512 x1 = io::load(v + i, m), x2 = io::load(v + half + i, m);
-        const __m512 c1 = io::load(c + i, m), s1 = io::load(s + i, m);
-        const __m512 c2 = io::load(c + half + i, m), s2 = io::load(s + half + i, m);
-        const __m512 n2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);  // rotate_half's -x2
-        const __m512 y1 = io::round(_mm512_add_ps(io::round(_mm512_mul_ps(x1, c1)), io::round(_mm512_mul_ps(n2, s1))));
-        const __m512 y2 = io::round(_mm512_add_ps(io::round(_mm512_mul_ps(x2, c2)), io::round(_mm512_mul_ps(x1, s2))));
+        const m16 m = tail(half, i);
+        const vf x1 = io::load(v + i, m), x2 = io::load(v + half + i, m);
+        const vf c1 = io::load(c + i, m), s1 = io::load(s + i, m);
+        const vf c2 = io::load(c + half + i, m), s2 = io::load(s + half + i, m);
+        const vf n2 = vzero() - x2;  // rotate_half's -x2
+        const vf y1 = io::round(io::round(x1 * c1) + io::round(n2 * s1));
+        const vf y2 = io::round(io::round(x2 * c2) + io::round(x1 * s2));
         io::store(v + i, y1, m);
         io::store(v + half + i, y2, m);
       }
     }
   }
-}
-
-// e^x for any x, ~1 ulp: exp2 of x log2 e, clamped to [-126, 127].
-inline __m512 exp_ps(__m512 x) {
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  return exp2_ps(_mm512_min_ps(y, _mm512_set1_ps(127.0f)));
 }
 
 // gate_up [tokens, 2n] (gate | up) -> out [tokens, n] = silu(gate) * up, silu rounded to T first as
@@ -136,11 +101,11 @@ void silu_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
     const T* u = g + n;
     T* o = out + (int64_t)t * n;
     for (int i = 0; i < n; i += 16) {
-      const __mmask16 m = tail(n, i);
-      const __m512 x = io::load(g + i, m);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      const __m512 silu = io::round(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-      io::store(o + i, io::round(_mm512_mul_ps(silu, io::load(u + i, m))), m);
+      const m16 m = tail(n, i);
+      const vf x = io::load(g + i, m);
+      const vf e = exp_ps(vzero() - x);
+      const vf silu = io::round(x / (vset(1.0f) + e));
+      io::store(o + i, io::round(silu * io::load(u + i, m)), m);
     }
   }
 }
@@ -150,20 +115,20 @@ void silu_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
 template <typename T>
 void gelu_tanh_mul(const T* gate_up, T* out, int tokens, int n, int threads) {
   using io = IO<T>;
-  const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
-  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  const vf beta = vset(0.7978845608028654f), kappa = vset(0.044715f);
+  const vf half = vset(0.5f), one = vset(1.0f);
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 8)
   for (int t = 0; t < tokens; ++t) {
     const T* g = gate_up + (int64_t)t * 2 * n;
     const T* u = g + n;
     T* o = out + (int64_t)t * n;
     for (int i = 0; i < n; i += 16) {
-      const __mmask16 m = tail(n, i);
-      const __m512 x = io::load(g + i, m);
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
-      const __m512 gelu = io::round(_mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh_ps(inner))));
-      io::store(o + i, io::round(_mm512_mul_ps(gelu, io::load(u + i, m))), m);
+      const m16 m = tail(n, i);
+      const vf x = io::load(g + i, m);
+      const vf cube = (x * x) * x;
+      const vf inner = beta * (x + kappa * cube);
+      const vf gelu = io::round((half * x) * (one + tanh_ps(inner)));
+      io::store(o + i, io::round(gelu * io::load(u + i, m)), m);
     }
   }
 }
@@ -175,14 +140,14 @@ void softcap(const T* x, T* out, int64_t n, float cap, int threads) {
   using io = IO<T>;
   constexpr int64_t CHUNK = 1 << 14;
   const int64_t chunks = (n + CHUNK - 1) / CHUNK;
-  const __m512 c = _mm512_set1_ps(cap);
+  const vf c = vset(cap);
 #pragma omp parallel for schedule(static) num_threads(threads) if (chunks >= 4)
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t end = (k + 1) * CHUNK < n ? (k + 1) * CHUNK : n;
     for (int64_t i = k * CHUNK; i < end; i += 16) {
-      const __mmask16 m = end - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1u);
-      const __m512 y = io::round(tanh_ps(io::round(_mm512_div_ps(io::load(x + i, m), c))));
-      io::store(out + i, io::round(_mm512_mul_ps(y, c)), m);
+      const m16 m = tail((int)(end - i), 0);
+      const vf y = io::round(tanh_ps(io::round(io::load(x + i, m) / c)));
+      io::store(out + i, io::round(y * c), m);
     }
   }
 }
@@ -191,42 +156,47 @@ void softcap(const T* x, T* out, int64_t n, float cap, int threads) {
 template <typename T>
 int64_t argmax_row(const T* x, int n) {
   using io = IO<T>;
+  auto one = [&](int i) {  // x[i] as fp32
+    alignas(64) float t[16];
+    vstore(t, io::load(x + i, 1));
+    return t[0];
+  };
   if (n < 16) {
     int64_t best = 0;
     for (int i = 0; i < n; ++i) {
-      const float v = _mm512_cvtss_f32(io::load(x + i, 1)), b = _mm512_cvtss_f32(io::load(x + best, 1));
+      const float v = one(i), b = one((int)best);
       if (v != v) return i;
       if (v > b) best = i;
     }
     return best;
   }
-  __m512 best = io::load(x, 0xffff);
-  __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i idx = where;
-  const __m512i step = _mm512_set1_epi32(16);
+  vf best = io::load(x, ALL);
+  vi where = iota();
+  vi idx = where;
+  const vi step = iset(16);
   int64_t nan = -1;
-  __mmask16 nans = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  m16 nans = isnan(best);
   if (nans) return __builtin_ctz(nans);
   int i = 16;
   for (; i + 16 <= n; i += 16) {
-    idx = _mm512_add_epi32(idx, step);
-    const __m512 v = io::load(x + i, 0xffff);
-    nans = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    idx = idx + step;
+    const vf v = io::load(x + i, ALL);
+    nans = isnan(v);
     if (nans) {
       nan = i + __builtin_ctz(nans);
       break;
     }
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
-    best = _mm512_mask_mov_ps(best, gt, v);
-    where = _mm512_mask_mov_epi32(where, gt, idx);
+    const m16 g = gt(v, best);  // strictly: a lane keeps its first maximum
+    best = select(g, best, v);
+    where = select(g, where, idx);
   }
   if (nan >= 0) return nan;
-  const float m = _mm512_reduce_max_ps(best);
-  const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  int64_t first = _mm512_mask_reduce_min_epi32(at, where);
+  const float m = reduce_max(best);
+  const m16 at = eq(best, vset(m));
+  int64_t first = reduce_min(at, where);
   float top = m;
   for (; i < n; ++i) {  // the tail: later indices win only when strictly larger
-    const float v = _mm512_cvtss_f32(io::load(x + i, 1));
+    const float v = one(i);
     if (v != v) return i;
     if (v > top) {
       top = v;

@@ -1,4 +1,4 @@
-// Paged attention over block tables on the CPU (AVX-512): decode rows, prefill chunks and extends in one
+// Paged attention over block tables on the CPU (vec.h: AVX-512, AVX2 or generic): decode rows, prefill chunks and extends in one
 // kernel, reading K/V where they lie in the paged cache (no gather, no padding).
 //
 // Must equal: kernels/reference/attention.py (`paged_attention_torch`, with its `window` and `softcap`) within fp32
@@ -38,44 +38,44 @@ struct F32 {
   // k: this tile's keys, dim d at k + d * bs; v: key j at v + j * D; n keys loaded (the rest is masked)
   template <int N, bool CAP>
   static void attend(const float* k, int bs, const float* v, int n, int t0, Row* const* rows, Logits L) {
-    __m512 s0[N], s1[N];
+    vf s0[N], s1[N];
     const float* q[N];
     for (int r = 0; r < N; ++r) {
-      s0[r] = s1[r] = _mm512_setzero_ps();
+      s0[r] = s1[r] = vzero();
       q[r] = (const float*)rows[r]->q;
     }
     for (int d = 0; d < D; d += 2) {
-      const __m512 k0 = _mm512_loadu_ps(k + d * bs), k1 = _mm512_loadu_ps(k + (d + 1) * bs);
+      const vf k0 = vload(k + d * bs), k1 = vload(k + (d + 1) * bs);
       for (int r = 0; r < N; ++r) {
-        s0[r] = _mm512_fmadd_ps(k0, _mm512_set1_ps(q[r][d]), s0[r]);
-        s1[r] = _mm512_fmadd_ps(k1, _mm512_set1_ps(q[r][d + 1]), s1[r]);
+        s0[r] = fmadd(k0, vset(q[r][d]), s0[r]);
+        s1[r] = fmadd(k1, vset(q[r][d + 1]), s1[r]);
       }
     }
-    for (int r = 0; r < N; ++r) s0[r] = _mm512_add_ps(s0[r], s1[r]);
+    for (int r = 0; r < N; ++r) s0[r] = s0[r] + s1[r];
     float alpha[N];
     softmax_rows<N, CAP>(s0, rows, t0, L, alpha);
     alignas(64) float p[N][TILE];
-    __m512 acc[N][NACC];
+    vf acc[N][NACC];
     for (int r = 0; r < N; ++r) {
-      _mm512_store_ps(p[r], s0[r]);
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-      for (int i = 0; i < NACC; ++i) acc[r][i] = _mm512_mul_ps(_mm512_load_ps(rows[r]->acc + 16 * i), a);
+      vstore(p[r], s0[r]);
+      const vf a = vset(alpha[r]);
+      for (int i = 0; i < NACC; ++i) acc[r][i] = vload(rows[r]->acc + 16 * i) * a;
     }
     for (int j = 0; j < n; ++j)  // masked keys have p = 0: adding 0 * v leaves acc as it is
       for (int i = 0; i < NACC; ++i) {
-        const __m512 vj = _mm512_loadu_ps(v + j * D + 16 * i);
-        for (int r = 0; r < N; ++r) acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vj, acc[r][i]);
+        const vf vj = vload(v + j * D + 16 * i);
+        for (int r = 0; r < N; ++r) acc[r][i] = fmadd(vset(p[r][j]), vj, acc[r][i]);
       }
     for (int r = 0; r < N; ++r)
-      for (int i = 0; i < NACC; ++i) _mm512_store_ps(rows[r]->acc + 16 * i, acc[r][i]);
+      for (int i = 0; i < NACC; ++i) vstore(rows[r]->acc + 16 * i, acc[r][i]);
   }
 };
 
-#ifdef __AVX512BF16__
 // ---- bf16 caches ----------------------------------------------------------------------------------
-// Q.K: one dpbf16 per dim pair with the query pair broadcast gives 16 keys' partial scores. P.V: P is
-// rounded to bf16 (as torch's CPU flash attention and FlashAttention do) and one dpbf16 per key pair
-// adds two keys' products to 16 dims; every sum is fp32.
+// Q.K: one bf16-pair dot product (vec.h dot_bf16_pairs: `vdpbf16ps` with AVX512-BF16, two FMAs on the widened
+// halves elsewhere) per dim pair with the query pair broadcast gives 16 keys' partial scores. P.V: P is rounded
+// to bf16 (as torch's CPU flash attention and FlashAttention do) and one pair product per key pair adds two keys'
+// products to 16 dims; every sum is fp32.
 struct BF16 {
   using T = uint16_t;
   static constexpr int k_rows = D / 2;  // 64-byte lines of a K tile
@@ -83,39 +83,41 @@ struct BF16 {
   template <int N, bool CAP>
   static void attend(const uint32_t* k, int bs, const uint32_t* v, int n, int t0, Row* const* rows, Logits L) {
     (void)n;  // keys past n are masked: their p is 0
-    __m512 s0[N], s1[N];
+    vf s0[N], s1[N];
     const uint32_t* q[N];
     for (int r = 0; r < N; ++r) {
-      s0[r] = s1[r] = _mm512_setzero_ps();
+      s0[r] = s1[r] = vzero();
       q[r] = (const uint32_t*)rows[r]->q;
     }
     for (int i = 0; i < D / 2; i += 2) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k + i * bs), k1 = (__m512bh)_mm512_loadu_si512(k + (i + 1) * bs);
+      const uint32_t* k0 = k + i * bs;
+      const uint32_t* k1 = k + (i + 1) * bs;
       for (int r = 0; r < N; ++r) {
-        s0[r] = _mm512_dpbf16_ps(s0[r], k0, (__m512bh)_mm512_set1_epi32((int)q[r][i]));
-        s1[r] = _mm512_dpbf16_ps(s1[r], k1, (__m512bh)_mm512_set1_epi32((int)q[r][i + 1]));
+        s0[r] = dot_bf16_pairs(s0[r], k0, q[r][i]);
+        s1[r] = dot_bf16_pairs(s1[r], k1, q[r][i + 1]);
       }
     }
-    for (int r = 0; r < N; ++r) s0[r] = _mm512_add_ps(s0[r], s1[r]);
+    for (int r = 0; r < N; ++r) s0[r] = s0[r] + s1[r];
     float alpha[N];
     softmax_rows<N, CAP>(s0, rows, t0, L, alpha);
-    alignas(32) uint32_t p[N][TILE / 2];
-    __m512 acc[N][NACC];
+    alignas(64) uint16_t ph[N][TILE];  // P in bf16; read back as key pairs (dwords) below
+    alignas(64) uint32_t p[N][TILE / 2];
+    vf acc[N][NACC];
     for (int r = 0; r < N; ++r) {
-      _mm256_store_si256((__m256i*)p[r], (__m256i)_mm512_cvtneps_pbh(s0[r]));
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-      for (int i = 0; i < NACC; ++i) acc[r][i] = _mm512_mul_ps(_mm512_load_ps(rows[r]->acc + 16 * i), a);
+      vstore_bf16(ph[r], s0[r]);
+      memcpy(p[r], ph[r], sizeof ph[r]);
+      const vf a = vset(alpha[r]);
+      for (int i = 0; i < NACC; ++i) acc[r][i] = vload(rows[r]->acc + 16 * i) * a;
     }
     for (int jj = 0; jj < TILE / 2; ++jj)
       for (int i = 0; i < NACC; ++i) {
-        const __m512bh vp = (__m512bh)_mm512_loadu_si512(v + jj * D + 16 * i);
-        for (int r = 0; r < N; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vp, (__m512bh)_mm512_set1_epi32((int)p[r][jj]));
+        const uint32_t* vp = v + jj * D + 16 * i;
+        for (int r = 0; r < N; ++r) acc[r][i] = dot_bf16_pairs(acc[r][i], vp, p[r][jj]);
       }
     for (int r = 0; r < N; ++r)
-      for (int i = 0; i < NACC; ++i) _mm512_store_ps(rows[r]->acc + 16 * i, acc[r][i]);
+      for (int i = 0; i < NACC; ++i) vstore(rows[r]->acc + 16 * i, acc[r][i]);
   }
 };
-#endif
 
 template <typename K, bool CAP>
 inline void attend_rows(const void* k, int bs, const void* v, int n, int t0, Row* const* rows, int count, Logits L) {
@@ -159,7 +161,7 @@ void run_item(const Args& A, int row, int h, int tb, int te) {
     if (t0 + TILE < khi) {
       const int tn = t0 + TILE, o = tn % bs;
       const T* k_next = k_block(tn) + o * k_unit;
-      for (int i = 0; i < K::k_rows; ++i) _mm_prefetch((const char*)(k_next + (int64_t)i * bs * k_unit), _MM_HINT_T1);
+      for (int i = 0; i < K::k_rows; ++i) prefetch_l2(k_next + (int64_t)i * bs * k_unit);
       prefetch_l2(v_block(tn) + (int64_t)o * D, TILE * D * (int)sizeof(T));
     }
     int count = 0;
@@ -220,7 +222,7 @@ extern "C" {
 
 int bj_head_dim() { return D; }
 int bj_gqa() { return G; }
-int bj_has_bf16() {
+int bj_has_bf16() {  // bf16 dot products in hardware (AVX512-BF16); elsewhere they are emulated in fp32
 #ifdef __AVX512BF16__
   return 1;
 #else
@@ -241,12 +243,10 @@ int bj_paged_attention(const void* q, int64_t q_token_stride, void* out, const v
     run<F32>(A, num_rows, num_threads);
     return 0;
   }
-#ifdef __AVX512BF16__
   if (dtype == 1) {
     run<BF16>(A, num_rows, num_threads);
     return 0;
   }
-#endif
   return -1;
 }
 
