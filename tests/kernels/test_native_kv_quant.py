@@ -1,10 +1,17 @@
 """The native int8/int4 KV kernels (kernels/native/csrc/paged_attention_quant.cpp): the quantizing store gives
 bitwise the codes and scales of kernels/reference/kv_quant.py, attention over them (with and without the logit
 soft-cap) matches the torch reference over the same dequantized cache, a row's result is bitwise the same in any
-batch, and jobs run on them."""
+batch, and jobs run on them.
+
+On every instruction-set path this CPU runs (vec.h / vec_int.h: AVX-512, AVX2, generic C++; forced through
+BATCHJOB_CPU_ISA): the whole matrix on the best path, a few cases of each on the lower ones, and the paths' results
+compared bitwise (integer dot products are exact, the fp32 steps the same operations in the same order). The
+AVX-512 build is at least compiled on any x86."""
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 
 import pytest
 import torch
@@ -12,22 +19,37 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.kernels import KernelError, select_kernels
-from batchjob.kernels.native.build import cpu_identity
+from batchjob.kernels.native.build import compile_only, isa_runs_here
 from batchjob.kernels.reference.kernel_set import TorchKernels
 from batchjob.kernels.reference.kv_quant import QuantizedKV, dequantize, quantize
 from batchjob.kernels.native.ops import PackedKV
 from tests.builders import prompts
-from tests.kernels.native_cases import DTYPES, SPEC, paged_step, random_rows
+from tests.kernels.native_cases import BEST_ISA, DTYPES, RUNNABLE_ISAS, SPEC, needs_native, paged_step, random_rows
 
-HAS_VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_identity()[1]
-pytestmark = pytest.mark.skipif(not HAS_VNNI, reason="the native quantized kernels need AVX512-VNNI")
+pytestmark = needs_native
 BITS = [8, 4]
-ids = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+F32, BF16 = torch.float32, torch.bfloat16
+ids = lambda d: str(d).removeprefix("torch.") if isinstance(d, torch.dtype) else None  # noqa: E731
+
+
+def on_paths(full, few):
+    """(isa, *case): every case of `full` on the best path, the cases `few` (SmolLM2's head_dim 64, GQA 3: one build
+    per path) on each lower path."""
+    return [(BEST_ISA, *c) for c in full] + [(isa, *c) for isa in RUNNABLE_ISAS[1:] for c in few]
+
+
+@pytest.fixture(autouse=True)
+def _forced_isa(request, monkeypatch):
+    """A test parametrized with `isa` builds its kernels for that path (the path is read when they are built)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "isa" in callspec.params:
+        monkeypatch.setenv("BATCHJOB_CPU_ISA", callspec.params["isa"])
 
 
 def native(bits: int, head_dim: int, gqa: int, dtype: torch.dtype, block_size: int = 16):
     kernels = select_kernels("native", "cpu", dtype, head_dim, gqa, block_size, kv_cache_dtype=f"int{bits}")
     assert kernels.name == "native"
+    assert os.environ.get("BATCHJOB_CPU_ISA", kernels.isa) == kernels.isa
     return kernels
 
 
@@ -56,10 +78,9 @@ def attend(kernels, rows, bits: int, block_size: int = 16, window=None, dtype=No
     return list(out.split([r.new for r in rows]))
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_the_store_writes_the_reference_codes_and_load_returns_their_values(bits, dtype, head_dim):
+@pytest.mark.parametrize("isa,bits,dtype,head_dim", on_paths(itertools.product(BITS, DTYPES, [64, 80, 128]),
+                                                             [(8, F32, 64), (4, BF16, 64)]), ids=ids)
+def test_the_store_writes_the_reference_codes_and_load_returns_their_values(isa, bits, dtype, head_dim):
     """Round trip: what load_kv reads back is bitwise kv_quant.dequantize(quantize(x)), so within half a
     scale step of x; tokens stored one at a time in random order (int4 V packs two tokens per byte) give
     the same cache as all at once; a slot of -1 is skipped."""
@@ -85,11 +106,11 @@ def test_the_store_writes_the_reference_codes_and_load_returns_their_values(bits
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (80, 5), (96, 4), (128, 8)])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_native_attention_over_a_quantized_cache_matches_the_dequantized_reference(bits, head_dim, gqa, block_size, dtype):
+@pytest.mark.parametrize("isa,bits,head_dim,gqa,block_size,dtype", on_paths(
+    [(b, *shape, bs, dt) for b, shape, bs, dt in itertools.product(BITS, [(64, 3), (80, 5), (96, 4), (128, 8)], [16, 32], DTYPES)],
+    [(8, 64, 3, 16, BF16), (4, 64, 3, 32, F32)]), ids=ids)
+def test_native_attention_over_a_quantized_cache_matches_the_dequantized_reference(isa, bits, head_dim, gqa, block_size,
+                                                                                   dtype):
     """Against the fp32 torch reference over the same codes (QuantizedKV, dequantized): what remains is the
     query's two-part int8 split (~16 bits), P x V scale in 15 bits, and bf16 output rounding."""
     kernels = native(bits, head_dim, gqa, dtype, block_size)
@@ -105,10 +126,9 @@ def test_native_attention_over_a_quantized_cache_matches_the_dequantized_referen
             assert mine <= theirs * 2.5 and (out - ref).abs().max().item() < 5e-2, (mine, theirs)
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (256, 2)])  # SmolLM2's shape; Gemma 2's head_dim
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_native_attention_over_a_quantized_cache_with_a_logit_soft_cap(bits, head_dim, gqa, dtype):
+@pytest.mark.parametrize("isa,bits,head_dim,gqa,dtype", on_paths(  # SmolLM2's shape; Gemma 2's head_dim
+    [(b, *shape, dt) for b, shape, dt in itertools.product(BITS, [(64, 3), (256, 2)], DTYPES)], [(4, 64, 3, F32)]), ids=ids)
+def test_native_attention_over_a_quantized_cache_with_a_logit_soft_cap(isa, bits, head_dim, gqa, dtype):
     """Gemma 2's tanh(s / cap) * cap on the scores, against the fp32 reference over the same codes, with and
     without a sliding window; a row's result still bitwise the same alone. The queries are scaled x4 so that
     the scores go past the cap, where the tanh bends them."""
@@ -132,9 +152,8 @@ def test_native_attention_over_a_quantized_cache_with_a_logit_soft_cap(bits, hea
         assert torch.equal(attend(kernels, [rows[i]], bits, window=24, seed=i + 1, threads=1, softcap=5.0)[0], batch[i]), i
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_a_rows_attention_is_bitwise_the_same_alone_or_in_any_batch_and_thread_count(bits, dtype):
+@pytest.mark.parametrize("isa,bits,dtype", on_paths(itertools.product(BITS, DTYPES), [(8, BF16), (4, F32)]), ids=ids)
+def test_a_rows_attention_is_bitwise_the_same_alone_or_in_any_batch_and_thread_count(isa, bits, dtype):
     rows = random_rows([(40, 1), (333, 1), (0, 1), (17, 1), (0, 45), (16, 9), (100, 50)], 2, 3, 64, dtype, seed=3)
     kernels = native(bits, 64, 3, dtype)
     batch = attend(kernels, rows, bits, threads=2)
@@ -147,8 +166,8 @@ def test_a_rows_attention_is_bitwise_the_same_alone_or_in_any_batch_and_thread_c
         assert torch.equal(shuffled[j], batch[i])
 
 
-@pytest.mark.parametrize("bits", BITS)
-def test_a_tokens_attention_is_the_same_decoded_or_in_any_prefill_chunk(bits):
+@pytest.mark.parametrize("isa,bits", on_paths([(8,), (4,)], [(4,)]))
+def test_a_tokens_attention_is_the_same_decoded_or_in_any_prefill_chunk(isa, bits):
     """Recompute after preemption, chunked prefill and prefix hits see the same numbers as decoding."""
     dtype = DTYPES[-1]
     kernels = native(bits, 64, 3, dtype)
@@ -161,18 +180,56 @@ def test_a_tokens_attention_is_the_same_decoded_or_in_any_prefill_chunk(bits):
     assert torch.equal(attend(kernels, [last], bits)[0], full[59:])
 
 
+def test_every_instruction_set_path_gives_the_same_bits(monkeypatch):
+    """The store's codes and scales and attention over them (decodes, prefill, an extend; window, soft-cap; fp32
+    and bf16; int8 and int4) are bitwise the same on every path this CPU runs: the dot products are exact integer
+    sums (VNNI or its emulation), every fp32 step the same operation in the same order."""
+    if len(RUNNABLE_ISAS) < 2:
+        pytest.skip("one instruction-set path runs here")
+    rows = random_rows(SPEC, 2, 3, 64, F32, seed=7)
+    results = {}
+    for isa in RUNNABLE_ISAS:
+        monkeypatch.setenv("BATCHJOB_CPU_ISA", isa)
+        got = []
+        for bits, dtype in itertools.product(BITS, DTYPES):
+            kernels = native(bits, 64, 3, dtype)
+            assert kernels.isa == isa
+            got += attend(kernels, rows, bits, window=24, dtype=dtype) + attend(kernels, rows, bits, dtype=dtype, softcap=5.0)
+            kc, vc = kernels.quantized_kv_caches(bits, 8, 16, 2, 64, zeros)
+            slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(bits))[:50]
+            kernels.store_kv(rows[-1].k[:50].to(dtype), rows[-1].v[:50].to(dtype), kc, vc, slots)
+            got += [*kc.tensors(), *vc.tensors(), *kernels.load_kv(kc, vc, slots)]
+        results[isa] = got
+    first, *others = RUNNABLE_ISAS
+    for other in others:
+        assert len(results[other]) == len(results[first])
+        for i, (a, b) in enumerate(zip(results[first], results[other])):
+            assert torch.equal(a, b), (first, other, i)
+
+
+@pytest.mark.skipif(not isa_runs_here("avx2") and not isa_runs_here("avx512"), reason="not an x86 CPU")
+@pytest.mark.parametrize("source", ["paged_attention_quant.cpp", "kv_quant_store.cpp"])
+def test_the_avx512_build_of_the_quantized_kernels_compiles_on_any_x86(source):
+    """The AVX-512 path (with VNNI and AVX512-BF16 targeted) is at least compiled where the CPU cannot run it."""
+    compile_only(source, {"HEAD_DIM": 64, "GQA": 3, "GROUP": 16}, "avx512")
+
+
 def test_auto_picks_native_for_a_quantized_cache_and_says_why_when_it_cannot(monkeypatch):
+    """Native reads int8 and int4 caches on every path; what it cannot take (a block size that is not whole
+    16-key tiles, int4 groups that are not whole 16-dim vectors) sends auto to the torch references with the
+    reason, and an explicit 'native' to an error saying it."""
     assert isinstance(native(8, 64, 3, torch.float32), type(select_kernels("auto", "cpu", torch.float32, 64, 3, 16,
                                                                                kv_cache_dtype="int8")))
+    logged = []
+    assert select_kernels("auto", "cpu", torch.float32, 64, 3, 8, log=logged.append, kv_cache_dtype="int4").name == "torch"
+    assert "block_size 8 (multiples of 16)" in logged[0] and "torch reference" in logged[0]
+    with pytest.raises(KernelError, match="'native' cannot run here.*block_size 8"):
+        select_kernels("native", "cpu", torch.float32, 64, 3, 8, kv_cache_dtype="int8")
     from batchjob.kernels.native import ops as native_module
 
-    flags = cpu_identity()[1] - {"avx512_vnni"}
-    monkeypatch.setattr(native_module, "cpu_identity", lambda: ("a CPU without VNNI", flags))
-    logged = []
-    assert select_kernels("auto", "cpu", torch.float32, 64, 3, 16, log=logged.append, kv_cache_dtype="int4").name == "torch"
-    assert "int4 KV cache on this CPU (it needs AVX512-VNNI)" in logged[0] and "torch reference" in logged[0]
-    with pytest.raises(KernelError, match="'native' cannot run here.*AVX512-VNNI"):
-        select_kernels("native", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int8")
+    monkeypatch.setattr(native_module, "group4", lambda head_dim: 24)
+    with pytest.raises(KernelError, match="'native' cannot run here.*int4 groups of 24"):
+        select_kernels("native", "cpu", torch.float32, 64, 3, 16, kv_cache_dtype="int4")
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
