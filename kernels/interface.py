@@ -91,6 +91,11 @@ class KernelSet:
         """`logits.argmax(-1)` of [rows, vocab] logits: the same indices (first maximum; NaN the maximum)."""
         return elementwise.argmax_rows(logits)
 
+    @property
+    def label(self) -> str:
+        """How the start line names these kernels (the native ones add their instruction set: "native AVX2")."""
+        return self.name
+
     def reference_ops(self) -> list[str]:
         """The elementwise ops this set takes from the torch references (none of its own)."""
         mine = type(self)

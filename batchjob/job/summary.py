@@ -62,7 +62,7 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     dtype = str(model.dtype).removeprefix('torch.')
     kv = dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype
     matmuls = "" if model.quantization == "none" else f", {model.quantization} matmuls"
-    line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.name} kernels, "
+    line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.label} kernels, "
             f"{model.device.type}, {torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"

@@ -78,6 +78,10 @@ class NativeKernels(KernelSet):
         self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
         self.dtype_code = _DTYPE_CODES[dtype]
 
+    @property
+    def label(self) -> str:
+        return f"native {ISA_NAMES[self.isa]}"
+
     def kv_cache_shapes(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
         """K and V cache shapes in the kernel's layout (kernels/native/csrc/paged_attention.cpp, "Layouts"):
         a 16-key tile of one KV head is a run of 64-byte loads, with no transposing at attention time."""

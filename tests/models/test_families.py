@@ -4,6 +4,7 @@ greedy text identical in fp32 on tiny random models, on the torch references and
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -11,12 +12,11 @@ import torch
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.core.sequence import SamplingParams
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.kernels.native.build import cpu_identity
 from batchjob.models import registry
 from batchjob.models.loader import load_model
 
 FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe")
-HAS_NATIVE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_identity()[1]
+HAS_NATIVE = shutil.which("g++") is not None  # the native kernels build on every CPU (vec.h)
 KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
 
 

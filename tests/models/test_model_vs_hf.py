@@ -1,8 +1,9 @@
 """Our model against HF transformers: logits within 1e-4 (fp32) and identical greedy continuations, with the
-torch reference kernels and with the native ones (where the CPU has AVX-512)."""
+torch reference kernels and with the native ones."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -11,17 +12,16 @@ from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.worker.input_batch import step_inputs
-from batchjob.kernels.native.build import cpu_identity
 from batchjob.models.registry import build_model
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.loader import load_model
 from tests.builders import TINY_ARCHS
 
 ARCHS = (*TINY_ARCHS, "mistral_window")
-HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_identity()[1]
+HAS_NATIVE = shutil.which("g++") is not None  # the native kernels build on every CPU (vec.h)
 # (kernels, KV block size): the native kernels need blocks of a multiple of 16 tokens
 KERNELS = [pytest.param(("torch", 8), id="torch"),
-           pytest.param(("native", 16), id="native", marks=pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512"))]
+           pytest.param(("native", 16), id="native", marks=pytest.mark.skipif(not HAS_NATIVE, reason="needs a C++ compiler"))]
 
 
 def our_model(path, kernels="auto") -> CausalLM:

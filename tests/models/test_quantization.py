@@ -5,6 +5,7 @@ batch in bfloat16, and a job resumed after a crash writes the text of a job run 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,12 @@ from batchjob.io.manifest import Manifest
 from batchjob.io.parts import read_results
 from batchjob.kernels import KernelError
 from batchjob.kernels.linear_int8 import Int8Linear
-from batchjob.kernels.native.build import cpu_identity
 from batchjob.models.config import ModelConfig
 from batchjob.models.registry import build_model
 from tests.builders import matmuls, replace
 from tests.engine.test_determinism import PROMPTS, generate
 
-NATIVE = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_identity()[1]
+NATIVE = shutil.which("g++") is not None  # the native kernels build on every CPU (vec.h)
 FAST = ["--kv-cache-gb", "0.02", "--swap-space-gb", "0.01", "--no-progress"]
 
 
@@ -103,7 +103,7 @@ def _bf16_model() -> object:
     return build_model(cfg, weights, torch.bfloat16, kernels="native", quantization="int8")
 
 
-@pytest.mark.skipif(not NATIVE, reason="native bf16 kernels need AVX-512 with BF16")
+@pytest.mark.skipif(not NATIVE, reason="the native kernels need a C++ compiler")
 def test_bf16_int8_logits_do_not_depend_on_the_batch():
     """As tests/engine/test_determinism.py for bf16: each row's sampled tokens and logprobs bitwise the same
     alone, 7 at a time on one thread, and in prefill chunks of 5, as in one batch of 20."""
