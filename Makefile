@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 BATCHJOB := $(VENV)/bin/batchjob
 
-.PHONY: demo test install install-test bench bench-peers bench-resume chaos clean gpu-check gpu-check-smoke
+.PHONY: demo test install install-test bench bench-llama-cpp bench-peers bench-resume chaos clean gpu-check gpu-check-smoke
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,21 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.installed-bench
+	-$(MAKE) bench-llama-cpp
 	$(PY) -m batchjob.bench $(BENCH_ARGS)
+
+# Issue 31: llama.cpp built for this CPU (-DGGML_NATIVE=ON: its AVX2 or AVX-512 paths) from the vendored tree of the
+# llama-cpp-python sdist, the peer of bench/cpu_peers.py; ~10 minutes on 2 cores, once (bench/cache/llama.cpp/).
+LLAMA_CPP := bench/cache/llama.cpp
+$(LLAMA_CPP)/build/bin/llama-batched-bench: | $(VENV)/.installed
+	mkdir -p $(LLAMA_CPP)
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_CPP)
+	tar xzf $(LLAMA_CPP)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_CPP)
+	cmake -S $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp -B $(LLAMA_CPP)/build -DGGML_NATIVE=ON \
+		-DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > $(LLAMA_CPP)/cmake.log
+	cmake --build $(LLAMA_CPP)/build -j2 --target llama-batched-bench > $(LLAMA_CPP)/build.log
+
+bench-llama-cpp: $(LLAMA_CPP)/build/bin/llama-batched-bench
 
 # Issue 4: resume after 10,000 and 100,000 committed rows: time from start to the first new row, peak
 # memory, input lines read (with and without the recorded JSONL byte offset). `make bench` times the

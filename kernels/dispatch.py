@@ -1,6 +1,7 @@
 """The one place that chooses the kernels a model runs with: `--kernels auto|torch|native|triton`.
 
-- torch: the references (kernels/reference/attention.py and friends), on any device.
+- torch: the references (kernels/reference/attention.py and friends), on any device; on the CPU with attention
+  one row at a time, so that a row's result does not depend on its batch there too.
 - native: the compiled CPU kernels (kernels/native/csrc/, built at first use by kernels/native/build.py).
 - triton: the Triton kernels (kernels/triton/ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
 - auto: native on CPUs where it builds (for an int8/int4 KV cache: with AVX512-VNNI), else torch with
@@ -42,7 +43,7 @@ def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_di
     if choice not in CHOICES:
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
-        return TorchKernels()
+        return TorchKernels(per_row=device.type == "cpu")
     # a quantized cache: the references, the native kernels (AVX512-VNNI) and the Triton ones read int8 and
     # int4; Triton's int4 store needs head_dim / 2 a power of two (its ranges)
     half = head_dim // 2
@@ -83,5 +84,5 @@ def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_di
     except BuildError as e:
         if choice == "native":
             raise KernelError(f"kernels: 'native' cannot run here: {e}; use --kernels auto or torch") from None
-        log(f"native kernels unavailable ({e}); using the torch reference kernels")
-        return TorchKernels()
+        log(f"native kernels unavailable ({e}); using the torch reference kernels (several times slower)")
+        return TorchKernels(per_row=True)

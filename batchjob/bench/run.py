@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import kv_speed, moe, prefill, report, speculative, structured
+from batchjob.bench import cpu_peers, kv_speed, moe, prefill, report, speculative, structured
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "embed and score jobs vs HF transformers)")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8 compute section (bench/int8_speed.py: W1 bf16 vs "
                     "--quantization int8, the GEMM table, perplexity and greedy agreement)")
+    ap.add_argument("--no-cpu-peers", action="store_true", help="skip batchjob vs llama.cpp on this CPU (bench/cpu_peers.py: "
+                    "SmolLM2, 64 x (128 + 128) token ids, default and --quantization int8, the machine's ceilings)")
     ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
@@ -96,7 +98,7 @@ def machine() -> dict:
         pass
     info = {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "bf16_matmul": cpu_has_bf16_matmul(), "torch": torch.__version__, "python": platform.python_version(),
-            "loadavg_start": os.getloadavg()}
+            "loadavg_start": os.getloadavg(), "isa": cpu_peers.cpu_flags()}  # the instruction sets the numbers ran on
     try:
         import transformers
 
@@ -229,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         int8_rows = int8_speed.measure(Path(args.cache_dir), rounds=1 if args.quick else 2, quick=args.quick,
                                        timeout=args.timeout, threads=args.threads, log=log)
 
+    peer_rows = None
+    if not args.no_cpu_peers and not args.pipeline_only and not args.quick:
+        log("CPU peers: batchjob (default, --quantization int8) vs llama.cpp, SmolLM2 64 x (128 + 128) token ids ...")
+        peer_rows, err = launch.run_json_module("batchjob.bench.cpu_peers", ["--threads", str(args.threads)], args.timeout)
+        log(cpu_peers.text(peer_rows) if err is None else f"  failed: {err}")
+
     moe_rows = None
     if not args.no_moe and not args.pipeline_only:
         log("MoE: a small Qwen3-MoE and its dense equivalent of the same active parameters, batchjob vs HF ...")
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
-        "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "moe": moe_rows, "structured": structured_rows,
+        "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "cpu_peers": peer_rows, "moe": moe_rows, "structured": structured_rows,
         "prefill": prefill_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
@@ -297,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if int8_rows:
         log("int8 compute vs bf16 (W1 on SmolLM2, whole process; GEMM rates per shape; quality vs bf16):")
         log(int8_speed.text(int8_rows))
+        log("")
+    if peer_rows:
+        log("CPU peers (batchjob vs llama.cpp on this CPU; the machine's flags and ceilings):")
+        log(cpu_peers.text(peer_rows))
         log("")
     if moe_rows:
         log("MoE vs its dense equivalent (same active parameters):")

@@ -3,6 +3,11 @@ kernels, and the fallback where they cannot be built. It gathers each row's cont
 similar context length, fresh prompts as plain causal groups and continued chunks with an offset mask;
 that plan is built once per step and shared by every layer. Padding changes how SDPA blocks its sums,
 so its result moves by an ulp with a row's batch-mates; the native kernel's does not.
+
+`per_row=True` (what the engine runs on a CPU when it runs these references: `--kernels torch`, or no compiler for
+the native ones) makes every row a group of its own with its exact context: a row's result then depends on its own
+tokens only, not on its batch (batch-invariant, docs/design/determinism.md), at the cost of one SDPA call per row
+and layer.
 """
 from __future__ import annotations
 
@@ -24,14 +29,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: t
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                          scale: float, window: int | None = None, softcap: float | None = None,
+                          per_row: bool = False) -> torch.Tensor:
     """q: [T, H, D] (new tokens, rotated; their K/V already stored). Returns [T, H, D]. `softcap`: attention
-    logits become tanh(s / cap) * cap before the softmax (Gemma 2)."""
+    logits become tanh(s / cap) * cap before the softmax (Gemma 2). `per_row`: each row alone (batch-invariant)."""
     sdpa = F.scaled_dot_product_attention if softcap is None else _softcapped(softcap)
-    key = ("torch", window)  # the masks depend on the window
+    key = ("torch", window, per_row)  # the masks depend on the window
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _TorchPlan(meta, k_cache.shape[1], window, q.device)
+        plan = meta.plans[key] = _TorchPlan(meta, k_cache.shape[1], window, q.device, per_row)
     out = torch.empty_like(q)
     for rows, slots, mask in plan.decode_groups:
         k = _gather(k_cache, slots, q.dtype)
@@ -84,11 +90,18 @@ def length_groups(n: int, max_groups: int = 4, min_rows: int = 16) -> list[tuple
     return list(zip(edges, edges[1:]))
 
 
+def _singletons(n: int, **_) -> list[tuple[int, int]]:
+    """Every row a group of its own (per_row): no padding, no batch-mates."""
+    return [(i, i + 1) for i in range(n)]
+
+
 class _TorchPlan:
     """Gather indices and masks of one step for the torch reference, built from the metadata once."""
 
-    def __init__(self, meta: AttentionMetadata, block_size: int, window: int | None, device: torch.device):
+    def __init__(self, meta: AttentionMetadata, block_size: int, window: int | None, device: torch.device,
+                 per_row: bool = False):
         self.block_size = block_size
+        groups = _singletons if per_row else length_groups
         host = meta.host or {}  # on a GPU the runner's host copies: no device read-back (sync) per step
         tables = host["block_tables"] if "block_tables" in host else meta.block_tables.cpu()
         seq_lens = host["seq_lens"] if "seq_lens" in host else meta.seq_lens.tolist()
@@ -98,7 +111,7 @@ class _TorchPlan:
         self.prefill_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         # decodes by context length, in groups of similar length
         dec = sorted(range(nd), key=lambda r: seq_lens[r])
-        for a, b in length_groups(len(dec)):
+        for a, b in groups(len(dec)):
             rows = dec[a:b]
             lens = torch.tensor([seq_lens[r] for r in rows])
             width = int(lens.max())
@@ -114,10 +127,10 @@ class _TorchPlan:
         pre = [(r, qsl[r], qsl[r + 1] - qsl[r], seq_lens[r] - (qsl[r + 1] - qsl[r])) for r in range(nd, len(seq_lens))]
         fresh = sorted((p for p in pre if p[3] == 0 and not window), key=lambda p: p[2])
         cont = [p for p in pre if p[3] != 0 or window]
-        for a, b in length_groups(len(fresh), min_rows=4):
+        for a, b in groups(len(fresh), min_rows=4):
             self.prefill_groups.append(self._prefill_group(fresh[a:b], tables, None, device))
-        if cont:
-            self.prefill_groups.append(self._prefill_group(cont, tables, window, device, offset=True))
+        for a, b in (groups(len(cont), min_rows=len(cont)) if cont else []):
+            self.prefill_groups.append(self._prefill_group(cont[a:b], tables, window, device, offset=True))
 
     def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
         """[S, length] cache slot of every context position of each row (past a row's end: masked)."""
