@@ -4,7 +4,7 @@
   one row at a time, so that a row's result does not depend on its batch there too.
 - native: the compiled CPU kernels (kernels/native/csrc/, built at first use by kernels/native/build.py).
 - triton: the Triton kernels (kernels/triton/ops.py), on CUDA, or on the CPU under TRITON_INTERPRET=1.
-- auto: native on CPUs where it builds (for an int8/int4 KV cache: with AVX512-VNNI), else torch with
+- auto: native on CPUs where it builds (any CPU with a C++ compiler: AVX-512, AVX2 or generic C++), else torch with
   one log line saying why; on CUDA triton when
   its start-up check against the references passes on this GPU (kernels/triton/check.py), else torch
   with one log line saying why.
@@ -44,7 +44,7 @@ def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_di
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         return TorchKernels(per_row=device.type == "cpu")
-    # a quantized cache: the references, the native kernels (AVX512-VNNI) and the Triton ones read int8 and
+    # a quantized cache: the references, the native kernels (every path) and the Triton ones read int8 and
     # int4; Triton's int4 store needs head_dim / 2 a power of two (its ranges)
     half = head_dim // 2
     if kv_cache_dtype == "int4" and choice == "triton" and half & (half - 1):

@@ -7,7 +7,7 @@
   in chunks of 64 tokens, so that later chunks read the quantized K/V of the earlier ones (and every
   chunk its own, stored before attention reads it);
 - for int4, the scale group size along head_dim (16, 32, 64 = one scale per token and head);
-- the native kernels' int8/int4 (AVX512-VNNI: the query quantized to int8 for Q.K, P to 15 bits for P.V)
+- the native kernels' int8/int4 (integer dot products: the query quantized to int8 for Q.K, P to 15 bits for P.V)
   against the same reference;
 - for scale, the noise floor: the unquantized cache on the native kernels (another summation order),
   and int8 against the unquantized cache in fp32 (no bf16 rounding between them).

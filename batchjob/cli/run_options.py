@@ -104,7 +104,7 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
      "than this: a full batch gains little from them (default: 32)"),
     ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(["auto", "int8", "int4"]), "KV cache: auto = the compute dtype; "
      "int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or int4 (groups of 16 along head_dim, ~3.2x); "
-     "read by every backend: native (AVX512-VNNI), Triton and the torch references (default: auto)"),
+     "read by every backend: native (every CPU path), Triton and the torch references (default: auto)"),
     ("--quantization", "quantization", click.Choice(["auto", "none", "int8", "fp8"]), "weight matmuls: auto = the "
      "checkpoint's (a compressed-tensors W8A8 int8 folder runs int8, its codes as stored; a W8A8 fp8 one fp8 where fp8 "
      "runs, else dequantized at load; a float one: none); none = the compute dtype; int8 = W8A8, any bf16/fp32 checkpoint quantized at load (weights per output channel, activations "

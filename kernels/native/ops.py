@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels.interface import AttentionMetadata, KernelSet
-from batchjob.kernels.native.build import BuildError, build_all, cpu_isa
+from batchjob.kernels.native.build import ISA_NAMES, BuildError, build_all, cpu_isa
 from batchjob.kernels.reference.kv_quant import group4
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

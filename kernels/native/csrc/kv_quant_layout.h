@@ -1,5 +1,6 @@
 // The int8/int4 KV cache of the native kernels: its layouts, the code offsets of a dim, and the scale
-// groups. Shared by the quantizing store (kv_quant_store.cpp) and attention (paged_attention_quant.cpp).
+// groups. Shared by the quantizing store (kv_quant_store.cpp) and attention (paged_attention_quant.cpp), both
+// written over vec.h and vec_int.h (AVX-512, AVX2 or generic; fp32 <-> fp16: vec.h's fp16 / fp32).
 // Needs HEAD_DIM and GROUP (int4 values per scale); kernels/native/build.py hashes this header into the key.
 //
 // Layouts (block, KV head major, as the bf16 kernel's), codes and fp16 scales in separate tensors:
@@ -13,6 +14,7 @@
 #pragma once
 
 #include "attention_common.h"
+#include "vec_int.h"
 
 #ifndef GROUP
 #error "compile with -DGROUP=<int4 values per scale>"
@@ -25,15 +27,6 @@ static_assert(GROUP4 % 16 == 0 && D % GROUP4 == 0, "int4 groups must be whole 16
 
 template <int BITS>
 constexpr int scale_groups() { return BITS == 8 ? 1 : D / GROUP4; }  // scales per token and KV head
-
-template <typename T>
-inline __m512 load16(const T* x) {  // 16 values of q or of a new K/V token as fp32
-  if constexpr (std::is_same<T, float>::value) {
-    return _mm512_loadu_ps(x);
-  } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
-  }
-}
 
 // Byte offsets of dim d of the key at offset j of a block, in the K and V code layouts; int4 also gives
 // the nibble (0 low, 4 high).
@@ -57,8 +50,5 @@ inline int64_t v_byte(int j, int d, int* shift) {
     return ((int64_t)(j / 4) * D + d) * 2 + j % 2;
   }
 }
-
-inline uint16_t fp16(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline float fp32(uint16_t x) { return _cvtsh_ss(x); }
 
 }  // namespace

@@ -1,8 +1,9 @@
 // The quantizing KV store of the native int8/int4 cache (layouts: kv_quant_layout.h), and its inverse
-// for tests.
+// for tests. Written over vec.h / vec_int.h: the same codes and scales on every instruction-set path.
 //
 // Must equal: kernels/reference/kv_quant.py `quantize` / `dequantize`, bitwise (codes, scales, dequantized values).
-// Tested by:  tests/kernels/test_native_kv_quant.py (round trips, one token at a time vs all at once, slot -1).
+// Tested by:  tests/kernels/test_native_kv_quant.py (round trips, one token at a time vs all at once, slot -1; on
+//             every instruction-set path this CPU runs, bitwise the same on each).
 // Compiled per model with -DHEAD_DIM=D -DGQA=G -DGROUP=<int4 values per scale> (kernels/native/ops.py).
 
 #include "kv_quant_layout.h"
@@ -14,21 +15,20 @@ namespace {
 // round-half-even(x / scale) clamped to +-levels (scale 0: codes 0).
 template <typename T>
 void quantize_vector(const T* x, int gsize, int levels, int8_t* codes, uint16_t* scales) {
-  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const int per = gsize / 16;
   for (int g = 0; g < D / gsize; ++g) {
-    __m512 v[D / 16];
-    __m512 amax = _mm512_setzero_ps();
+    vf v[D / 16];
+    vf amax = vzero();
     for (int i = 0; i < per; ++i) {
-      v[i] = load16(x + (g * per + i) * 16);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+      v[i] = vload(x + (g * per + i) * 16);
+      amax = vmax(amax, vabs(v[i]));
     }
-    scales[g] = fp16(_mm512_reduce_max_ps(amax) / (float)levels);
+    scales[g] = fp16(reduce_max(amax) / (float)levels);
     const float sf = fp32(scales[g]);
-    const __m512 div = _mm512_set1_ps(sf > 0 ? sf : 1.0f), hi = _mm512_set1_ps((float)levels), lo = _mm512_set1_ps((float)-levels);
+    const vf div = vset(sf > 0 ? sf : 1.0f), hi = vset((float)levels), lo = vset((float)-levels);
     for (int i = 0; i < per; ++i) {  // x / scale (a true division, as torch's), rounded half to even, clamped
-      const __m512 c = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(v[i], div), R), lo), hi);
-      _mm_storeu_si128((__m128i*)(codes + (g * per + i) * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+      const vf c = vmin(vmax(round_even(v[i] / div), lo), hi);
+      store_i8(codes + (g * per + i) * 16, to_int_trunc(c));  // c is integral: truncation is exact
     }
   }
 }

@@ -1,19 +1,24 @@
-// Paged attention over an int8 or int4 KV cache on the CPU (AVX-512 VNNI) (the store: kv_quant_store.cpp):
+// Paged attention over an int8 or int4 KV cache on the CPU (vec.h / vec_int.h: AVX-512, AVX2 or generic; the
+// store: kv_quant_store.cpp):
 // the same work items, tiles, online softmax (with the same optional logit soft-cap, a template parameter)
 // and batch invariance as paged_attention.cpp, with integer dot products on both sides of the softmax.
 //
 // Must equal: kernels/reference/attention.py (`paged_attention_torch`, with its `window` and `softcap`) over the same
 //             codes dequantized (kernels/reference/kv_quant.py), within the rounding below.
 // Tested by:  tests/kernels/test_native_kv_quant.py (round trips, attention against the reference with and without
-//             the soft-cap, head_dim 64-256, bitwise batch invariance, jobs with int8/int4 KV).
+//             the soft-cap, head_dim 64-256, bitwise batch invariance, jobs with int8/int4 KV; on every
+//             instruction-set path this CPU runs, bitwise the same on each; the AVX-512 path compiled anywhere).
 //
 // Q.K: each query row is quantized once per work item to two int8 parts (QQuery below), K codes are
 // stored unsigned (code + 128 for int8, code + 8 for int4), and vpdpbusd adds 4 u8 x s8 products per
-// lane: 16 keys x 4 dims per instruction, exact in int32. The offset is taken out with the row's code sum
+// lane: 16 keys x 4 dims per step, exact in int32. The offset is taken out with the row's code sum
 // (sum (k + o) q = sum k q + o sum q), then score = q_scale * k_scale * dot, per scale group.
 // P.V: P times each key's V scale is rounded to 15 bits (Tile below), V codes are widened to int16 pairs
 // and vpdpwssd adds 2 keys' products per lane, exact in int32; the tile's sum goes into the fp32
 // accumulators with its unit. Measured error and speed: docs/benchmarks.md.
+// vpdpbusd and vpdpwssd are vec_int.h's dpbusd and dpwssd: the instructions where the CPU has VNNI (AVX512-VNNI,
+// AVX-VNNI), exact emulations elsewhere (vpmaddwd over widened bytes; vpmaddwd + vpaddd), so every path gives the
+// same integers, and the fp32 steps around them are the same operations in the same order: the same bits.
 //
 // Layouts: kv_quant_layout.h. Compiled per model with -DHEAD_DIM=D -DGQA=G -DGROUP=<int4 values per scale>
 // (kernels/native/ops.py).
@@ -36,36 +41,40 @@ struct QQuery {
   int32_t offset[D / 16];  // per K scale group: 128 x (254 x sum of hi codes + sum of lo codes), K's code offset
 };
 
+inline uint32_t quad(const int8_t* p) {  // 4 codes as one dword, as in memory
+  uint32_t x;
+  memcpy(&x, p, 4);
+  return x;
+}
+
 template <typename T>
 void quantize_query(const T* q, int groups, QQuery* out) {
-  __m512 x[D / 16];
-  __m512 amax = _mm512_setzero_ps();
+  vf x[D / 16];
+  vf amax = vzero();
   for (int i = 0; i < D / 16; ++i) {
-    x[i] = load16(q + 16 * i);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(x[i]));
+    x[i] = vload(q + 16 * i);
+    amax = vmax(amax, vabs(x[i]));
   }
-  const float m = _mm512_reduce_max_ps(amax);
+  const float m = reduce_max(amax);
   out->scale = m / 127.0f;
-  const __m512 inv = _mm512_set1_ps(m > 0 ? 127.0f / m : 0.0f);
+  const vf inv = vset(m > 0 ? 127.0f / m : 0.0f);
   const int per = D / 16 / groups;
-  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int g = 0; g < groups; ++g) {
-    __m512i sum[QP];
-    for (int p = 0; p < QP; ++p) sum[p] = _mm512_setzero_si512();
-    for (int i = g * per; i < (g + 1) * per; ++i) {
-      const __m512 y = _mm512_mul_ps(x[i], inv);
-      const __m512i hi = _mm512_cvt_roundps_epi32(y, R);
-      _mm_store_si128((__m128i*)(out->code[0] + 16 * i), _mm512_cvtsepi32_epi8(hi));
-      sum[0] = _mm512_add_epi32(sum[0], hi);
+    vi sum[QP];
+    for (int p = 0; p < QP; ++p) sum[p] = iset(0);
+    for (int i = g * per; i < (g + 1) * per; ++i) {  // |y| <= 127, |rest| <= 127: the int8 stores do not saturate
+      const vf y = x[i] * inv;
+      const vi hi = to_int_trunc(round_even(y));
+      store_i8(out->code[0] + 16 * i, hi);
+      sum[0] = sum[0] + hi;
       if constexpr (QP == 2) {
-        const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(254.0f));
-        const __m512i lo = _mm512_cvt_roundps_epi32(rest, R);
-        _mm_store_si128((__m128i*)(out->code[QP - 1] + 16 * i), _mm512_cvtsepi32_epi8(lo));
-        sum[QP - 1] = _mm512_add_epi32(sum[QP - 1], lo);
+        const vf rest = (y - to_float(hi)) * vset(254.0f);
+        const vi lo = to_int_trunc(round_even(rest));
+        store_i8(out->code[QP - 1] + 16 * i, lo);
+        sum[QP - 1] = sum[QP - 1] + lo;
       }
     }
-    out->offset[g] = 128 * (QP == 2 ? 254 * _mm512_reduce_add_epi32(sum[0]) + _mm512_reduce_add_epi32(sum[QP - 1])
-                                    : _mm512_reduce_add_epi32(sum[0]));
+    out->offset[g] = 128 * (QP == 2 ? 254 * reduce_add(sum[0]) + reduce_add(sum[QP - 1]) : reduce_add(sum[0]));
   }
 }
 
@@ -84,15 +93,15 @@ struct Tile {
   alignas(64) uint8_t k4[D / 4][64];
   const uint8_t* v_raw;  // the tile's packed V codes
   alignas(64) int16_t v16[TILE / 2][D][2];  // ... widened, once a tile has more than one row group
-  __m512 vscale[D / 16];  // V scales per group, fp32
-  __m512 p_to_int[D / 16];
+  vf vscale[D / 16];  // V scales per group, fp32
+  vf p_to_int[D / 16];
   float unit[D / 16];
 };
 
-inline void p_factors(__m512 vsg, __m512* factor, float* unit) {
-  const float vmax = _mm512_reduce_max_ps(vsg);
-  *factor = _mm512_mul_ps(vsg, _mm512_set1_ps(vmax > 0 ? 32767.0f / vmax : 0.0f));
-  *unit = vmax / 32767.0f;
+inline void p_factors(vf vsg, vf* factor, float* unit) {
+  const float top = reduce_max(vsg);
+  *factor = vsg * vset(top > 0 ? 32767.0f / top : 0.0f);
+  *unit = top / 32767.0f;
 }
 
 // K scales' and V's per-tile parts; V itself stays packed (v_raw) until a second row group needs it.
@@ -100,7 +109,7 @@ template <int BITS>
 void unpack_tile(const uint8_t* k, const uint8_t* v, const uint16_t* vs, bool full, Tile* t) {
   constexpr int NG = scale_groups<BITS>();
   for (int g = 0; g < NG; ++g) {
-    t->vscale[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vs + g * t->bs)));
+    t->vscale[g] = vload_fp16(vs + g * t->bs);
     if (full) p_factors(t->vscale[g], &t->p_to_int[g], &t->unit[g]);  // some row sees every key of the tile
   }
   t->v_raw = v;
@@ -108,11 +117,10 @@ void unpack_tile(const uint8_t* k, const uint8_t* v, const uint16_t* vs, bool fu
     t->k = k;
     t->kstride = (int64_t)t->bs * 4;
   } else {
-    const __m512i low = _mm512_set1_epi8(0x0F), to_u8 = _mm512_set1_epi8(120);  // code + 8 -> code + 128
-    for (int o = 0; o < D / 8; ++o) {
-      const __m512i x = _mm512_loadu_si512(k + (int64_t)o * t->bs * 4);
-      _mm512_store_si512(t->k4[2 * o], _mm512_add_epi8(_mm512_and_si512(x, low), to_u8));
-      _mm512_store_si512(t->k4[2 * o + 1], _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), low), to_u8));
+    for (int o = 0; o < D / 8; ++o) {  // code + 8 -> code + 128
+      const vb x = bload(k + (int64_t)o * t->bs * 4);
+      bstore(t->k4[2 * o], add_bytes(low_nibbles(x), 120));
+      bstore(t->k4[2 * o + 1], add_bytes(high_nibbles(x), 120));
     }
     t->k = t->k4[0];
     t->kstride = 64;
@@ -121,25 +129,38 @@ void unpack_tile(const uint8_t* k, const uint8_t* v, const uint16_t* vs, bool fu
 
 // V codes of key pair jj, dims 16i..16i+15, as int16 pairs: from the packed cache or from v16.
 template <int BITS, bool RAW>
-inline __m512i v_pairs(const Tile& t, int jj, int i) {
+inline vw v_pairs(const Tile& t, int jj, int i) {
   if constexpr (!RAW) {
-    return _mm512_load_si512(&t.v16[jj][16 * i][0]);
+    return wload(&t.v16[jj][16 * i][0]);
   } else if constexpr (BITS == 8) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(t.v_raw + (jj * D + 16 * i) * 2)));
+    return widen_s8((const int8_t*)t.v_raw + (jj * D + 16 * i) * 2);
   } else {  // quad jj / 2; low nibbles hold pair 2m, high ones pair 2m + 1
-    __m256i x = _mm256_loadu_si256((const __m256i*)(t.v_raw + ((jj / 2) * D + 16 * i) * 2));
-    if (jj % 2) x = _mm256_srli_epi16(x, 4);
-    return _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(x, _mm256_set1_epi8(0x0F))), _mm512_set1_epi16(8));
+    return widen_nibbles(t.v_raw + ((jj / 2) * D + 16 * i) * 2, jj % 2 ? 4 : 0);
   }
 }
 
 template <int BITS>
 void unpack_v(Tile* t) {
   for (int jj = 0; jj < TILE / 2; ++jj)
-    for (int i = 0; i < NACC; ++i) _mm512_store_si512(&t->v16[jj][16 * i][0], v_pairs<BITS, true>(*t, jj, i));
+    for (int i = 0; i < NACC; ++i) wstore(&t->v16[jj][16 * i][0], v_pairs<BITS, true>(*t, jj, i));
 }
 
-// One tile for N rows (N <= RB).
+// P.V's loop order and the rows computed together (QRB; neither changes a bit of a row's result). AVX-512: key
+// pairs outer, RB rows (attention_common.h: the N x NACC accumulators fit in the 32 zmm). AVX2 and generic: dims
+// outer, so that only one dim's N accumulators are live (AVX2's 16 ymm hold 8 vectors), and on AVX2 4 rows, which
+// takes a decode's whole GQA group (SmolLM2: 3 rows) in one pass: ~12% faster than 2 + 1 rows, measured on Zen 3.
+#if defined(BJ_ISA_AVX512)
+constexpr bool PV_KEYS_OUTER = true;
+#else
+constexpr bool PV_KEYS_OUTER = false;
+#endif
+#if defined(BJ_ISA_AVX2)
+constexpr int QRB = 4;
+#else
+constexpr int QRB = RB;
+#endif
+
+// One tile for N rows (N <= QRB).
 template <int BITS>
 struct Quant {
   static constexpr int NG = scale_groups<BITS>();
@@ -147,33 +168,31 @@ struct Quant {
 
   template <int N, bool RAW, bool CAP>
   static void attend(const Tile& t, int t0, Row* const* rows, Logits L) {
-    const int32_t* qd[N][QP];
     const QQuery* qq[N];
-    __m512 s[N];
+    vf s[N];
     for (int r = 0; r < N; ++r) {
       qq[r] = (const QQuery*)rows[r]->q;
-      for (int p = 0; p < QP; ++p) qd[r][p] = (const int32_t*)qq[r]->code[p];
-      s[r] = _mm512_setzero_ps();
+      s[r] = vzero();
     }
     // Q.K, one scale group at a time, groups summed in order
     for (int g = 0; g < NG; ++g) {
-      __m512i dot[N][QP];
+      vi dot[N][QP];
       for (int r = 0; r < N; ++r)
-        for (int p = 0; p < QP; ++p) dot[r][p] = _mm512_setzero_si512();
+        for (int p = 0; p < QP; ++p) dot[r][p] = iset(0);
       for (int o = g * (D / 4 / NG); o < (g + 1) * (D / 4 / NG); ++o) {
-        const __m512i kq = _mm512_loadu_si512(t.k + o * t.kstride);
+        const vb kq = bload(t.k + o * t.kstride);
         for (int r = 0; r < N; ++r)
-          for (int p = 0; p < QP; ++p) dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], kq, _mm512_set1_epi32(qd[r][p][o]));
+          for (int p = 0; p < QP; ++p) dot[r][p] = dpbusd(dot[r][p], kq, bset(quad(qq[r]->code[p] + 4 * o)));
       }
-      const __m512 ksg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(t.ks + g * t.bs)));
+      const vf ksg = vload_fp16(t.ks + g * t.bs);
       for (int r = 0; r < N; ++r) {  // hi * 254 + lo - offset, exact in int32 (|hi.k| < 2^22 at D = 256)
-        __m512i exact = dot[r][0];
-        if constexpr (QP == 2) exact = _mm512_add_epi32(_mm512_mullo_epi32(exact, _mm512_set1_epi32(254)), dot[r][1]);
-        exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(qq[r]->offset[g]));
-        s[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), ksg, s[r]);
+        vi exact = dot[r][0];
+        if constexpr (QP == 2) exact = exact * iset(254) + dot[r][1];
+        exact = exact - iset(qq[r]->offset[g]);
+        s[r] = fmadd(to_float(exact), ksg, s[r]);
       }
     }
-    for (int r = 0; r < N; ++r) s[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(QP == 2 ? qq[r]->scale / 254.0f : qq[r]->scale));
+    for (int r = 0; r < N; ++r) s[r] = s[r] * vset(QP == 2 ? qq[r]->scale / 254.0f : qq[r]->scale);
     float alpha[N];
     softmax_rows<N, CAP>(s, rows, t0, L, alpha);
 
@@ -181,59 +200,66 @@ struct Quant {
     alignas(64) uint32_t pw[N][NG][TILE / 2];
     float unit[N][NG];
     for (int r = 0; r < N; ++r) {
-      const __mmask16 seen = key_mask(t0, *rows[r]);
+      const m16 seen = key_mask(t0, *rows[r]);
       for (int g = 0; g < NG; ++g) {
-        __m512 factor;
-        if (seen == 0xffff) {  // the tile's own factors (set: some row sees the whole tile)
+        vf factor;
+        if (seen == ALL) {  // the tile's own factors (set: some row sees the whole tile)
           factor = t.p_to_int[g];
           unit[r][g] = t.unit[g];
         } else {
-          p_factors(_mm512_maskz_mov_ps(seen, t.vscale[g]), &factor, &unit[r][g]);
+          p_factors(keep(seen, t.vscale[g]), &factor, &unit[r][g]);
         }
-        _mm256_store_si256((__m256i*)pw[r][g], _mm512_cvtepi32_epi16(_mm512_cvt_roundps_epi32(
-            _mm512_mul_ps(s[r], factor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+        store_i16((int16_t*)pw[r][g], to_int_trunc(round_even(s[r] * factor)));  // in [0, 32767]
       }
     }
-    __m512i pv[N][NACC];
+    // each pv[r][i] adds its key pairs in order, whichever loop is outer (PV_KEYS_OUTER)
+    vi pv[N][NACC];
     for (int r = 0; r < N; ++r)
-      for (int i = 0; i < NACC; ++i) pv[r][i] = _mm512_setzero_si512();
-    for (int jj = 0; jj < TILE / 2; ++jj)
-      for (int i = 0; i < NACC; ++i) {
-        const __m512i vv = v_pairs<BITS, RAW>(t, jj, i);
-        for (int r = 0; r < N; ++r)
-          pv[r][i] = _mm512_dpwssd_epi32(pv[r][i], vv, _mm512_set1_epi32((int)pw[r][i / V_GROUP_VECS][jj]));
-      }
+      for (int i = 0; i < NACC; ++i) pv[r][i] = iset(0);
+    if constexpr (PV_KEYS_OUTER) {
+      for (int jj = 0; jj < TILE / 2; ++jj)
+        for (int i = 0; i < NACC; ++i) {
+          const vw vv = v_pairs<BITS, RAW>(t, jj, i);
+          for (int r = 0; r < N; ++r) pv[r][i] = dpwssd(pv[r][i], vv, wset(pw[r][i / V_GROUP_VECS][jj]));
+        }
+    } else {
+      for (int i = 0; i < NACC; ++i)
+        for (int jj = 0; jj < TILE / 2; ++jj) {
+          const vw vv = v_pairs<BITS, RAW>(t, jj, i);
+          for (int r = 0; r < N; ++r) pv[r][i] = dpwssd(pv[r][i], vv, wset(pw[r][i / V_GROUP_VECS][jj]));
+        }
+    }
     for (int r = 0; r < N; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
+      const vf a = vset(alpha[r]);
       for (int i = 0; i < NACC; ++i) {
-        const __m512 prev = _mm512_mul_ps(_mm512_load_ps(rows[r]->acc + 16 * i), a);
-        _mm512_store_ps(rows[r]->acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(pv[r][i]), _mm512_set1_ps(unit[r][i / V_GROUP_VECS]), prev));
+        const vf prev = vload(rows[r]->acc + 16 * i) * a;
+        vstore(rows[r]->acc + 16 * i, fmadd(to_float(pv[r][i]), vset(unit[r][i / V_GROUP_VECS]), prev));
       }
     }
   }
 };
 
-// Rows in groups of RB; V is widened into the tile once when more than one group reads it (the same
+// Rows in groups of QRB; V is widened into the tile once when more than one group reads it (the same
 // values either way: the result does not depend on it).
 template <int BITS, bool CAP>
 inline void attend_rows(Tile& t, int t0, Row* const* rows, int count, Logits L) {
   using Q = Quant<BITS>;
-  if (count <= RB) {
+  if (count <= QRB) {
     switch (count) {
-      case 4: if constexpr (RB == 4) Q::template attend<4, true, CAP>(t, t0, rows, L); break;
-      case 3: if constexpr (RB >= 3) Q::template attend<3, true, CAP>(t, t0, rows, L); break;
-      case 2: if constexpr (RB >= 2) Q::template attend<2, true, CAP>(t, t0, rows, L); break;
+      case 4: if constexpr (QRB == 4) Q::template attend<4, true, CAP>(t, t0, rows, L); break;
+      case 3: if constexpr (QRB >= 3) Q::template attend<3, true, CAP>(t, t0, rows, L); break;
+      case 2: if constexpr (QRB >= 2) Q::template attend<2, true, CAP>(t, t0, rows, L); break;
       case 1: Q::template attend<1, true, CAP>(t, t0, rows, L); break;
       default: break;
     }
     return;
   }
   unpack_v<BITS>(&t);
-  for (; count >= RB; count -= RB, rows += RB) Q::template attend<RB, false, CAP>(t, t0, rows, L);
-  switch (count) {  // the rest, 1..RB-1 rows
-    case 3: if constexpr (RB > 3) Q::template attend<3, false, CAP>(t, t0, rows, L); break;
-    case 2: if constexpr (RB > 2) Q::template attend<2, false, CAP>(t, t0, rows, L); break;
-    case 1: if constexpr (RB > 1) Q::template attend<1, false, CAP>(t, t0, rows, L); break;
+  for (; count >= QRB; count -= QRB, rows += QRB) Q::template attend<QRB, false, CAP>(t, t0, rows, L);
+  switch (count) {  // the rest, 1..QRB-1 rows
+    case 3: if constexpr (QRB > 3) Q::template attend<3, false, CAP>(t, t0, rows, L); break;
+    case 2: if constexpr (QRB > 2) Q::template attend<2, false, CAP>(t, t0, rows, L); break;
+    case 1: if constexpr (QRB > 1) Q::template attend<1, false, CAP>(t, t0, rows, L); break;
     default: break;
   }
 }
@@ -273,11 +299,11 @@ void run_item(const Args& A, const Scales& S, int row, int h, int tb, int te) {
     if (t0 + TILE < khi) {  // the next tile into L2 while this one is computed (see paged_attention.cpp)
       const int tn = t0 + TILE, o = tn % bs;
       const int64_t b = head_block(tn);
-      for (int i = 0; i < k_lines; ++i) _mm_prefetch((const char*)(kc + b * code_bytes + ((int64_t)i * bs + o) * 4), _MM_HINT_T1);
+      for (int i = 0; i < k_lines; ++i) prefetch_l2(kc + b * code_bytes + ((int64_t)i * bs + o) * 4);
       prefetch_l2(vc + b * code_bytes + (int64_t)o * D * BITS / 8, TILE * D * BITS / 8);
       for (int g = 0; g < Q::NG; ++g) {
-        _mm_prefetch((const char*)(S.k + b * scale_elems + (int64_t)g * bs + o), _MM_HINT_T1);
-        _mm_prefetch((const char*)(S.v + b * scale_elems + (int64_t)g * bs + o), _MM_HINT_T1);
+        prefetch_l2(S.k + b * scale_elems + (int64_t)g * bs + o);
+        prefetch_l2(S.v + b * scale_elems + (int64_t)g * bs + o);
       }
     }
     int count = 0;
@@ -330,12 +356,10 @@ int bj_paged_attention_quant(const void* q, int64_t q_token_stride, void* out, c
     go(I8{}, F{});
   } else if (bits == 4 && dtype == 0) {
     go(I4{}, F{});
-#ifdef __AVX512BF16__
   } else if (bits == 8 && dtype == 1) {
     go(I8{}, H{});
   } else if (bits == 4 && dtype == 1) {
     go(I4{}, H{});
-#endif
   } else {
     return -1;
   }
