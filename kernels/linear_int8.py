@@ -2,22 +2,33 @@
 once at load (symmetric, per output channel), the activations per row at run time (dynamic), so a row's
 scale depends on that row alone. The semantics are kernels/reference/scaled_mm.py's `int8_scaled_mm`.
 
-On a CPU with AVX512-VNNI (AMD Zen 4 and later, Intel Ice Lake and later) a call is one native op,
-kernels/native/csrc/scaled_mm.cpp `bj_int8_linear`: the rows quantized per row (bitwise the reference), the
-GEMM on `vpdpbusd` over the weight packed once at load (blocks of 64 columns; the unsigned shift's correction,
-128 x each column's sum, precomputed there), the rescale `(acc * x_scale) * w_scale (+ bias)` from registers in
-the reference's order. So a call equals the reference bitwise. Measured on the 2-core AMD EPYC (Zen 4)
-development machine, SmolLM2's shapes, weights from memory as in a step (docs/design/int8-matmul.md; `python -m
-batchjob.bench.int8_matmul` repeats them): 3.1-3.4x faster than the bf16 `Linear` at 1 row, 1.9-2.4x at 64 rows,
-1.7-2.0x at 256. oneDNN's int8 inner product, which this path used before, takes 0.4-0.5 s for a 64-row QKV on
-that CPU (and was only 10-30% faster than AMX bf16 on a Sapphire Rapids one); `torch._int_mm` reorders the
-weight on every call (1.2-2.6x slower than ours at 1-64 rows).
+On the CPU a call is one native op wherever the native library builds (any x86 CPU, and Arm through the generic
+path), kernels/native/csrc/scaled_mm.cpp `bj_int8_linear`: the rows quantized per row (bitwise the reference),
+the integer GEMM over the weight packed once at load (blocks of 64 columns x k in quads, the same on every path),
+the rescale `(acc * x_scale) * w_scale (+ bias)` from registers in the reference's order. So a call equals the
+reference bitwise. The GEMM's micro-kernel is the built path's (`Int8Linear.kernel` names it):
+
+- `native-avx512-vnni`: `vpdpbusd` on zmm (AMD Zen 4+, Intel Ice Lake+). Measured on the 2-core Zen 4
+  development machine, SmolLM2's shapes, weights from memory as in a step (docs/design/int8-matmul.md; `python -m
+  batchjob.bench.int8_matmul` repeats them): 3.1-3.4x faster than the bf16 `Linear` at 1 row, 1.9-2.4x at 64 rows,
+  1.7-2.0x at 256;
+- `native-avx-vnni`: `vpdpbusd` on ymm (AVX2 CPUs with AVX-VNNI: Intel Alder Lake+, AMD Zen 5);
+- `native-avx2`: `vpmaddubsw` + `vpmaddwd` on |q| and the weight's bytes flipped by q's sign, exact (AMD Zen 2/3,
+  Intel Haswell to Comet Lake, AVX-512 CPUs without VNNI). Measured on the 2-core AMD EPYC Milan (Zen 3) machine,
+  SmolLM2's shapes, fp32 in and out, weights from memory, 2 threads: 240-280 GOP/s at 64-256 rows, 1.75-2.7x
+  fp32 `F.linear` (1.75-2.3x oneDNN's packed fp32), 3.1-6x at 16 rows, 3.9-6.9x at one row (there memory-bound: a
+  quarter of fp32's bytes);
+- `native-generic`: plain integer loops (Arm, or BATCHJOB_CPU_ISA=generic); exact, slow.
+
+oneDNN's int8 inner product takes 0.4-0.5 s for a 64-row QKV on Zen 4 (and was only 10-30% faster than AMX bf16 on
+a Sapphire Rapids one); `torch._int_mm` reorders the weight on every call (1.2-2.6x slower than ours at 1-64 rows on
+Zen 4; 1-2 GOP/s on Zen 3, where it made `--quantization int8` slower than fp32 before the AVX2 kernel).
 
 Batch invariance comes free: integer sums are exact in any order, and the quantize and rescale see one row at a
 time. No row tiling is needed (the bf16 Linear runs AMX in calls of 64 rows for this, kernels/linear.py).
 
-Where the native GEMM is not built (no VNNI, no compiler), `_int_mm` runs between the native quantize and
-rescale (or the torch references where those are missing too): slower, equal.
+Where the native library is not built (no compiler), `_int_mm` runs between the torch references' quantize and
+rescale (or the reference GEMM where `_int_mm` is missing or inexact): slower, equal.
 On CUDA the Triton kernels (kernels/triton/scaled_mm.py) plug in at `scaled_mm_backend`, after their start-up check.
 """
 from __future__ import annotations
@@ -41,7 +52,7 @@ class QuantizationError(KernelError):
 @functools.cache
 def _int_mm_exact() -> bool:
     """Whether this torch's CPU `_int_mm` (int8 x int8 -> int32) runs and is exact: the GEMM where the native
-    VNNI kernel is not built."""
+    library is not built."""
     try:
         a = torch.full((3, 40), 127, dtype=torch.int8)
         return bool((torch._int_mm(a, a.T) == 127 * 127 * 40).all())
@@ -98,11 +109,14 @@ class Int8Linear:
         self._gpu = scaled_mm_backend(codes.device, "int8") if codes.device.type != "cpu" else None
         # the packed copy is what runs; the plain codes stay only where nothing packed them
         self._codes = codes.contiguous() if self._packed is None else None
-        # what runs a call, for logs and tests: native-vnni | int_mm | reference | triton
+        # what runs a call, for logs and tests: native-<micro-kernel> (native-avx512-vnni, native-avx-vnni,
+        # native-avx2, native-generic) | int_mm | reference | triton
         if self._gpu is not None:
             self.kernel = "reference" if self._gpu is reference_scaled_mm else "triton"
+        elif self._packed is not None:
+            self.kernel = f"native-{native.gemm_kernel}"
         else:
-            self.kernel = "native-vnni" if self._packed is not None else "int_mm" if _int_mm_exact() else "reference"
+            self.kernel = "int_mm" if _int_mm_exact() else "reference"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:

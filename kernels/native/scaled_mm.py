@@ -1,10 +1,16 @@
 """The compiled CPU int8 matmul (kernels/native/csrc/scaled_mm.cpp), loaded through ctypes: the whole W8A8 call
-in one (`int8_linear`: per-row quantization, the AVX512-VNNI GEMM on a weight packed at load by `pack_weight`,
-the rescale), where the CPU has VNNI; and its two ends alone (`quantize_rows`, `rescale`) around another GEMM.
+in one (`int8_linear`: per-row quantization, the integer GEMM on a weight packed at load by `pack_weight`, the
+rescale), and its two ends alone (`quantize_rows`, `rescale`) around another GEMM.
 
-`native_scaled_mm()` builds the library at first use (kernels/native/build.py) and returns None where it
-cannot (no compiler, no AVX-512): the int8 linear then runs `_int_mm` between the torch references' quantize
-and rescale (kernels/linear_int8.py)."""
+The library is built for the instruction-set path kernels/native/build.py picks (`cpu_isa()`, or
+`BATCHJOB_CPU_ISA`), and the GEMM runs that path's micro-kernel (`NativeScaledMM.gemm_kernel`): `avx512-vnni`
+(`vpdpbusd` on zmm), `avx-vnni` (`vpdpbusd` on ymm, AVX2 CPUs with AVX-VNNI), `avx2` (`vpmaddubsw` + `vpmaddwd` on
+|q| and the weight's bytes flipped by q's sign, exact; AMD Zen 2/3, older Intel; also AVX-512 without VNNI) or
+`generic` (plain integer loops). The packed weight is the same on every path, and every path gives bitwise the
+same results (the int32 sums are exact; the quantize and rescale are the reference's fp32 operations in order).
+
+`native_scaled_mm()` builds the library at first use and returns None where it cannot (no compiler): the int8
+linear then runs `_int_mm` between the torch references' quantize and rescale (kernels/linear_int8.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.kernels.native.build import BuildError, build, default_log
+from batchjob.kernels.native.build import BuildError, build, cpu_isa, default_log
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _CODES, _SUMS = 2, 2  # bj_int8_linear's x given as int8 codes; its output as the int32 sums
@@ -23,8 +29,9 @@ _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 @dataclass(frozen=True, slots=True)
 class PackedInt8:
-    """An int8 weight [n, k] as bj_int8_linear reads it: `data` [ceil(n/64) * kp * 64] int8 (kp = k rounded up to
-    4; zeros in the padding), `corr` [ceil(n/64) * 64] int32 (128 * each column's sum: vpdpbusd's shift)."""
+    """An int8 weight [n, k] as bj_int8_linear reads it, the same on every path: `data` [ceil(n/64) * kp * 64] int8
+    (blocks of 64 columns x k in quads; kp = k rounded up to 4; zeros in the padding), `corr` [ceil(n/64) * 64]
+    int32 (128 * each column's sum: vpdpbusd's shift, read by the VNNI kernels only)."""
     data: torch.Tensor
     corr: torch.Tensor
     n: int
@@ -41,10 +48,11 @@ class PackedInt8:
 
 
 class NativeScaledMM:
-    """quantize_rows / rescale, and (where `has_gemm`) pack_weight / int8_linear / int8_sums, on CPU tensors of
-    fp32 or bf16; the same results as the references, bitwise."""
+    """quantize_rows / rescale, and (where `has_gemm`: every build now) pack_weight / int8_linear / int8_sums, on
+    CPU tensors of fp32 or bf16; the same results as the references, bitwise. `isa` is the path it was built for,
+    `gemm_kernel` the GEMM's micro-kernel on that path."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, isa: str = ""):
         self._quantize = lib.bj_quantize_rows_int8
         self._quantize.argtypes, self._quantize.restype = [_P, _I64, _I, _I, _I, _P, _P, _I], _I
         self._rescale = lib.bj_rescale_rows
@@ -53,7 +61,12 @@ class NativeScaledMM:
         self._pack.argtypes, self._pack.restype = [_P, _I, _I, _P, _P, _I], _I
         self._linear = lib.bj_int8_linear
         self._linear.argtypes, self._linear.restype = [_P, _I64, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I], _I
-        self.has_gemm = bool(lib.bj_int8_linear_available())  # built with AVX512-VNNI
+        self.has_gemm = bool(lib.bj_int8_linear_available())
+        kernel = lib.bj_int8_linear_kernel
+        kernel.argtypes, kernel.restype = [], ctypes.c_char_p
+        self.gemm_kernel: str = kernel().decode()  # avx512-vnni | avx-vnni | avx2 | generic
+        self.isa = isa
+        self._lib = lib  # keeps the library loaded while its functions are held
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -121,11 +134,25 @@ class NativeScaledMM:
         return out
 
 
-@functools.cache
-def native_scaled_mm() -> NativeScaledMM | None:
-    """The compiled ops on this CPU, or None (said once in a log line) where they cannot be built."""
+def native_scaled_mm(isa: str | None = None) -> NativeScaledMM | None:
+    """The compiled ops for the `isa` path (default: `cpu_isa()`, which reads BATCHJOB_CPU_ISA now, so a test can
+    switch paths), or None (said once in a log line) where they cannot be built. One library per path, loaded once."""
     try:
-        return NativeScaledMM(ctypes.CDLL(str(build("scaled_mm.cpp", {}, log=default_log))))
+        isa = isa or cpu_isa()
+    except BuildError as e:
+        return _unavailable(str(e))
+    return _native_for(isa)
+
+
+@functools.cache
+def _native_for(isa: str) -> NativeScaledMM | None:
+    try:
+        return NativeScaledMM(ctypes.CDLL(str(build("scaled_mm.cpp", {}, log=default_log, isa=isa))), isa)
     except (BuildError, OSError) as e:
-        default_log(f"int8 matmul: native quantize/rescale unavailable ({e}); using the torch references")
-        return None
+        return _unavailable(str(e))
+
+
+@functools.cache
+def _unavailable(why: str) -> None:
+    default_log(f"int8 matmul: native kernels unavailable ({why}); using torch._int_mm and the torch references")
+    return None
