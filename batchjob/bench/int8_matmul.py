@@ -4,7 +4,7 @@ timed in the same rounds (taking turns, best of `reps`), with its rate in GOP/s 
 - bf16: kernels/linear.py's Linear (oneDNN packed, AMX calls of 64 rows), what `--quantization none` runs;
 - F.linear bf16: the raw oneDNN bf16 GEMM on the plain weight, one call (no row tiles);
 - _int_mm: raw `torch._int_mm` int8 x int8 -> int32 on a [K, N] weight, the GEMM alone;
-- int8 GEMM: the GEMM Int8Linear runs, alone (the native VNNI kernel's int32 sums, kernels/native/csrc/scaled_mm.cpp);
+- int8 GEMM: the GEMM Int8Linear runs, alone (the native kernel's int32 sums on this CPU's path, kernels/native/csrc/scaled_mm.cpp);
 - qlinear: raw oneDNN int8 inner product on a weight packed at load (`onednn.qlinear_prepack`), alone; only on
   a CPU with AMX-int8 (on AMD Zen 4 it takes 0.4-2 s per call: docs/design/int8-matmul.md);
 - _int_mm+torch: the naive W8A8 path: the torch reference quantize, `_int_mm`, the torch rescale;
