@@ -154,5 +154,7 @@ def _native_for(isa: str) -> NativeScaledMM | None:
 
 @functools.cache
 def _unavailable(why: str) -> None:
-    default_log(f"int8 matmul: native kernels unavailable ({why}); using torch._int_mm and the torch references")
+    default_log(f"int8 matmuls: native kernel unavailable ({why}); using torch._int_mm and the torch references, "
+                "which on most CPUs (all without AMX) run slower than the default matmuls: leave out --quantization int8 "
+                "unless the memory matters")
     return None
