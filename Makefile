@@ -25,7 +25,7 @@ install-test: $(VENV)/.installed-test
 
 demo: install
 	$(BATCHJOB) run jobs/quickstart.toml
-	$(PY) -m batchjob.cli.show out/quickstart
+	$(BATCHJOB) show out/quickstart
 
 test: install-test
 	$(PY) -m pytest -q -x tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

@@ -1,4 +1,4 @@
-"""The `batchjob` command line: `run` (its flags: run_options.py), `status`, `export`, `verify`,
+"""The `batchjob` command line: `run` (its flags: run_options.py), `status`, `export`, `show`, `verify`,
 `slurm submit` and `bench`; an expected error is one line on stderr and an exit code."""
 from __future__ import annotations
 
@@ -190,6 +190,8 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
             sys.exit(1)
         gap = f" ({done.missing.count()} rows missing: {done.missing.describe()})" if done.missing else ""
         click.echo(f"batchjob: {done.rows} rows -> {to}{gap}")
+        if done.note:  # e.g. a --limit trial run: the export holds its first N rows
+            click.echo(f"batchjob: {done.note}")
         return
 
     try:
@@ -199,6 +201,23 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
         sys.exit(1)
     gap = f" ({missing.count()} rows missing: {missing.describe()})" if missing else ""
     click.echo(f"batchjob: {n} rows -> {to}{gap}")
+
+
+@main.command("show")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("-n", "n", type=int, default=5, show_default=True, help="rows to print")
+@click.option("--width", type=int, default=100, show_default=True, help="trim text to this many characters")
+def show_cmd(out: str, n: int, width: int) -> None:
+    """Where the results of OUT are, their schema and the first N rows in input order, each with its prompt
+    (from the output, else read from the job's input). Same as `python -m batchjob.cli.show OUT`."""
+    from batchjob.cli.show import show
+    from batchjob.io.manifest import ManifestError
+
+    try:
+        text = show(out, n, width)
+    except ManifestError as e:
+        _fail(e, 1)
+    click.echo(text)
 
 
 @main.command("verify")

@@ -1,4 +1,4 @@
-"""`python -m batchjob.cli.show OUT_DIR [-n 5]`: where a job's results are, their schema, the first rows in input
+"""`batchjob show OUT_DIR [-n 5]` (also `python -m batchjob.cli.show`): where a job's results are, their schema, the first rows in input
 order, each with its prompt (from the output when a column holds it, else read from the job's input by row
 index: nothing needs copying into the output to read results against their inputs)."""
 
@@ -23,18 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=100, help="trim text to this many characters")
     args = parser.parse_args(argv)
     try:
-        manifest = Manifest.load(args.out_dir)
-        if manifest is None:
-            raise ManifestError(f"{args.out_dir} has no manifest.json; run a job into it first")
-        table = read_results(args.out_dir)
+        print(show(args.out_dir, args.n, args.width))
     except ManifestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(summary(args.out_dir, manifest, table))
-    print()
-    shown = table.sort_by("row_index").slice(0, args.n)
-    print(preview(shown, args.n, args.width, input_prompts(manifest, shown)))
     return 0
+
+
+def show(out_dir: Path, n: int = 5, width: int = 100) -> str:
+    """What `batchjob show` prints: the summary, a blank line, the first `n` rows; ManifestError when OUT_DIR
+    holds no committed results."""
+    out_dir = Path(out_dir)
+    manifest = Manifest.load(out_dir)
+    if manifest is None:
+        raise ManifestError(f"{out_dir} has no manifest.json; run a job into it first")
+    table = read_results(out_dir)
+    shown = table.sort_by("row_index").slice(0, n)
+    return f"{summary(out_dir, manifest, table)}\n\n{preview(shown, n, width, input_prompts(manifest, shown))}"
 
 
 def summary(out_dir: Path, manifest: Manifest, table) -> str:

@@ -24,6 +24,39 @@ class ExportSummary:
     missing: RowRanges  # rows of [0, total) left out (only with partial=True)
     total_rows: int | None
     path: Path
+    note: str | None = None  # a line to show with the result: the job's last run had --limit N
+
+
+def run_limit(manifest: Manifest) -> int | None:
+    """The --limit N of the folder's last run (extra["run"]["limit"]), or None: a run without one, or a
+    manifest from before the limit was recorded."""
+    limit = (manifest.extra.get("run") or {}).get("limit")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
+
+
+def _shard_start(manifest: Manifest) -> int:
+    shard = manifest.fingerprint.get("shard")
+    return shard.get("start", 0) if isinstance(shard, dict) else 0
+
+
+def job_end(manifest: Manifest) -> int | None:
+    """One past the last input row the folder should hold; None while that is unknown. The input's end
+    (a shard's: start + its rows); for a --limit N run, N (rows past N committed by an earlier run count
+    too), however far the input goes."""
+    start = _shard_start(manifest)
+    end = None if manifest.total_rows is None else start + manifest.total_rows
+    limit = run_limit(manifest)
+    if limit is not None:
+        done = manifest.done_rows().ranges()
+        limit = max(limit, done[-1][1]) if done else limit
+        end = limit if end is None else min(end, limit)
+    return end
+
+
+def job_total(manifest: Manifest) -> int | None:
+    """The number of rows the folder should hold (see job_end); None while unknown."""
+    end = job_end(manifest)
+    return None if end is None else max(0, end - _shard_start(manifest))
 
 
 def export(out: str | Path, to: str | Path, *, partial: bool = False, chunk_rows: int = CHUNK_ROWS) -> ExportSummary:
@@ -39,8 +72,14 @@ def export(out: str | Path, to: str | Path, *, partial: bool = False, chunk_rows
     except ManifestError as e:
         raise ExportError(f"{e}; rerun the job on it (it repairs the manifest from manifest.json.prev) and export again") from e
     done = manifest.done_rows()
-    total = manifest.total_rows
+    total = job_total(manifest)
     missing = missing_rows(manifest) or RowRanges()
+    limit = run_limit(manifest)
+    note = None
+    if limit is not None and total is not None and total != manifest.total_rows:
+        start = _shard_start(manifest)
+        note = (f"the job ran with --limit {limit:,}, so the export holds rows {start}-{start + total - 1} of the input "
+                f"(its first {total:,}); rerun the job without --limit to continue with the rest")
     if not partial:
         if total is None:
             raise ExportError(f"{folder} holds {done.count()} rows, but the job has not read its input to the end, so "
@@ -49,17 +88,17 @@ def export(out: str | Path, to: str | Path, *, partial: bool = False, chunk_rows
             raise ExportError(f"{folder} lacks {missing.count()} of {total} rows: {missing.describe()}; rerun the job "
                               "to finish it, or pass --partial to export the committed rows only")
     rows = write_merged(folder, manifest.parts, to, kind, chunk_rows=chunk_rows)
-    return ExportSummary(rows, missing, total, to)
+    return ExportSummary(rows, missing, total, to, note)
 
 
 def missing_rows(manifest: Manifest) -> RowRanges | None:
     """The input rows the folder should hold but does not; None while their number is unknown. A
-    shard's folder holds its slice [start, end) of the input (recorded in its fingerprint)."""
-    if manifest.total_rows is None:
+    shard's folder holds its slice [start, end) of the input (recorded in its fingerprint); a --limit N
+    run's folder, the rows below N (job_end)."""
+    end = job_end(manifest)
+    if end is None:
         return None
-    shard = manifest.fingerprint.get("shard")
-    start = shard.get("start", 0) if isinstance(shard, dict) else 0
-    end = start + manifest.total_rows
+    start = _shard_start(manifest)
     return RowRanges((max(s, start), e) for s, e in manifest.done_rows().missing(end).ranges() if e > start)
 
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from batchjob.io.parts import part_schema, read_part
 
-from batchjob.io.export import missing_rows
+from batchjob.io.export import job_total, missing_rows, run_limit
 from batchjob.io.lock import LOCK_NAME, lock_holder
 from batchjob.io.manifest import Manifest, ManifestError, result_folders
 
@@ -25,7 +25,7 @@ class FolderStatus:
     folder: str  # relative to OUT ("." for OUT itself)
     state: str  # running | finished | stopped | failed | killed | unknown (unreadable manifest)
     rows_done: int = 0
-    total_rows: int | None = None
+    total_rows: int | None = None  # the input's rows; after a --limit N run, N (at most the input's rows)
     total_estimate: int | None = None  # JSONL read partway: rows per byte so far x the file's bytes
     errors: int = 0
     prompt_tokens: int = 0
@@ -90,7 +90,7 @@ def folder_status(out: Path, folder: Path, now: float) -> FolderStatus:
         return FolderStatus(name, "running" if holder.held else "unknown", pid=holder.pid, host=holder.host,
                             note=f"{e} (the next run repairs it)")
     totals = manifest.totals()
-    st = FolderStatus(name, "unknown", rows_done=totals["rows"], total_rows=manifest.total_rows, errors=totals["errors"],
+    st = FolderStatus(name, "unknown", rows_done=totals["rows"], total_rows=job_total(manifest), errors=totals["errors"],
                       prompt_tokens=totals["prompt_tokens"], completion_tokens=totals["completion_tokens"],
                       last_commit=manifest.extra.get("last_commit"), pid=holder.pid, host=holder.host)
     run = manifest.extra.get("run") or {}
@@ -115,6 +115,10 @@ def folder_status(out: Path, folder: Path, now: float) -> FolderStatus:
         if elapsed > 0:
             st.rows_per_s = (st.rows_done - run.get("rows_at_start", 0)) / elapsed
             st.tokens_per_s = (st.completion_tokens - run.get("completion_tokens_at_start", 0)) / elapsed
+    limit = run_limit(manifest)
+    if limit is not None and st.total_rows != manifest.total_rows and not st.note:
+        st.note = (f"a trial run: --limit {limit:,}, so the job holds the input's first {st.total_rows:,} rows; "
+                   "rerun without --limit to continue with the rest")
     missing = missing_rows(manifest)
     if missing is not None:
         st.missing = missing.to_json()[:20]
@@ -134,7 +138,8 @@ def _estimate_total(manifest: Manifest) -> int | None:
     """A JSONL job's row count before its reader reached the end: from the resume point (row, byte)
     and the file's size in the fingerprint."""
     position = manifest.extra.get("resume_position")
-    files = (manifest.fingerprint.get("input") or {}).get("files") or []
+    source = manifest.fingerprint.get("input")
+    files = (source.get("files") if isinstance(source, dict) else None) or []
     try:
         row, offset = int(position[0]), int(position[1])
         size = int(files[0][1]) if len(files) == 1 else None

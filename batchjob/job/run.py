@@ -131,7 +131,8 @@ class Job:
         feed.budget = ErrorBudget(cfg.max_errors, total)
         read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
         engine = self.engine
-        stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation)
+        stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation,
+                                       bar_shown=lambda: self.progress.bar is not None)
         stop.install()  # here, not at import: only a running job turns signals into a drain
         collector = QuietCollector()
         collector.start()
@@ -277,6 +278,8 @@ class Job:
                 totals = sink.manifest.totals()
                 run = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "kernels": self.summary.kernels,
                        "rows_at_start": totals["rows"], "completion_tokens_at_start": totals["completion_tokens"]}
+                if self.cfg.limit is not None:  # a trial run: `status` and `export` take its first N rows as the job
+                    run["limit"] = self.cfg.limit  # (absent: no limit, as in manifests written before it was kept)
             else:
                 run = {**sink.extra.get("run", {}), "ended": time.time()}
             run["state"] = state

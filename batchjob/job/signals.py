@@ -18,10 +18,12 @@ SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 
 
 class StopSignals:
-    def __init__(self, drain_timeout: float, situation=None) -> None:
-        """`situation()`: what the first signal will do instead of a drain to exit 75, or None (a drain)."""
+    def __init__(self, drain_timeout: float, situation=None, bar_shown=None) -> None:
+        """`situation()`: what the first signal will do instead of a drain to exit 75, or None (a drain).
+        `bar_shown()`: whether a progress bar holds the terminal's last line (the notice then starts a new one)."""
         self.drain_timeout = drain_timeout
         self.situation = situation
+        self.bar_shown = bar_shown
         self.received: str | None = None  # name of the first signal
         self.deadline: float | None = None
         self.hurry = False
@@ -59,10 +61,13 @@ class StopSignals:
         if self.received is None:
             self.request(name)
             instead = self.situation() if self.situation else None
+            # a new line first under a bar: written after it, the notice would run on from the bar's text (and
+            # os.write, not tqdm.write: the handler may run inside the bar's own write, holding its lock)
+            start = "\n" if self.bar_shown and self.bar_shown() else ""
             if instead:
-                _say(f"batchjob: {name}: {instead}\n")
+                _say(f"{start}batchjob: {name}: {instead}\n")
             else:
-                _say(f"batchjob: {name}: admitting no new rows; finishing the running ones (up to "
+                _say(f"{start}batchjob: {name}: admitting no new rows; finishing the running ones (up to "
                      f"{self.drain_timeout:g}s), then committing and exiting with {EXIT_RESUMABLE}. "
                      f"Rerun the same command to continue; SIGINT again stops at once.\n")
         elif signum == signal.SIGINT:

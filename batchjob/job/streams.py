@@ -61,7 +61,8 @@ def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
     for source, path, *_ in sources:
         uses = cfg.messages_column in source.columns
         if not uses and path not in empty_inputs:
-            validate_columns(source, [cfg.prompt_column])
+            validate_columns(source, [cfg.prompt_column], fix="pass --prompt-column NAME (or --messages-column NAME "
+                             "for chat messages) to read the prompt from another column")
         if path not in empty_inputs:
             validate_columns(source, cfg.keep_columns + ([cfg.id_column] if cfg.id_column not in (None, "none") else []))
         use_messages[id(source)] = uses

@@ -62,8 +62,9 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     dtype = str(model.dtype).removeprefix('torch.')
     kv = dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype
     matmuls = "" if model.quantization == "none" else f", {model.quantization} matmuls"
+    threads = torch.get_num_threads()
     line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.label} kernels, "
-            f"{model.device.type}, {torch.get_num_threads()} threads) <- {', '.join(inputs)}, {rows} -> {output}")
+            f"{model.device.type}, {threads} thread{'' if threads == 1 else 's'}) <- {', '.join(inputs)}, {rows} -> {output}")
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line

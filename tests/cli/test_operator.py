@@ -56,13 +56,29 @@ def signal_at_step(monkeypatch, calls: dict[int, int]) -> None:
     monkeypatch.setattr(ModelRunner, "run", run_and_signal)
 
 
+def test_the_start_line_counts_one_thread_as_one_thread(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchjob.job.config import JobConfig
+    from batchjob.job.summary import start_line
+
+    model = SimpleNamespace(dtype=torch.float32, kv_cache_dtype="auto", quantization="none",
+                            kernels=SimpleNamespace(label="torch"), device=torch.device("cpu"))
+    cfg = JobConfig(model="m", input="in.jsonl", output="out")
+    for threads, said in ((1, "cpu, 1 thread)"), (2, "cpu, 2 threads)")):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        assert said in start_line(cfg, SimpleNamespace(name="m"), model, ["in.jsonl"], 3, 0, "out")
+
+
 def test_the_start_line_says_what_runs_and_a_resume_says_how_far_it_is(tmp_path, model):
     src = pq.write_table(pa.table({"prompt": [f"row {i}" for i in range(10)]}), tmp_path / "in.parquet") or tmp_path / "in.parquet"
     out = tmp_path / "out"
     first = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--limit", 4)
     line = start_line(first.stderr)
     assert re.fullmatch(rf"batchjob: {os.path.basename(model)} \((bfloat16|float32), kv cache \1, (native (AVX-512|AVX2|generic C\+\+)|torch) kernels, cpu, "
-                        rf"\d+ threads\) <- {src}, 4 rows \(--limit 4\) -> {out}", line), line
+                        rf"(1 thread|\d+ threads)\) <- {src}, 4 rows \(--limit 4\) -> {out}", line), line
     assert "finished: 4 rows (0 errors) in all" in first.stdout
     again = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2)
     assert start_line(again.stderr).endswith("10 rows -> " + str(out) + "; resuming: 4 of 10 rows committed")

@@ -272,3 +272,84 @@ def test_status_and_export_of_a_sharded_job(tmp_path, model_dir):
     assert st["state"] == "finished" and st["rows_done"] == 30
     assert "30 rows" in cli("export", out, "--to", tmp_path / "all.parquet")
     assert pq.read_table(tmp_path / "all.parquet").column("row_index").to_pylist() == list(range(30))
+
+
+# a trial run (--limit N): its first N rows are the job, for status and export
+
+
+def test_a_limit_run_exports_its_first_rows_and_status_counts_them_as_the_total(tmp_path, model_dir):
+    # short rows first: a byte-based estimate from the first 10 rows would promise more rows than the file has
+    rows = [{"prompt": f"Row {i}"} for i in range(10)] + [{"prompt": f"Row {i} " + "and more " * 20} for i in range(10, 40)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    args = ["run", "--model", model_dir, "--input", src, "--output", out, "--max-tokens", 3, "--part-rows", 4, *FAST]
+    cli(*args, "--limit", 10)
+    assert Manifest.load(out).extra["run"]["limit"] == 10
+    st = json.loads(cli("status", out, "--json"))
+    assert st["state"] == "finished" and st["rows_done"] == st["total_rows"] == 10 and st["total_estimate"] is None
+    printed = cli("status", out)
+    assert "finished, 10/10 rows (100.0%)" in printed and "--limit 10" in printed and "about" not in printed
+    done = export(out, tmp_path / "x.parquet")
+    assert done.rows == done.total_rows == 10 and "--limit 10" in done.note and "rows 0-9" in done.note
+    assert pq.read_table(tmp_path / "x.parquet").column("row_index").to_pylist() == list(range(10))
+    assert "ran with --limit 10" in cli("export", out, "--to", tmp_path / "x.jsonl")  # the CLI says what it holds
+    assert [json.loads(line)["row_index"] for line in (tmp_path / "x.jsonl").read_text().splitlines()] == list(range(10))
+    cli(*args)  # without --limit: the rest of the input, and the job is the whole file again
+    assert "limit" not in Manifest.load(out).extra["run"]
+    st = json.loads(cli("status", out, "--json"))
+    assert st["state"] == "finished" and st["rows_done"] == st["total_rows"] == 40
+    done = export(out, tmp_path / "all.parquet")
+    assert done.rows == 40 and done.note is None
+    assert pq.read_table(tmp_path / "all.parquet").column("row_index").to_pylist() == list(range(40))
+
+
+def test_a_limit_run_larger_than_the_input_is_the_whole_input(tmp_path, model_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}"} for i in range(6)])
+    out = tmp_path / "out"
+    cli("run", "--model", model_dir, "--input", src, "--output", out, "--max-tokens", 2, "--limit", 50, *FAST)
+    st = json.loads(cli("status", out, "--json"))
+    assert st["state"] == "finished" and st["rows_done"] == st["total_rows"] == 6
+    done = export(out, tmp_path / "x.jsonl")
+    assert done.rows == 6 and done.note is None
+
+
+def limited_folder(tmp_path, rows, limit, total=None, state="finished") -> Path:
+    out = tmp_path / "out"
+    with ArrowSink(out, fingerprint=FP, part_rows=4, total_rows=total) as sink:
+        sink.set_extra("run", {"state": state, "started": 1.0, "ended": 2.0, **({"limit": limit} if limit else {})})
+        for i in rows:
+            sink.write(result(i))
+    return out
+
+
+def test_export_of_an_unfinished_limit_run_is_refused_and_names_the_missing_rows(tmp_path):
+    out = limited_folder(tmp_path, [0, 1, 2, 5], 8, state="stopped")
+    printed = cli("export", out, "--to", tmp_path / "x.parquet", code=1)
+    assert "lacks 4 of 8 rows: 3-4, 6-7" in printed and not (tmp_path / "x.parquet").exists()
+    st = status(out)
+    assert st["total_rows"] == 8 and st["state"] == "stopped" and st["folders"][0]["missing"] == [[3, 5], [6, 8]]
+    done = export(out, tmp_path / "x.parquet", partial=True)
+    assert done.rows == 4 and done.missing.count() == 4
+
+
+def test_a_limit_never_makes_the_total_exceed_a_known_input(tmp_path):
+    out = limited_folder(tmp_path, range(5), 8, total=5)
+    st = status(out)
+    assert st["state"] == "finished" and st["total_rows"] == 5 and st["folders"][0]["note"] is None
+    done = export(out, tmp_path / "x.jsonl")
+    assert done.rows == done.total_rows == 5 and done.note is None
+
+
+def test_rows_past_the_limit_from_an_earlier_run_count_too(tmp_path):
+    out = limited_folder(tmp_path, range(12), 5)  # an earlier run went further than this --limit 5 run
+    st = status(out)
+    assert st["state"] == "finished" and st["rows_done"] == st["total_rows"] == 12
+    done = export(out, tmp_path / "x.jsonl")
+    assert done.rows == 12 and "rows 0-11" in done.note
+
+
+def test_a_folder_without_a_recorded_limit_reads_as_before(tmp_path):
+    out = limited_folder(tmp_path, range(5), None)  # an older manifest: no limit in its run record
+    with pytest.raises(ExportError, match="not read its input to the end"):
+        export(out, tmp_path / "x.jsonl")
+    assert status(out)["total_rows"] is None

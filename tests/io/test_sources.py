@@ -231,6 +231,14 @@ def test_json_array_file_is_a_job_level_error(tmp_path):
         open_source(path)
 
 
+def test_a_file_of_no_json_objects_does_not_look_like_json_lines(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("hello\nworld\n")
+    with pytest.raises(SourceError) as e:
+        open_source(path)
+    assert str(e.value).startswith(f"{path} does not look like JSON Lines: none of its first 2 lines is a JSON object;")
+
+
 def test_missing_column_message_lists_available_columns(tmp_path):
     path = tmp_path / "data.parquet"
     pq.write_table(pa.table({"a": [1], "b": [2], "c": [3]}), path)

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from batchjob.cli.main import main
 from batchjob.io.lock import OutputLock
+from batchjob.io.sink import ArrowSink
 
 PROMPTS = [{"prompt": f"row {i} says hello"} for i in range(6)]
 
@@ -140,9 +141,12 @@ def env(tmp_path_factory, tiny_model_dir, tiny_gguf_path):
     done = tmp / "done"
     assert CliRunner().invoke(main, ["run", "--model", str(model_dir), "--input", str(inp), "--output", str(done),
                                      "--max-tokens", "2", "--no-progress"]).exit_code == 0
-    partial = tmp / "partial"
-    assert CliRunner().invoke(main, ["run", "--model", str(model_dir), "--input", str(inp), "--output", str(partial),
-                                     "--max-tokens", "2", "--no-progress", "--limit", "3"]).exit_code == 0
+    partial = tmp / "partial"  # a JSONL job stopped after 3 rows (a --limit 3 run would be finished: its 3 rows)
+    with ArrowSink(partial, fingerprint={"input": str(inp)}) as sink:
+        sink.set_extra("run", {"state": "stopped", "signal": "SIGTERM", "started": 1.0, "ended": 2.0})
+        for i in range(3):
+            sink.write({"row_index": i, "generated_text": "x", "finish_reason": "stop", "prompt_tokens": 1,
+                        "completion_tokens": 1, "error": None})
     return {"model": str(model_dir), "model_dir": model_dir, "gguf": tiny_gguf_path("llama"), "pickled": pickled,
             "input": str(inp), "done": str(done), "partial": str(partial)}
 

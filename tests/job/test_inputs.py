@@ -201,6 +201,17 @@ def test_csv_job_level_problems(tmp_path):
         validate_columns(open_source(tmp_path / "cols.csv"), ["prompt"])
 
 
+def test_a_missing_prompt_column_says_which_flag_names_another(tmp_path):
+    from batchjob.job.streams import open_inputs
+
+    path = tmp_path / "cols.csv"
+    path.write_text("question\nhello\n")
+    with pytest.raises(SourceError) as e:
+        open_inputs(JobConfig(input=str(path), output=str(tmp_path / "out")), [(str(path), None, None)])
+    assert str(e.value) == (f"column 'prompt' not found in {path}; available columns: question; pass --prompt-column "
+                            "NAME (or --messages-column NAME for chat messages) to read the prompt from another column")
+
+
 # ---- folders ------------------------------------------------------------------------------------------------
 
 

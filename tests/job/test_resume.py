@@ -130,6 +130,16 @@ def test_resume_of_100000_committed_rows_reads_none_of_them(tmp_path, model_dir,
 # signals
 
 
+def test_a_stop_notice_under_a_progress_bar_starts_its_own_line(capfd):
+    from batchjob.job.signals import StopSignals
+
+    for bar, start in ((True, "\n"), (False, "")):
+        stop = StopSignals(30, bar_shown=lambda: bar)
+        stop._handle(signal.SIGINT, None)  # what the installed handler gets
+        assert stop.received == "SIGINT"
+        assert capfd.readouterr().err.startswith(f"{start}batchjob: SIGINT: admitting no new rows")
+
+
 def start_job(*args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", *map(str, args)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -48,7 +48,8 @@ def open_source(path: str | Path, *, input_format: str | None = None) -> Source:
         raise SourceError(f"cannot read {path}: permission denied ({e.filename})") from e
 
 
-def validate_columns(source: Source, required: list[str]) -> None:
+def validate_columns(source: Source, required: list[str], fix: str = "") -> None:
+    """SourceError when a required column is missing, naming the columns there are; `fix`: what to do, appended."""
     missing = [c for c in required if c not in source.columns]
     if not missing:
         return
@@ -56,7 +57,7 @@ def validate_columns(source: Source, required: list[str]) -> None:
     available = ", ".join(source.columns) or "(none)"
     inner = getattr(source, "inner", source)  # a shard's columns are its input's
     hint = f" (taken from the first {inner.sample_lines} lines)" if isinstance(inner, JsonLines) else ""
-    raise SourceError(f"{what} not found in {source.path}; available columns{hint}: {available}")
+    raise SourceError(f"{what} not found in {source.path}; available columns{hint}: {available}" + (f"; {fix}" if fix else ""))
 
 
 def _detect(path: Path) -> str:

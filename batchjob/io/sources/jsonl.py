@@ -132,8 +132,8 @@ class JsonLines(Source):
             if seen >= self.sample_lines:
                 break
         if seen and not objects:
-            shape = "a JSON array" if first.startswith(b"[") else "not JSON Lines"
-            raise SourceError(f"{self.path} looks like {shape}: none of its first {seen} lines is a JSON object; "
+            shape = "looks like a JSON array" if first.startswith(b"[") else "does not look like JSON Lines"
+            raise SourceError(f"{self.path} {shape}: none of its first {seen} lines is a JSON object; "
                               "write one JSON object per line (JSON Lines)")
         self.peak_buffer_bytes = 0
         return list(columns)
