@@ -13,7 +13,7 @@ _API = ("generate", "chat", "embed", "score", "run", "LLM", "Result", "Completio
 # the errors a caller catches, each where it is raised (some of those modules import torch)
 _ERRORS = {
     "SourceError": "batchjob.io.sources.base",  # an input that cannot be read
-    "ModelLoadError": "batchjob.models.weights",  # model files that cannot load
+    "ModelLoadError": "batchjob.errors",  # model files that cannot load
     "UnsupportedModelError": "batchjob.models.config",  # a model family or feature not supported
     "KernelError": "batchjob.kernels.dispatch",  # the kernels asked for cannot run here
     "KvBudgetError": "batchjob.engine.worker.kv_budget",  # no room for a KV cache on the GPU

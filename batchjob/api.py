@@ -27,6 +27,7 @@ from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.run import run_job
 from batchjob.job.engine_setup import build_models, engine_for
 from batchjob.kernels.quantization import keeps_fp8_codes
+from batchjob.job.threads import job_threads
 from batchjob.models.loader import load_model, resolve_model_path
 from batchjob.job.prompt_records import conversation_records, is_token_ids, prompt_records
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
@@ -98,8 +99,7 @@ class LLM:
             self.config = job_config({"model": model, **self.options})
             self.device = choose_device(self.config.device)
             self.dtype = choose_dtype(self.config.dtype, self.device)
-            if self.config.threads:
-                torch.set_num_threads(self.config.threads)
+            torch.set_num_threads(job_threads(self.config.threads))
             self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == "int8",
                                      fp8_codes=keeps_fp8_codes(self.config.quantization, self.device))
             self.tokenizer = self.loaded.tokenizer
@@ -302,8 +302,7 @@ def cached_llm(model: str = "smollm2", **engine: Any) -> LLM:
         device = choose_device(cfg.device)
         key = (str(resolve_model_path(model)), device, str(choose_dtype(cfg.dtype, device)),
                *((name, getattr(cfg, name)) for name in ENGINE_OPTIONS if name not in ("dtype", "device", "threads")))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(job_threads(cfg.threads))
     with _cache_lock:
         llm = _cache.get(key)
         if llm is None:

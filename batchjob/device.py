@@ -34,3 +34,8 @@ def choose_dtype(requested: str | None, device: str) -> torch.dtype:
     if device == "cuda" or cpu_has_bf16_matmul():
         return torch.bfloat16
     return torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """As a job file and a fingerprint write it: "bfloat16"."""
+    return str(dtype).removeprefix("torch.")

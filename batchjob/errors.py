@@ -14,6 +14,10 @@ class ConfigError(ValueError):
     """A job file, flag or argument that cannot run as given; the message names the field and what to do."""
 
 
+class ModelLoadError(Exception):
+    """A model that cannot be found or read: the message names the file and what to do."""
+
+
 class ChatHintWarning(UserWarning):
     """`generate()` of plain prompts into a model with a chat template gave texts that ended at their first
     token: the model probably expects chat input (`chat=True` or `LLM.chat`)."""

@@ -30,11 +30,25 @@ def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, 
     """The kernel set for a model and KV block size; raises KernelError when an explicit choice cannot run here.
     Elementwise ops the chosen backend lacks run the torch reference, said in one log line. `softcap`: the
     model's attention logit soft-cap (Gemma 2), which Triton's start-up check then covers."""
+    log = _once(log)
     kernels = _select(choice, device, dtype, head_dim, gqa, block_size, log, kv_cache_dtype, softcap)
     borrowed = kernels.reference_ops()
     if borrowed:
         log(f"{kernels.name} kernels: {', '.join(borrowed)} from the torch references (no {kernels.name} kernel yet)")
     return kernels
+
+
+_said: set[tuple[object, str]] = set()  # (log, notice) said in this process
+
+
+def _once(log):
+    """`log`, saying each notice once per process (a fallback is said for the first model, not for every model,
+    draft model and job that follows)."""
+    def say(message: str) -> None:
+        if (log, message) not in _said:
+            _said.add((log, message))
+            log(message)
+    return say
 
 
 def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int, block_size: int,

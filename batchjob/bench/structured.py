@@ -52,8 +52,10 @@ def _ms(xs: list[float]) -> dict:
 
 
 def bench_structured(model: str = "smollm2", rows: int = 64, steps: int = 200, threads: int = 1) -> dict:
-    from batchjob.engine.structured import (GrammarTokenizer, MaskFiller, Matcher, apply_token_bitmask_,
-                                            compile_grammar, parse_structured_outputs)
+    from batchjob.engine.structured.grammar import GrammarTokenizer, compile_grammar
+    from batchjob.engine.structured.mask import apply_token_bitmask_
+    from batchjob.engine.structured.matcher import MaskFiller, Matcher
+    from batchjob.engine.structured.spec import parse_structured_outputs
     from batchjob.models.loader import load_model
 
     loaded = load_model(model)

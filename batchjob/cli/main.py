@@ -8,7 +8,8 @@ import sys
 import click
 
 from batchjob.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RESUMABLE, EXIT_USAGE, ConfigError
-from batchjob.job.config import load_job
+from batchjob.job.config import SECTIONS, load_job
+from batchjob.job.threads import choose_wait_policy
 from batchjob.cli.run_options import run_options
 
 
@@ -18,32 +19,44 @@ def main() -> None:
     """batchjob: offline batch LLM inference with checkpoint-resume."""
 
 
-@main.command("run")
+RUN_HELP = (
+    "Run JOB (a TOML file whose keys are the option names below, with underscores, at the top level or in the "
+    f"optional tables {', '.join(f'[{t}]' for t in SECTIONS)}: docs/reference/run-options.md says which key goes "
+    "where). Flags override the file. Re-running the same command on an output folder with committed parts "
+    "continues where it stopped. Exit codes: 0 done, 1 failed (also on a rerun of a failed job), 2 a bad flag or "
+    "job file, 75 stopped by a signal (rerun to continue), 130 stopped at once (a second Ctrl-C, or Ctrl-C during "
+    "start-up).")
+
+
+@main.command("run", help=RUN_HELP)
 @click.option("--restart", is_flag=True, help="delete the output folder's committed results (parts, manifest, stats) "
               "and start over, e.g. after changing the input, model or parameters")
 @run_options
 def run_cmd(job: str | None, restart: bool, **overrides) -> None:
-    """Run JOB (a TOML file whose keys are the option names below, with underscores; optional
-    [sampling], [engine] and [output] tables). Flags override the file. Re-running the same command
-    on an output folder with committed parts continues where it stopped. Exit codes: 0 done, 1 failed
-    (also on a rerun of a failed job), 2 a bad flag or job file, 75 stopped by a signal (rerun to
-    continue), 130 stopped at once (a second Ctrl-C, or Ctrl-C during start-up)."""
+    """`batchjob run` (RUN_HELP)."""
     started = False
+    choose_wait_policy()  # before torch is imported: OpenMP reads it once (job/threads.py)
     try:  # the imports too: torch's takes seconds, and a Ctrl-C there is a start-up interrupted
-        from batchjob.engine.worker.kv_budget import KvBudgetError
+        from batchjob.errors import ModelLoadError
         from batchjob.io.recovery import SinkError
         from batchjob.io.sources import SourceError
         from batchjob.job.error_budget import TooManyErrors
-        from batchjob.job.run import Job
-        from batchjob.kernels import KernelError
-        from batchjob.models.config import UnsupportedModelError
-        from batchjob.models.loader import ModelLoadError
+        from batchjob.job.preflight import preflight
 
         try:
             cfg = load_job(job, overrides)
         except ConfigError as e:
             _fail(e, EXIT_USAGE)
+        try:  # before torch is imported: what needs no model is said in a second (job/preflight.py)
+            summary = preflight(cfg, restart=restart)
+        except (SourceError, ModelLoadError, SinkError, TooManyErrors) as e:
+            _fail(e, EXIT_FAILED)
+        if summary is not None:
+            click.echo(summary.line())
+            return
         import contextlib
+
+        from batchjob.job.run import Job
 
         with contextlib.ExitStack() as held:  # the output lock goes back however the job ends
             running = Job(cfg, restart=restart, resources=held)
@@ -65,10 +78,10 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except ConfigError as e:
         _fail(e, EXIT_USAGE)
-    except (SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError, KvBudgetError) as e:
-        _ignore_sigint()
-        _fail(e, EXIT_FAILED)
-    except Exception as e:  # noqa: BLE001 - a bug: one line for the operator, the traceback kept in a file
+    except Exception as e:  # noqa: BLE001 - a job that cannot go on: one line; a bug: the traceback kept in a file
+        if isinstance(e, _job_failures()):
+            _ignore_sigint()
+            _fail(e, EXIT_FAILED)
         _internal_error(e, cfg.output)
     _ignore_sigint()  # the final commit is done: a Ctrl-C now changes nothing, and the exit code is the job's
     click.echo(summary.line())
@@ -88,6 +101,19 @@ def _ignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+
+
+def _job_failures() -> tuple[type[Exception], ...]:
+    """The errors that end a run with one line and exit 1 (imported here: some modules import torch)."""
+    from batchjob.engine.worker.kv_budget import KvBudgetError
+    from batchjob.errors import ModelLoadError
+    from batchjob.io.recovery import SinkError
+    from batchjob.io.sources import SourceError
+    from batchjob.job.error_budget import TooManyErrors
+    from batchjob.kernels import KernelError
+    from batchjob.models.config import UnsupportedModelError
+
+    return SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError, KvBudgetError
 
 
 def _fail(e: Exception, code: int) -> None:

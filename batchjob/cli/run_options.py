@@ -124,7 +124,9 @@ RUN_OPTIONS = [RunOption(*entry) for entry in [
     ("--prefix-caching/--no-prefix-caching", "prefix_caching", None, "reuse KV blocks of identical prompt prefixes (default: on)"),
     ("--lane-column", "lane_column", str, "column naming each row's lane when [[lanes]] are declared without inputs (default: lane)"),
     ("--read-ahead", "read_ahead", int, "rows queued in the engine per lane (bounded memory); 0 = 2 x max_num_seqs (default)"),
-    ("--threads", "threads", int, "torch CPU threads (default: 0 = all cores)"),
+    ("--threads", "threads", int, "CPU threads (default: 0 = the CPUs this process may use: its affinity, as Slurm "
+     "and taskset set it, capped by a cgroup CPU quota, as containers set it); on a machine shared with other work, "
+     "fewer (docs/guide/models-and-kernels.md, Threads)"),
     ("--part-rows", "part_rows", int, "commit a part every N rows (default: 1000)"),
     ("--part-seconds", "part_seconds", float, "... or every T seconds (default: 30)"),
     ("--part-format", "part_format", click.Choice(["arrow", "parquet"]), "part files as Arrow IPC (default) or Parquet "

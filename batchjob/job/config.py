@@ -84,7 +84,7 @@ class JobConfig:
     draft_model: str | None = None  # speculative = "draft": a smaller model with the target's tokenizer
     read_ahead: int = 0  # rows queued in the engine per lane beyond the running ones; 0 = 2 x max_num_seqs
     max_model_len: int | None = None  # cap on a row's prompt + generated tokens; None: the model's context
-    threads: int = 0  # 0 = torch's default (all cores)
+    threads: int = 0  # 0 = the CPUs this process may use (job/threads.py)
     limit: int | None = None  # run only the first N input rows (a trial run); a rerun without it continues
     # scheduler (docs/guide/scheduling.md)
     admission: str = "optimistic"  # optimistic | reserve
@@ -131,7 +131,7 @@ class JobConfig:
         if self.top_k < 0 or self.prefill_chunk < 0 or self.read_ahead < 0:
             raise ConfigError("top_k, prefill_chunk and read_ahead must be >= 0")
         if self.threads < 0:
-            raise ConfigError(f"threads: must be >= 1 (or 0 = every core), got {self.threads}")
+            raise ConfigError(f"threads: must be >= 1 (or 0 = the CPUs this process may use), got {self.threads}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit: must be >= 1 rows, got {self.limit}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -12,7 +12,7 @@ from batchjob.engine.spec_decode.config import speculative_config
 from batchjob.models.causal_lm import CausalLM
 from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
 from batchjob.models.registry import build_model
-from batchjob.models.loader import LoadedModel, ModelLoadError, load_model
+from batchjob.models.loader import LoadedModel, ModelDescription, ModelLoadError, load_model
 
 
 def lanes_of(cfg: JobConfig) -> list[Lane]:
@@ -26,7 +26,7 @@ def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
     return engine_for(cfg, loaded, *build_models(cfg, loaded, device, dtype))
 
 
-def model_quantization(cfg: JobConfig, loaded: LoadedModel) -> str:
+def model_quantization(cfg: JobConfig, loaded: LoadedModel | ModelDescription) -> str:
     """The format the model's weight matmuls run in: --quantization against a pre-quantized checkpoint's own."""
     return resolved_quantization(cfg.quantization, loaded.quantization, loaded.quantization_scheme, loaded.name)
 

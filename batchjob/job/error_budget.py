@@ -39,3 +39,18 @@ class ErrorBudget:
             raise TooManyErrors(f"{errors} rows failed, more than max_errors allows ({what}); everything done so "
                                 "far is committed — the `error` column says why each row failed (batchjob export "
                                 "OUT --to FILE --partial). Fix the input, or raise --max-errors and rerun to continue")
+
+
+def job_failure(max_errors: int | float | None, total_rows: int | None, output: str, rows: int, errors: int,
+                first_error: str | None, rerun: bool = False) -> TooManyErrors | None:
+    """How a job whose rows are all in ended: every row failed, or more than max_errors (the same verdict on a
+    rerun of a finished job, with the max_errors it is run with now); None when it succeeded."""
+    if rows and errors == rows:
+        again = "already finished, and " if rerun else ""
+        return AllRowsFailed(f"{again}every row failed ({errors:,} of {rows:,}; committed in {output}); "
+                             f"the first error: {first_error or 'see the error column'}")
+    try:
+        ErrorBudget(max_errors, total_rows).check(errors, rows, final=True)
+    except TooManyErrors as e:
+        return TooManyErrors(f"already finished, and {e}") if rerun else e
+    return None

@@ -68,7 +68,7 @@ class RowFeed:
         lane = stream.lane or None  # a stream of one lane counts that lane's queue, else every lane's
         builder = self.builders[id(stream.source)]
         while not stream.exhausted and (room := budget - self.engine.num_waiting(lane)) > 0:
-            batch = []  # (row index, record, kept columns, lane)
+            batch = []  # (row index, record, kept columns, lane, where the source says the row is)
             for _ in range(min(room, FEED_BATCH)):
                 item = next(stream.rows, None)
                 if item is None:
@@ -86,13 +86,13 @@ class RowFeed:
                     continue
                 if self.lane_column_out:
                     kept["lane"] = row_lane
-                batch.append((item.row_index, record, kept, row_lane))
+                batch.append((item.row_index, record, kept, row_lane, item.where))
             records = [b[1] for b in batch]
             all_prompts = builder.prompts_many(records)
             starts = [None] * len(batch)
             if self.cfg.task == "score":
                 starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
-            for (row_index, record, kept, row_lane), ids, start in zip(batch, all_prompts, starts):
+            for (row_index, record, kept, row_lane, where), ids, start in zip(batch, all_prompts, starts):
                 try:
                     for problem in (ids, start):
                         if isinstance(problem, RowError):
@@ -100,17 +100,18 @@ class RowFeed:
                     params = row_sampling(record, self.params.get(row_lane, self.default_params))
                     stream.columns.check(params)
                 except RowError as e:
-                    self.emit(stream, row_index, kept, error=str(e))
+                    self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))
                     continue
-                self._add_row(stream, row_index, kept, row_lane, ids, params, start)
+                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where)
 
     def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, prompts: list[list[int]],
-                 params: SamplingParams, continuation_start: int | None = None) -> None:
-        """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each)."""
+                 params: SamplingParams, continuation_start: int | None = None, where: str | None = None) -> None:
+        """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each); `where`:
+        the row's place as its source names it, said in its error."""
         err = self.rows.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
                             row_index=row_index, lane=lane, continuation_start=continuation_start)
         if err:
-            self.emit(stream, row_index, kept, error=err, prompt_tokens=sum(map(len, prompts)))
+            self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=sum(map(len, prompts)))
 
     @property
     def rows_in_flight(self) -> int:
@@ -139,7 +140,7 @@ class RowFeed:
         s = self.summary
         s.rows += 1
         s.errors += reason == "error"
-        s.prompt_tokens += prompt_tokens
+        s.prompt_tokens += 0 if reason == "error" else prompt_tokens  # a row refused (too long) computed none
         s.generated_tokens += completion_tokens
         if reason == "error":
             self.first_error = self.first_error or f"row {row_index}: {error}"

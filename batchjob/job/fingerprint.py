@@ -3,16 +3,12 @@ recorded in the manifest so that a resume into results of another job is refused
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from batchjob.job.config import JobConfig
-from batchjob.job.engine_setup import model_quantization
 from batchjob.cluster.shards import ShardSource
 from batchjob.io.sources import Source
-from batchjob.models.loader import LoadedModel
 from batchjob.version import __version__
 
 CONTENT_HASH_WHOLE_BYTES = 64 << 20  # an input file up to this size is hashed whole; a larger one by samples:
@@ -26,14 +22,24 @@ PARAM_FIELDS = ("prompt_column", "messages_column", "chat", "chat_template", "sy
                 "include_stop_str_in_output", "logprobs", "n")
 
 
-def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedModel, dtype: torch.dtype) -> dict:
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a fingerprint knows of the model that runs: its identity (models/identity.py), the compute dtype's
+    name ("bfloat16") and the format its weight matmuls run in (none | int8 | fp8: a pre-quantized checkpoint's
+    own under --quantization auto; job/engine_setup.py model_quantization)."""
+    identity: dict
+    dtype: str
+    quantization: str
+
+
+def fingerprint(cfg: JobConfig, source: Source, input_path: str, model: ModelFacts) -> dict:
+    """Plain data, no torch: a rerun can be told from another job before torch is imported (job/preflight.py)."""
     params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
-    params["dtype"] = str(dtype).removeprefix("torch.")
+    params["dtype"] = model.dtype
     if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
         params["kv_cache_dtype"] = cfg.kv_cache_dtype
-    quantization = model_quantization(cfg, loaded)  # what runs: a pre-quantized checkpoint's int8 under auto too
-    if quantization != "none":  # int8 compute changes the text (absent: the compute dtype, as before)
-        params["quantization"] = quantization
+    if model.quantization != "none":  # int8 compute changes the text (absent: the compute dtype, as before)
+        params["quantization"] = model.quantization
     structured = cfg.structured_outputs()
     if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
         params["structured_outputs"] = structured
@@ -48,7 +54,7 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, loaded: LoadedM
     if cfg.max_model_len is not None:  # a lower cap ends long rows earlier ("length"); absent: the model's context
         params["max_model_len"] = cfg.max_model_len
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),
-          "model": loaded.identity, "params": params}
+          "model": model.identity, "params": params}
     if isinstance(source, ShardSource):
         fp["shard"] = source.info()
     return fp

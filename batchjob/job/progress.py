@@ -17,9 +17,10 @@ from batchjob.io.durations import format_duration
 class Snapshot:
     rows_done: int  # rows finished so far, the whole job (committed before this run + written in it)
     rows_committed: int  # of those, committed (in a part listed by the manifest)
-    rows_in_flight: int  # admitted to the engine, not finished
+    rows_in_flight: int  # given to the engine, not finished
     tokens: int  # tokens generated in this run
     bytes_read: int | None = None  # input position, when progress is by bytes
+    rows_read_ahead: int = 0  # of the rows in flight, those waiting in the engine (read ahead), not yet computing
 
 
 class Progress:
@@ -58,7 +59,7 @@ class Progress:
 
     def _postfix(self, s: Snapshot, now: float) -> str:
         elapsed = max(now - self.t0, 1e-9)
-        return f"{s.tokens / elapsed:,.0f} tok/s, {s.rows_committed:,} committed, {s.rows_in_flight:,} in flight"
+        return f"{s.tokens / elapsed:,.0f} tok/s, {s.rows_committed:,} committed, {_in_flight(s)}"
 
     def known_rows(self, s: Snapshot) -> tuple[int | None, bool]:
         """(the job's rows as far as known, whether that is exact): the input's count when known; else,
@@ -76,7 +77,7 @@ class Progress:
         return self.rows_before + round(rows_read * (self.total_bytes - self.bytes_before) / read), False
 
     def line(self, s: Snapshot, now: float | None = None) -> str:
-        """rows done/total (percent), rows/s, tok/s, committed, in flight, ETA: for logs and tests."""
+        """rows done/total (percent), rows/s, tok/s, committed, running, read ahead, ETA: for logs and tests."""
         now = self.clock() if now is None else now
         elapsed = max(now - self.t0, 1e-9)
         run_rows = s.rows_done - self.rows_before
@@ -91,7 +92,7 @@ class Progress:
             parts.append(f"{s.rows_done:,} rows")
             eta = None
         parts += [f"{rate:,.1f} rows/s", f"{s.tokens / elapsed:,.0f} tok/s", f"{s.rows_committed:,} committed",
-                  f"{s.rows_in_flight:,} in flight", f"ETA {format_duration(eta)}" if eta is not None else "ETA ?"]
+                  _in_flight(s), f"ETA {format_duration(eta)}" if eta is not None else "ETA ?"]
         return ", ".join(parts)
 
     def say(self, line: str) -> None:
@@ -104,3 +105,8 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _in_flight(s: Snapshot) -> str:
+    """The rows in the engine: those computing (at most max_num_seqs) apart from those read ahead, waiting."""
+    return f"{s.rows_in_flight - s.rows_read_ahead:,} running, {s.rows_read_ahead:,} read ahead"

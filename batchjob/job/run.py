@@ -18,26 +18,27 @@ from pathlib import Path
 import torch
 
 from batchjob.job.config import ConfigError, JobConfig
-from batchjob.device import choose_device, choose_dtype
+from batchjob.device import choose_device, choose_dtype, dtype_name
 from batchjob.job.feed import RowFeed, check_chat_template, read_template
 from batchjob.job.embed_task import resolve_pooling
-from batchjob.job.fingerprint import fingerprint
+from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
 from batchjob.cluster.shards import ShardSource, ShardSpec, check_unsharded, claim_shard
 from batchjob.io.export import write_openai_batch
 from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
-from batchjob.io.sources import JsonlSource, Source
-from batchjob.job.engine_setup import build_engine
+from batchjob.io.sources import JsonlSource, OpenAIBatchSource, Source
+from batchjob.job.engine_setup import build_engine, model_quantization
 from batchjob.kernels.quantization import keeps_fp8_codes
-from batchjob.models.loader import load_model, resolve_model_path
+from batchjob.models.loader import describe_model, load_model, resolve_model_path
 from batchjob.job.progress import Progress, Snapshot
 from batchjob.job.stats import StatsRecorder
-from batchjob.job.error_budget import AllRowsFailed, ErrorBudget, TooManyErrors
+from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
-from batchjob.job.streams import (OpenedInput, clear_for_restart, input_folders, open_inputs, open_streams,
-                              remove_bare_folders, uncommitted_rows)
+from batchjob.job.threads import job_threads
+from batchjob.job.inputs import OpenedInput, input_folders, open_inputs
+from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
 from batchjob.job.summary import ChatHint, JobSummary, start_line
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,7 @@ class Job:
         """`resources` holds what the job must give back however it ends (the output lock); without
         it the lock lives as long as the Job. `restart` deletes the folder's results first."""
         self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(job_threads(cfg.threads))
         out = Path(cfg.output)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"output: {out} is a file, not a folder; name a folder for the results")
@@ -61,6 +61,8 @@ class Job:
                 raise ConfigError("shard: lanes with their own inputs cannot be sharded; shard each lane's input as its own job")
             out = out / self.shard.folder_name
         sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
+        # an unsharded job of empty inputs computes nothing: its folder records 0 rows, and no model loads
+        self.nothing_to_compute = self.shard is None and len(self.empty_inputs) == len(sources)
         template = read_template(cfg.chat_template) if cfg.chat_template else None
         resolve_model_path(cfg.model)  # a mistyped model fails here, before an output folder is created
         device = choose_device(cfg.device)
@@ -82,35 +84,57 @@ class Job:
               dtype: torch.dtype, template: str | None) -> None:
         if restart:
             clear_for_restart(out, [folder for _, _, folder, _ in sources])
+        resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default: the model folder's pooling
+        lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
+        if self.nothing_to_compute:  # every input is empty: the model is described from its files, not loaded
+            described = describe_model(cfg.model, fp8_codes=keeps_fp8_codes(cfg.quantization, device))
+            self.model_facts = ModelFacts(described.identity, dtype_name(dtype), model_quantization(cfg, described))
+            self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
+            self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != "generate")
+            return
         self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == "int8",
                                  fp8_codes=keeps_fp8_codes(cfg.quantization, device))
-        resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default: the model folder's pooling
         self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
+        self.model_facts = ModelFacts(self.loaded.identity, dtype_name(dtype), model_quantization(cfg, self.loaded))
         if self.shard is not None:
-            sources = [self._claim_shard(*sources[0], dtype)]
+            sources = [self._claim_shard(*sources[0])]
         if any(self.use_messages.values()) or cfg.chat:  # a broken template fails the job once, not every row
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
-        lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
-        self.streams = open_streams(cfg, sources, self.loaded, dtype, lane_column_out)
+        self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
-                                  prefill_only=cfg.task != "generate")
+                                  prefill_only=cfg.task != "generate", model=self.loaded.name)
+        served = {cfg.model, self.loaded.name, Path(cfg.model).name, Path(cfg.model).stem}
+        for source, *_ in sources:
+            reader = getattr(source, "inner", source)  # a shard's whole file
+            if isinstance(reader, OpenAIBatchSource):
+                self.summary.other_models.update(reader.other_models(served))
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary)
         self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
 
-    def _claim_shard(self, source: Source, path: str, folder: Path, lane: str | None, dtype: torch.dtype) -> OpenedInput:
+    def _claim_shard(self, source: Source, path: str, folder: Path, lane: str | None) -> OpenedInput:
         """Swap the input for this shard's slice, after checking OUT/job.json (or writing it first)."""
-        sliced = claim_shard(folder.parent, self.shard, source, fingerprint(self.cfg, source, path, self.loaded, dtype))
+        sliced = claim_shard(folder.parent, self.shard, source, fingerprint(self.cfg, source, path, self.model_facts))
         self.use_messages[id(sliced)] = self.use_messages.pop(id(source))
         return sliced, path, folder, lane
 
     # the loop
 
     def run(self) -> JobSummary:
-        cfg, feed = self.cfg, self.feed
+        cfg = self.cfg
         self.t0 = time.perf_counter()
         committed = [s.sink.manifest.totals() for s in self.streams]
-        self.before = feed.before = (sum(c["rows"] for c in committed), sum(c["errors"] for c in committed))
+        self.before = (sum(c["rows"] for c in committed), sum(c["errors"] for c in committed))
+        if self.nothing_to_compute:
+            self._mark_run("running")
+            self._mark_run("finished")
+            for stream in self.streams:
+                stream.sink.set_total_rows(0)  # known without reading: a JSONL input of blank lines too
+                stream.sink.close()
+            self.summary.empty_input = not self.before[0]
+            return self.summary
+        feed = self.feed
+        feed.before = self.before
         self.summary.rows_before, self.summary.errors_before = self.before
         inputs = [s.source.num_rows for s in self.streams]
         total = None if None in inputs else sum(inputs)
@@ -208,17 +232,7 @@ class Job:
         return self.summary
 
     def _failure(self, rows: int, errors: int, first_error: str | None, rerun: bool = False) -> TooManyErrors | None:
-        """How a job whose rows are all in ended: every row failed, or more than max_errors (the same
-        verdict on a rerun of a finished job, with the max_errors it is run with now)."""
-        if rows and errors == rows:
-            again = "already finished, and " if rerun else ""
-            return AllRowsFailed(f"{again}every row failed ({errors:,} of {rows:,}; committed in {self.summary.output}); "
-                                 f"the first error: {first_error or 'see the error column'}")
-        try:
-            ErrorBudget(self.cfg.max_errors, self.summary.total_rows).check(errors, rows, final=True)
-        except TooManyErrors as e:
-            return TooManyErrors(f"already finished, and {e}") if rerun else e
-        return None
+        return job_failure(self.cfg.max_errors, self.summary.total_rows, self.summary.output, rows, errors, first_error, rerun)
 
     def _recorded_error(self) -> str | None:
         """The first row error a failed run recorded (its message names it), for a rerun's verdict."""
@@ -257,8 +271,10 @@ class Job:
             reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
             position = reader.position()[1]
         s = self.summary
+        in_flight = self.feed.rows_in_flight
         return Snapshot(rows_done=self.before[0] + s.rows, rows_committed=self._committed_rows(),
-                        rows_in_flight=self.feed.rows_in_flight, tokens=s.generated_tokens_live, bytes_read=position)
+                        rows_in_flight=in_flight, tokens=s.generated_tokens_live, bytes_read=position,
+                        rows_read_ahead=min(in_flight, self.engine.num_waiting()))
 
     def _committed_rows(self) -> int:
         return sum(stream.sink.done.count() for stream in self.streams)
@@ -285,7 +301,7 @@ class Job:
             run["state"] = state
             if error:
                 run["error"] = error[:1000]
-            if self.feed.first_error:
+            if not self.nothing_to_compute and self.feed.first_error:
                 run["first_error"] = self.feed.first_error[:1000]
             if state == "stopped":
                 run["signal"] = signal or self.summary.stopped

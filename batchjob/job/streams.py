@@ -1,5 +1,5 @@
-"""A job's streams: each input with its output folder and sink, found and checked before the model loads,
-and the rows of a stream that are not committed yet (where a resume starts reading)."""
+"""A job's streams: each input (found and checked in inputs.py) with its output folder and sink, and the rows of
+a stream that are not committed yet (where a resume starts reading)."""
 from __future__ import annotations
 
 import sys
@@ -8,22 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from batchjob.job.config import JobConfig
-from batchjob.job.fingerprint import fingerprint
+from batchjob.job.fingerprint import ModelFacts, fingerprint
+from batchjob.job.inputs import OpenedInput
 from batchjob.io.export import ERRORS_FILE, RESULTS_FILE
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.parts import part_schema
 from batchjob.io.recovery import clear_results
 from batchjob.io.sink import INPUT_PATH, RESUME_POSITION, ArrowSink
-from batchjob.io.sources import (InputRow, JsonlSource, OpenAIBatchSource, Source, SourceError, open_source,
-                                 validate_columns)
-from batchjob.models.loader import LoadedModel
+from batchjob.io.sources import InputRow, JsonlSource, OpenAIBatchSource, Source
 from batchjob.job.results import OutputColumns, output_columns
-
-OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
-
 
 @dataclass(slots=True, eq=False)
 class Stream:
@@ -37,49 +31,7 @@ class Stream:
     columns: OutputColumns = OutputColumns()  # the optional output columns: kept input columns, logprobs, completions
 
 
-def input_folders(cfg: JobConfig, out: Path) -> list[tuple[str, Path, str | None]]:
-    """(input path, output folder, lane) per stream: one, or one per lane with its own input (OUT/<lane>/)."""
-    if cfg.per_lane_inputs:
-        inputs = [(lane["input"], out / lane["name"], lane["name"]) for lane in cfg.lanes]
-    else:
-        inputs = [(cfg.input, out, None)]
-    for path, _, lane in inputs:
-        if not Path(path).exists():
-            where = f"lanes.{lane}.input" if lane else "input"
-            raise SourceError(f"input not found: {path} ({where} in {cfg.job_file})" if cfg.job_file
-                              else f"input not found: {path} (--input)")
-    return inputs
-
-
-def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
-                ) -> tuple[list[OpenedInput], dict[int, bool], list[str]]:
-    """The sources, checked for the columns the job reads: (opened inputs, whether each source (by id)
-    has the messages column, the paths of empty inputs)."""
-    sources = [(open_source(path, input_format=cfg.input_format), path, folder, lane) for path, folder, lane in inputs]
-    use_messages = {}
-    empty_inputs = [path for source, path, *_ in sources if _is_empty(source, path)]
-    for source, path, *_ in sources:
-        uses = cfg.messages_column in source.columns
-        if not uses and path not in empty_inputs:
-            validate_columns(source, [cfg.prompt_column], fix="pass --prompt-column NAME (or --messages-column NAME "
-                             "for chat messages) to read the prompt from another column")
-        if path not in empty_inputs:
-            validate_columns(source, cfg.keep_columns + ([cfg.id_column] if cfg.id_column not in (None, "none") else []))
-        use_messages[id(source)] = uses
-    return sources, use_messages, empty_inputs
-
-
-def _is_empty(source: Source, path: str) -> bool:
-    """No rows at all: an input of 0 rows, or JSONL of blank lines (no columns either, so look at a row)."""
-    if source.num_rows is not None:
-        return source.num_rows == 0
-    if source.columns:
-        return False
-    return next(iter(source.rows()), None) is None
-
-
-def open_streams(cfg: JobConfig, sources: list[OpenedInput], loaded: LoadedModel, dtype: torch.dtype,
-                 lane_column_out: bool) -> list[Stream]:
+def open_streams(cfg: JobConfig, sources: list[OpenedInput], model: ModelFacts, lane_column_out: bool) -> list[Stream]:
     """A sink per input, under the job's fingerprint, with the output columns its rows will have."""
     defaults = cfg.sampling_defaults()
     streams = []
@@ -87,7 +39,7 @@ def open_streams(cfg: JobConfig, sources: list[OpenedInput], loaded: LoadedModel
         keep = [*id_columns(cfg, source, folder), *cfg.keep_columns] + (["lane"] if lane_column_out else [])
         keep = list(dict.fromkeys(keep))  # the id once, first
         columns = output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name)
-        sink = ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, loaded, dtype), keep_columns=columns.names,
+        sink = ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, model), keep_columns=columns.names,
                          part_rows=cfg.part_rows, part_seconds=cfg.part_seconds, total_rows=source.num_rows,
                          part_format=cfg.part_format, column_types=columns.types)
         sink.set_extra(INPUT_PATH, str(Path(path).resolve()))  # `show` reads prompts from it, by row index

@@ -3,12 +3,14 @@ instruct model probably wanted --chat."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from batchjob.job import threads as threads_module
 from batchjob.job.config import JobConfig
-from batchjob.models.causal_lm import CausalLM
-from batchjob.models.loader import LoadedModel
+
+if TYPE_CHECKING:  # the summary and its final line are also a rerun's verdict before torch is imported (preflight.py)
+    from batchjob.models.causal_lm import CausalLM
+    from batchjob.models.loader import LoadedModel
 
 
 @dataclass(slots=True)
@@ -30,6 +32,9 @@ class JobSummary:
     # tokens sampled in this run, rows finished or not (the rate shown while running); prefill-only jobs: computed
     generated_tokens_live: int = 0
     prefill_only: bool = False  # an embed or score job: its rate is prompt tokens/s (it generates none)
+    # OpenAI Batch lines whose `model` names another model (name -> lines), answered by `model` all the same
+    other_models: dict[str, int] = field(default_factory=dict)
+    model: str = ""
 
     def line(self) -> str:
         """The final line: the whole job, then this run."""
@@ -48,9 +53,15 @@ class JobSummary:
         so = self.stats.get("structured")
         structured = (f"; structured outputs: {so['rows']:,} rows ({so['failed']} grammars refused), compiled in "
                       f"{so['compile_ms']} ms, masks {so['mask_ms_per_step']} ms a step" if so else "")
+        others = ""
+        if self.other_models:
+            n = sum(self.other_models.values())
+            names = ", ".join(f"{name!r}" for name in sorted(self.other_models, key=self.other_models.get, reverse=True)[:3])
+            others = (f"; {n:,} request line{'s' if n != 1 else ''} named another model ({names}{', ...' if len(self.other_models) > 3 else ''}), "
+                      f"answered by {self.model}")
         return (f"batchjob: {state}: {whole} ({errors:,} errors) in all; {this_run}{self.prompt_tokens} prompt tokens, "
                 f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} {rate}, {self.kernels} kernels)"
-                f"{structured} -> {self.output}")
+                f"{structured}{others} -> {self.output}")
 
 
 def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: list[str], total: int | None,
@@ -62,9 +73,12 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     dtype = str(model.dtype).removeprefix('torch.')
     kv = dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype
     matmuls = "" if model.quantization == "none" else f", {model.quantization} matmuls"
+    import torch
+
     threads = torch.get_num_threads()
+    waiting = f", {threads_module.chosen.words()}" if threads_module.chosen.words() and model.device.type == "cpu" else ""
     line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.label} kernels, "
-            f"{model.device.type}, {threads} thread{'' if threads == 1 else 's'}) <- {', '.join(inputs)}, {rows} -> {output}")
+            f"{model.device.type}, {threads} thread{'' if threads == 1 else 's'}{waiting}) <- {', '.join(inputs)}, {rows} -> {output}")
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line

@@ -2,7 +2,6 @@
 Pickle checkpoints are refused: loading them could run arbitrary code."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -12,9 +11,9 @@ from safetensors import safe_open
 from batchjob.models.compressed_tensors import compressed_tensors
 from batchjob.models.registry import config_from_hf
 from batchjob.models.tokenizer import Tokenizer
-from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights, sha256_file
+from batchjob.models.identity import hf_identity, safetensors_files
+from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
 
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 MAP_BYTES = 64 << 20  # bytes read through one mapping of a shard before it is closed and reopened
@@ -27,7 +26,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) ->
     # refused before reading weights
     quant = compressed_tensors(config_json, source=str(folder / "config.json"), fp8_codes=fp8_codes)
     config = config_from_hf(config_json, source=str(folder / "config.json"))
-    shards = _safetensors_files(folder)
+    shards = safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         try:
@@ -54,59 +53,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) ->
     except FileNotFoundError as e:
         raise ModelLoadError(str(e)) from e
 
-    small = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
-    identity = {
-        "format": "hf",
-        "path": str(folder),
-        "architecture": config.architecture,
-        "files": [
-            {"name": p.name, "size": p.stat().st_size}
-            for p in sorted({*shards, *(folder / n for n in small)})
-            if p.is_file()
-        ],
-        # small files are hashed whole; weight shards are named and sized only (hashing GBs is too slow)
-        "sha256": {n: sha256_file(folder / n) for n in small if (folder / n).is_file()},
-        # ... plus their header (names, dtypes, shapes, offsets) and 3 MiB of the weights, so retrained
-        # weights of the same shapes are a different model too
-        "weights_sample_sha256": {p.name: _sample_sha256(p) for p in shards},
-    }
+    identity = hf_identity(folder, shards, config.architecture)
     if quant is None:
         return LoadedModel(config, weights, tokenizer, identity, name=folder.name)
     return LoadedModel(config, weights, tokenizer, identity, name=folder.name, quantization=quant.quantization,
                        quantization_scheme=quant.scheme)
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise ModelLoadError(f"{folder}: shards named in {index.name} are missing: {', '.join(missing)}")
-        return [folder / n for n in names]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    found = sorted(folder.glob("*.safetensors"))
-    if found:
-        return found
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelLoadError(
-            f"{folder}: weights are only in pickle format ({', '.join(pickles)}); loading them could run "
-            "arbitrary code, so they are refused. Convert the checkpoint to safetensors first."
-        )
-    raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-
-
-def _sample_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a safetensors file's header and of `chunk` bytes at the start, middle and end of its data."""
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-        f.seek(0)
-        h.update(f.read(min(8 + header, size)))
-        for at in (8 + header, max(8 + header, size // 2), max(8 + header, size - chunk)):
-            f.seek(at)
-            h.update(f.read(chunk))
-    return h.hexdigest()

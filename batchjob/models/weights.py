@@ -1,19 +1,15 @@
 """What every model file format loads into: a LoadedModel with HF-named weights, checked against its
-config (names and shapes), and the file digests its identity is made of."""
+config (names and shapes); its identity is read in identity.py."""
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from batchjob.errors import ModelLoadError  # noqa: F401 - raised by every loader, re-exported
 from batchjob.models.config import ModelConfig
 from batchjob.models.tokenizer import Tokenizer
-
-
-class ModelLoadError(Exception):
-    pass
 
 
 @dataclass(slots=True)
@@ -56,14 +52,3 @@ def checked_weights(config: ModelConfig, weights: dict[str, torch.Tensor], sourc
     if ignored:
         raise ModelLoadError(f"{source}: biases this engine does not apply: {', '.join(ignored[:5])}")
     return {n: weights[n] for n in expected}
-
-
-def sha256_file(path: Path, limit: int | None = None) -> str:
-    """SHA-256 of the file, or of its first `limit` bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        remaining = limit if limit is not None else float("inf")
-        while remaining > 0 and (chunk := f.read(int(min(1 << 20, remaining)))):
-            h.update(chunk)
-            remaining -= len(chunk)
-    return h.hexdigest()

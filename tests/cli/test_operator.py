@@ -137,14 +137,17 @@ def test_not_a_terminal_gets_a_plain_progress_line_every_log_every_seconds(tmp_p
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("batchjob: progress: ")]
     assert len(lines) >= 3, result.stderr
     # rows done (no total yet: a JSONL read for the first time shows how much of the file is read), rates, ETA
-    assert re.search(r"\d+/~?[\d,]+ rows \(\d+\.\d%\), [\d.,]+ rows/s, [\d,]+ tok/s, \d+ committed, \d+ in flight, ETA", lines[-1])
+    assert re.search(r"\d+/~?[\d,]+ rows \(\d+\.\d%\), [\d.,]+ rows/s, [\d,]+ tok/s, \d+ committed, \d+ running, \d+ read ahead, ETA", lines[-1])
 
 
 def test_progress_line_with_a_known_total_counts_the_whole_job():
     clock = iter([0.0, 10.0, 10.0]).__next__
     p = Progress(total_rows=1000, rows_before=400, log_every=30, enabled=False, clock=clock)
     line = p.line(Snapshot(rows_done=500, rows_committed=480, rows_in_flight=16, tokens=12_000), now=10.0)
-    assert line == "500/1,000 rows (50.0%), 10.0 rows/s, 1,200 tok/s, 480 committed, 16 in flight, ETA 50s"
+    assert line == "500/1,000 rows (50.0%), 10.0 rows/s, 1,200 tok/s, 480 committed, 16 running, 0 read ahead, ETA 50s"
+    # the rows read ahead (2 x max_num_seqs by default) wait in the engine: they are not said to be computing
+    ahead = p.line(Snapshot(rows_done=500, rows_committed=480, rows_in_flight=192, tokens=12_000, rows_read_ahead=128), now=10.0)
+    assert ahead.endswith("480 committed, 64 running, 128 read ahead, ETA 50s")
 
 
 def test_ctrl_c_when_every_row_is_admitted_finishes_them_instead_of_promising_75(tmp_path, model, monkeypatch, capfd):
@@ -233,16 +236,16 @@ def test_the_terminal_bar_moves_before_any_row_has_finished():
         t[0] = step * 0.6
         p.update(Snapshot(rows_done=0, rows_committed=0, rows_in_flight=8, tokens=8 * step))
     drawn = stream.getvalue()
-    assert "0/100" in drawn and "13 tok/s, 0 committed, 8 in flight" in drawn
+    assert "0/100" in drawn and "13 tok/s, 0 committed, 8 running, 0 read ahead" in drawn
     p.close()
 
 
 def test_progress_by_bytes_counts_the_rows_in_flight_once_the_input_is_all_read():
     p = Progress(total_rows=None, rows_before=0, log_every=30, enabled=False, total_bytes=1000, clock=lambda: 0.0)
     line = p.line(Snapshot(rows_done=100, rows_committed=0, rows_in_flight=50, tokens=0, bytes_read=1000), now=10.0)
-    assert line == "100/150 rows (66.7%), 10.0 rows/s, 0 tok/s, 0 committed, 50 in flight, ETA 5s"
+    assert line == "100/150 rows (66.7%), 10.0 rows/s, 0 tok/s, 0 committed, 50 running, 0 read ahead, ETA 5s"
     half = p.line(Snapshot(rows_done=100, rows_committed=0, rows_in_flight=50, tokens=0, bytes_read=500), now=10.0)
-    assert half == "100/~300 rows (33.3%), 10.0 rows/s, 0 tok/s, 0 committed, 50 in flight, ETA 20s"  # 150 rows read per half
+    assert half == "100/~300 rows (33.3%), 10.0 rows/s, 0 tok/s, 0 committed, 50 running, 0 read ahead, ETA 20s"  # 150 rows read per half
 
 
 def test_a_rerun_of_a_job_whose_every_row_failed_fails_again_and_status_says_failed(tmp_path, model):
@@ -278,7 +281,7 @@ def test_a_jsonl_jobs_terminal_bar_counts_rows_of_the_rows_known_not_bytes_read(
     t[0] = 1.0  # the reader has buffered the whole (small) file at once: 10 rows done, 90 in the engine
     p.update(Snapshot(rows_done=10, rows_committed=0, rows_in_flight=90, tokens=500, bytes_read=1000))
     drawn = stream.getvalue()
-    assert "10/100" in drawn and "input read" not in drawn and "500 tok/s, 0 committed, 90 in flight" in drawn
+    assert "10/100" in drawn and "input read" not in drawn and "500 tok/s, 0 committed, 90 running, 0 read ahead" in drawn
     p.close()
 
 
@@ -364,3 +367,13 @@ def test_results_keep_the_inputs_id_and_show_prints_each_prompt_beside_its_text(
     run("--model", model, "--input", src, "--output", tmp_path / "no-id", "--id-column", "none", "--max-tokens", 2,
         "--no-progress")
     assert "id" not in read_results(tmp_path / "no-id").column_names
+
+
+def test_the_final_line_counts_the_prompt_tokens_of_the_rows_that_ran(tmp_path, model):
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": "a short row"}, {"prompt": "word " * 3000}, {"prompt": "another row"}])
+    out = tmp_path / "out"
+    result = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--no-progress")
+    rows = {r["row_index"]: r for p in out.glob("part-*.arrow") for r in pa.ipc.open_file(p).read_all().to_pylist()}
+    assert rows[1]["error"] and rows[1]["prompt_tokens"] > 1024  # the refused row keeps its count in its row
+    ran = rows[0]["prompt_tokens"] + rows[2]["prompt_tokens"]
+    assert f"3 rows (1 errors), {ran} prompt tokens," in result.stdout, result.stdout

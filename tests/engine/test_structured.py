@@ -10,21 +10,10 @@ import threading
 import pytest
 import torch
 
-from batchjob.engine.structured import (
-    ALL_ALLOWED,
-    GrammarCache,
-    GrammarState,
-    GrammarTokenizer,
-    MaskFiller,
-    Matcher,
-    StructuredOutputs,
-    StructuredOutputsError,
-    apply_token_bitmask_,
-    compile_grammar,
-    from_response_format,
-    parse_structured_outputs,
-    unpack_bitmask,
-)
+from batchjob.engine.structured.grammar import GrammarCache, GrammarState, GrammarTokenizer, compile_grammar
+from batchjob.engine.structured.mask import apply_token_bitmask_, unpack_bitmask
+from batchjob.engine.structured.matcher import ALL_ALLOWED, MaskFiller, Matcher
+from batchjob.engine.structured.spec import StructuredOutputs, StructuredOutputsError, from_response_format, parse_structured_outputs
 from batchjob.engine.structured import grammar as grammar_module
 from batchjob.engine.structured import mask as mask_module
 from batchjob.models.tokenizer import Tokenizer

@@ -184,7 +184,7 @@ def test_openai_batch_file_runs_to_a_response_file(tmp_path, tiny_model_dir):
         chat_line("chat-1", max_tokens=6, temperature=0.8, n=2, seed=5, logprobs=True, top_logprobs=2),
         completion_line("cmpl-1", max_tokens=5, logprobs=1),
         "{not json",
-        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/images/generations", "body": {"prompt": "x"}},
         {"custom_id": "no-body", "method": "POST", "url": COMPLETIONS},
         chat_line("chat-1", content="again"),
         completion_line("bad-temp", temperature="hot"),

@@ -328,8 +328,6 @@ def test_openai_embeddings_in_and_out(tmp_path, llama_dir):
     lines = [embeddings_line("one", {"input": "The fox jumps"}),
              embeddings_line("two", {"input": ["The fox jumps", "a b c d"], "encoding_format": "base64"}),
              embeddings_line("ids", {"input": [5, 6, 7], "dimensions": 16}),
-             {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": "hi"}]}},
              embeddings_line("bad", {"input": "x", "encoding_format": "int8"}),
              embeddings_line("long", {"input": ["short", "word " * 1500]})]
     src = write_jsonl(tmp_path / "requests.jsonl", lines)
@@ -350,9 +348,9 @@ def test_openai_embeddings_in_and_out(tmp_path, llama_dir):
     full = torch.tensor(alone[2])
     assert len(vec) == 16  # the request's dimensions: the first 16 of the unnormalised vector, renormalised
     assert abs(float(torch.tensor(vec).norm()) - 1) < 1e-5
-    assert "task is embed" in got["chat"]["error"]["message"]
     assert "encoding_format" in got["bad"]["error"]["message"]
-    assert "input[1]" in got["long"]["error"]["message"] and "at most" in got["long"]["error"]["message"]
+    long = got["long"]["error"]["message"]  # found after the source read it: it names the line all the same
+    assert long.startswith("requests.jsonl line 5: input[1]") and "at most" in long
     assert full.shape[0] == 64
 
 
@@ -362,12 +360,32 @@ def batchjob_embed(path, texts, **options):
     return [r.embedding for r in batchjob.embed(texts, model=str(path), dtype="float32", kv_cache_gb=0.02, **options)]
 
 
-def test_an_embeddings_request_in_a_generate_job_is_a_row_error(tmp_path, llama_dir):
+def test_a_request_file_runs_one_kind_and_says_so_at_start(tmp_path, llama_dir):
+    chat = {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
     src = write_jsonl(tmp_path / "requests.jsonl", [embeddings_line("e", {"input": "x"})])
     out = tmp_path / "out"
-    text = cli("run", "--model", llama_dir, "--input", src, "--output", out, *FAST, code=1)  # every row failed
-    assert "requests need task = \"embed\"" in text
-    assert "--task embed" in read_results(out).column("error").to_pylist()[0]
+    text = cli("run", "--model", llama_dir, "--input", src, "--output", out, *FAST, code=1)
+    assert "its lines are /v1/embeddings requests; run them with --task embed" in text and not out.exists()
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [embeddings_line("e", {"input": "x"}), chat])
+    for task in ("generate", "embed"):
+        text = cli("run", "--model", llama_dir, "--input", mixed, "--output", out, "--task", task, *FAST, code=1)
+        assert "mixes /v1/embeddings lines (the first is row 0) with /v1/chat/completions or /v1/completions lines " \
+               "(the first is row 1); a job runs one kind: split the file by `url`" in text and not out.exists()
+    chats = write_jsonl(tmp_path / "chats.jsonl", [chat])
+    text = cli("run", "--model", llama_dir, "--input", chats, "--output", out, "--task", "embed", *FAST, code=1)
+    assert "run them without --task embed" in text
+
+
+def test_request_lines_naming_another_model_are_answered_and_counted(tmp_path, llama_dir):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+             for i, name in enumerate(["gpt-4o-mini", "gpt-4o-mini", llama_dir.name, "other"])]
+    src = write_jsonl(tmp_path / "requests.jsonl", lines)
+    text = cli("run", "--model", llama_dir, "--input", src, "--output", tmp_path / "out", *FAST)
+    assert (f"; 3 request lines named another model ('gpt-4o-mini', 'other'), answered by {llama_dir.name} -> "
+            in text), text
+    assert read_results(tmp_path / "out").column("error").null_count == 4  # answered all the same, as vLLM does
 
 
 def test_truncate_keeps_the_first_tokens(tmp_path, llama_dir):

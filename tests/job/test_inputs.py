@@ -202,7 +202,7 @@ def test_csv_job_level_problems(tmp_path):
 
 
 def test_a_missing_prompt_column_says_which_flag_names_another(tmp_path):
-    from batchjob.job.streams import open_inputs
+    from batchjob.job.inputs import open_inputs
 
     path = tmp_path / "cols.csv"
     path.write_text("question\nhello\n")

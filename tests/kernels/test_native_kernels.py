@@ -159,6 +159,8 @@ def test_auto_falls_back_to_torch_with_one_line_when_the_compiler_is_missing(mon
     kernels = select_kernels("auto", "cpu", torch.float32, 48, 2, log=lines.append)
     assert kernels.name == "torch"
     assert len(lines) == 1 and "native kernels unavailable" in lines[0] and "no-such-g++" in lines[0]
+    select_kernels("auto", "cpu", torch.float32, 64, 1, log=lines.append)  # another model (a draft), another job
+    assert len(lines) == 1  # the notice is said once per process
     with pytest.raises(KernelError, match="native.*cannot run here.*no C\\+\\+ compiler"):
         select_kernels("native", "cpu", torch.float32, 48, 2, log=lines.append)
     with pytest.raises(KernelError, match="block_size 8"):  # an explicit choice never falls back silently

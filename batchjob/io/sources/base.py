@@ -22,6 +22,8 @@ class InputRow:
     row_index: int  # 0-based position in the whole input
     record: dict | None  # column -> python value; None when the row could not be parsed
     error: str | None = None  # per-row problem, e.g. "data.jsonl line 17: invalid JSON: ..."
+    where: str | None = None  # the row's place, where a source names it ("requests.jsonl line 17"): for the
+    # errors found later (its prompt, its inputs), said as the source's own are
 
 
 class SourceError(Exception):

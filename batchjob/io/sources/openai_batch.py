@@ -4,10 +4,11 @@ or a repeated custom_id, becomes a per-row error that still carries its custom_i
 from __future__ import annotations
 
 import json
+from collections import Counter
 from itertools import islice
 from pathlib import Path
 
-from batchjob.io.openai_batch import CHAT, COLUMNS, COMPLETIONS, is_request_shaped, request_record
+from batchjob.io.openai_batch import CHAT, COLUMNS, COMPLETIONS, EMBEDDINGS, is_request_shaped, request_record
 from batchjob.io.sources.base import InputRow, SourceError, narrow
 from batchjob.io.sources.jsonl import JsonlSource, codec_of
 
@@ -46,7 +47,28 @@ class OpenAIBatchSource(JsonlSource):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.columns = list(COLUMNS)
+        self.kinds: dict[bool, int] = {}  # whether embeddings -> the first row of that kind (a job runs one kind)
+        self.models: Counter[str] = Counter()  # body.model -> lines naming it
         self.duplicates, self.num_rows = self._scan_custom_ids()
+
+    def check_task(self, task: str) -> None:
+        """A request file runs as one job of one kind: embeddings lines with task = "embed", chat and completions
+        lines without it (so does OpenAI's Batch API: one endpoint per batch). Raises SourceError, at start."""
+        embed, generate = self.kinds.get(True), self.kinds.get(False)
+        if embed is not None and generate is not None:
+            raise SourceError(f"{self.path}: mixes {EMBEDDINGS} lines (the first is row {embed}) with {CHAT} or "
+                              f"{COMPLETIONS} lines (the first is row {generate}); a job runs one kind: split the file "
+                              f"by `url` and run the {EMBEDDINGS} lines with --task embed, the others without it")
+        if embed is not None and task != "embed":
+            raise SourceError(f"{self.path}: its lines are {EMBEDDINGS} requests; run them with --task embed")
+        if generate is not None and task == "embed":
+            raise SourceError(f"{self.path}: its lines are {CHAT} or {COMPLETIONS} requests, which generate text; run "
+                              f"them without --task embed")
+
+    def other_models(self, served: set[str]) -> Counter[str]:
+        """The `model` names of the lines that name none of `served` (answered by the job's model all the same,
+        as vLLM's run_batch does): name -> lines."""
+        return Counter({name: n for name, n in self.models.items() if name not in served})
 
     def _parse(self, row_index: int, line: bytes, where: str, columns: list[str] | None) -> InputRow:
         try:
@@ -65,7 +87,7 @@ class OpenAIBatchSource(JsonlSource):
         if first is not None:
             return InputRow(row_index, ids, f"{where}: duplicate custom_id {record['custom_id']!r} "
                                             f"(first used by row {first}); custom_id must be unique")
-        return InputRow(row_index, narrow(record, columns))
+        return InputRow(row_index, narrow(record, columns), where=where)
 
     def _scan_custom_ids(self) -> tuple[dict[int, int], int]:
         """One pass over the whole file, so a repeat is caught even when a resume skips the first use:
@@ -78,9 +100,16 @@ class OpenAIBatchSource(JsonlSource):
                 if not line.strip():
                     continue
                 try:
-                    cid = json.loads(line).get("custom_id")
+                    value = json.loads(line)
+                    cid = value.get("custom_id")
+                    url, body = value.get("url"), value.get("body")
                 except (ValueError, AttributeError):
-                    cid = None
+                    cid = url = body = None
+                if url in (CHAT, COMPLETIONS, EMBEDDINGS):
+                    self.kinds.setdefault(url == EMBEDDINGS, row)
+                    model = body.get("model") if isinstance(body, dict) else None
+                    if isinstance(model, str):
+                        self.models[model] += 1
                 if isinstance(cid, str):
                     if cid in first:
                         duplicates[row] = first[cid]

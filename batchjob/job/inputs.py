@@ -1,0 +1,53 @@
+"""A job's inputs, found and checked before anything heavy starts (no torch here: job/preflight.py runs it before
+torch is imported): each input path with its output folder and lane, opened, with the columns the job reads."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchjob.job.config import JobConfig
+from batchjob.io.sources import OpenAIBatchSource, Source, SourceError, open_source, validate_columns
+
+OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
+
+
+def input_folders(cfg: JobConfig, out: Path) -> list[tuple[str, Path, str | None]]:
+    """(input path, output folder, lane) per stream: one, or one per lane with its own input (OUT/<lane>/)."""
+    if cfg.per_lane_inputs:
+        inputs = [(lane["input"], out / lane["name"], lane["name"]) for lane in cfg.lanes]
+    else:
+        inputs = [(cfg.input, out, None)]
+    for path, _, lane in inputs:
+        if not Path(path).exists():
+            where = f"lanes.{lane}.input" if lane else "input"
+            raise SourceError(f"input not found: {path} ({where} in {cfg.job_file})" if cfg.job_file
+                              else f"input not found: {path} (--input)")
+    return inputs
+
+
+def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
+                ) -> tuple[list[OpenedInput], dict[int, bool], list[str]]:
+    """The sources, checked for the columns the job reads: (opened inputs, whether each source (by id)
+    has the messages column, the paths of empty inputs)."""
+    sources = [(open_source(path, input_format=cfg.input_format), path, folder, lane) for path, folder, lane in inputs]
+    use_messages = {}
+    empty_inputs = [path for source, path, *_ in sources if _is_empty(source, path)]
+    for source, path, *_ in sources:
+        uses = cfg.messages_column in source.columns
+        if not uses and path not in empty_inputs:
+            validate_columns(source, [cfg.prompt_column], fix="pass --prompt-column NAME (or --messages-column NAME "
+                             "for chat messages) to read the prompt from another column")
+        if path not in empty_inputs:
+            validate_columns(source, cfg.keep_columns + ([cfg.id_column] if cfg.id_column not in (None, "none") else []))
+        use_messages[id(source)] = uses
+        if isinstance(source, OpenAIBatchSource):
+            source.check_task(cfg.task)
+    return sources, use_messages, empty_inputs
+
+
+def _is_empty(source: Source, path: str) -> bool:
+    """No rows at all: an input of 0 rows, or JSONL of blank lines (no columns either, so look at a row)."""
+    if source.num_rows is not None:
+        return source.num_rows == 0
+    if source.columns:
+        return False
+    return next(iter(source.rows()), None) is None
