@@ -5,13 +5,13 @@ import functools
 
 import torch
 
+from batchjob.errors import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def choose_device(requested: str | None) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
-        from batchjob.job.config import ConfigError
-
         raise ConfigError("device: cuda was asked for but this machine has no CUDA device torch can use; "
                           "pass --device cpu (or leave it out)")
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")

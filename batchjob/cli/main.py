@@ -144,8 +144,8 @@ def _internal_error(e: Exception, output: str | None) -> None:
     sys.exit(1)
 
 
-# `status` and `export` of sharded output folders (OUT/job.json + OUT/shard-K-of-N/); the single-folder
-# cases belong to issue 4's status/export and are dispatched to from here once they exist.
+# `status` and `export` of an output folder: one folder, a folder of per-lane folders, or a sharded job's
+# (OUT/job.json + OUT/shard-K-of-N/).
 @main.command("status")
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
