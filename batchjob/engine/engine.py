@@ -1,12 +1,14 @@
-"""Engine: add rows, call `step()` until idle. Each step is one scheduler decision, the KV swaps it
-asks for, one forward and one sampling pass; rows that finish leave with their output and their
-blocks return to the pool. Callers use only this class (add, step, num_waiting, drop_waiting)."""
+"""Engine: submit requests (requests.py), call `step()` until idle. Each step is one scheduler decision, the KV
+swaps it asks for, one forward and one sampling pass; rows that finish leave with their output and their
+blocks return to the pool. Callers use this class (submit, never_fits, step, num_waiting, drop_waiting); tests
+and benchmarks may also add Sequences they built (`add`, `generate`)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
 from batchjob.engine.core.block_pool import BlockPool
+from batchjob.engine.core.detokenizer import IncrementalDetokenizer
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs
 from batchjob.engine.core.cost_model import CostModel
 from batchjob.engine.worker.kv_budget import gpu_kv_blocks
@@ -15,6 +17,7 @@ from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
 from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.core.output import OutputProcessor
+from batchjob.engine.requests import EngineRequest
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
@@ -133,6 +136,30 @@ class Engine:
         self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
         self.runner.structured = self.structured
         self._compiling: list[Sequence] = []  # structured rows whose grammar is still compiling
+        self.tokenizer = tokenizer
+        self._next_id = 1 << 40  # submitted requests' ids (apart from the ids of Sequences added as they are)
+
+    def submit(self, request: EngineRequest) -> int | str:
+        """Queue a request: its id (the finished Sequence's `seq_id`), or why it can never run (nothing queued)."""
+        seq = self._sequence(request)
+        err = self.add(seq)
+        return err if err else seq.seq_id
+
+    def never_fits(self, request: EngineRequest) -> str | None:
+        """Why the request could never run here (too long for the context or the KV pool), or None; queues nothing."""
+        return self.scheduler.never_fits(Sequence(-1, list(request.prompt_ids), request.params))
+
+    def _sequence(self, request: EngineRequest) -> Sequence:
+        p = request.params
+        detok = None
+        if p.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, p.stop, min_tokens=p.min_tokens,
+                                           include_stop_str_in_output=p.include_stop_str_in_output)
+        self._next_id += 1
+        return Sequence(self._next_id, list(request.prompt_ids), p, lane=request.lane, detokenizer=detok,
+                        rng_key=sequence_key(p, request.seed, request.row_index, request.completion))
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run. A
@@ -190,6 +217,11 @@ class Engine:
         if lane is None:
             return self.scheduler.num_waiting + len(self._compiling)
         return len(self.scheduler.waiting[lane]) + sum(s.lane == lane for s in self._compiling)
+
+    @property
+    def structured_stats(self):
+        """What the structured-outputs rows cost so far (engine/structured/rows.py StructuredStats)."""
+        return self.structured.stats
 
     def drop_waiting(self) -> list[Sequence]:
         """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""

@@ -1,15 +1,14 @@
-"""Rows inside the engine: a row enters as its n Sequences (one per completion, each with its own random
-stream) and leaves once its last one finishes, as one PendingRow with all n. The job's RowFeed and the
-Python API's LLM both run their rows through this."""
+"""Rows inside the engine: a row enters as its n EngineRequests (one per completion, each with its own random
+stream; engine/requests.py) and leaves once its last Sequence finishes, as one PendingRow with all n. The
+job's RowFeed and the Python API's LLM both run their rows through this."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from batchjob.engine.core.detokenizer import IncrementalDetokenizer
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.engine import Engine
-from batchjob.engine.sample.row_keys import sequence_key
+from batchjob.engine.requests import EngineRequest
 from batchjob.job.results import OutputColumns, PendingRow, TokenText
 
 Key = TypeVar("Key")  # what the caller knows a row by (its stream and index, or its place in a list)
@@ -28,8 +27,7 @@ class RowsInFlight(Generic[Key]):
         self.tokenizer = tokenizer
         self.truncate = truncate  # embed rows: a prompt past the context keeps its first max_model_len tokens
         self.token_text = TokenText(tokenizer)
-        self._by_seq: dict[int, tuple[Key, PendingRow, list[Sequence], int]] = {}  # seq_id -> (key, row, seqs, c)
-        self._next_seq = 0
+        self._by_seq: dict[int, tuple[Key, PendingRow, list[Sequence | None], int]] = {}  # request id -> (key, row, seqs, c)
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
     def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
@@ -43,30 +41,25 @@ class RowsInFlight(Generic[Key]):
         assert not many or params.n == 1, "a row of several prompts has one completion per prompt"
         if self.truncate and params.pooling is not None:
             inputs = [ids[:self.engine.max_model_len] for ids in inputs]
-        row, seqs = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many), []
-        new = []
-        for c, ids in enumerate(inputs):
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, min_tokens=params.min_tokens,
-                                           include_stop_str_in_output=params.include_stop_str_in_output) if params.stop else None
-            new.append(Sequence(self._next_seq, ids, params, rng_key=sequence_key(params, seed, row_index, c), lane=lane,
-                                detokenizer=detok))
-            self._next_seq += 1
-        for c, seq in enumerate(new if many else ()):
-            err = self.engine.scheduler.never_fits(seq)
+        row = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many)
+        requests = [EngineRequest(ids, params, seed, row_index, c, lane) for c, ids in enumerate(inputs)]
+        for c, request in enumerate(requests if many else ()):
+            err = self.engine.never_fits(request)
             if err:  # one input that can never run fails the row: none of its inputs enter the engine
                 return f"input[{c}]: {err}"
-        for c, seq in enumerate(new):
-            err = self.engine.add(seq)
-            if err:  # the prompt never fits: the same for every completion (only the first is ever added)
-                return err
-            seqs.append(seq)
-            self._by_seq[seq.seq_id] = (key, row, seqs, c)
+        seqs: list[Sequence | None] = [None] * len(requests)  # each completion's Sequence, as it finishes
+        for c, request in enumerate(requests):
+            got = self.engine.submit(request)
+            if isinstance(got, str):  # the prompt never fits: the same for every completion (only the first is tried)
+                return got
+            self._by_seq[got] = (key, row, seqs, c)
         self.num_rows += 1
         return None
 
     def finished(self, seq: Sequence) -> DoneRow[Key] | None:
         """Record a finished Sequence; the row once its last completion is in."""
         key, row, seqs, c = self._by_seq.pop(seq.seq_id)
+        seqs[c] = seq
         if not row.add(c, seq, self.tokenizer, self.token_text):
             return None
         self.num_rows -= 1

@@ -217,7 +217,7 @@ class Job:
             self.progress.close()
         self.summary.wall_s = time.perf_counter() - self.t0
         self.summary.stats = self.stats.summary()
-        st = self.engine.structured.stats
+        st = self.engine.structured_stats
         if st.rows or st.failed:  # structured outputs: what the grammars cost
             self.summary.stats["structured"] = {
                 "rows": st.rows, "failed": st.failed, "compile_ms": round(st.compile_s * 1e3, 1),
