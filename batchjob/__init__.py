@@ -16,7 +16,7 @@ _ERRORS = {
     "ModelLoadError": "batchjob.errors",  # model files that cannot load
     "UnsupportedModelError": "batchjob.models.config",  # a model family or feature not supported
     "KernelError": "batchjob.kernels.dispatch",  # the kernels asked for cannot run here
-    "KvBudgetError": "batchjob.engine.worker.kv_budget",  # no room for a KV cache on the GPU
+    "KvBudgetError": "batchjob.errors",  # no room for a KV cache on the GPU
     "SinkError": "batchjob.io.recovery",  # an output folder that cannot take the results (held, another job)
     "TooManyErrors": "batchjob.job.error_budget",  # more rows failed than max_errors allows
     "AllRowsFailed": "batchjob.job.error_budget",  # every row failed

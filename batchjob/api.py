@@ -21,7 +21,7 @@ import torch
 from batchjob.errors import ChatHintWarning
 from batchjob.job.config import FIELDS, ConfigError, JobConfig, job_values, load_job
 from batchjob.device import choose_device, choose_dtype
-from batchjob.engine.core.sequence import Sequence
+from batchjob.engine.requests import RequestOutput
 from batchjob.engine.engine import Engine
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.run import run_job
@@ -252,18 +252,18 @@ class LLM:
                     results[index] = failed(err, prompt_tokens=len(ids))
             if not engine.has_work:
                 break
-            for seq in engine.step():
-                done = rows.finished(seq)
+            for output in engine.run_step():
+                done = rows.finished(output)
                 if done is not None:
-                    results[done.key] = result_of(done.row, done.seqs)
+                    results[done.key] = result_of(done.row, done.outputs)
         return results  # every row has its Result once the engine is idle
 
 
-def result_of(row: PendingRow, seqs: list[Sequence]) -> Result:
+def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
     fields = row.fields()
     return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
                   completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
-                  completions=tuple(row.done) if row.n > 1 else None, token_ids=tuple(seqs[0].output_ids),
+                  completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
                   embedding=fields["extra"].get("embedding"),
                   **{name: fields["extra"].get(name) for name in RESULT_SCORE_FIELDS})
 

@@ -18,6 +18,10 @@ class ModelLoadError(Exception):
     """A model that cannot be found or read: the message names the file and what to do."""
 
 
+class KvBudgetError(RuntimeError):
+    """The model and its largest step leave no room for a KV cache on this device (engine/worker/kv_budget.py)."""
+
+
 class ChatHintWarning(UserWarning):
     """`generate()` of plain prompts into a model with a chat template gave texts that ended at their first
     token: the model probably expects chat input (`chat=True` or `LLM.chat`)."""

@@ -105,8 +105,7 @@ def _ignore_sigint() -> None:
 
 def _job_failures() -> tuple[type[Exception], ...]:
     """The errors that end a run with one line and exit 1 (imported here: some modules import torch)."""
-    from batchjob.engine.worker.kv_budget import KvBudgetError
-    from batchjob.errors import ModelLoadError
+    from batchjob.errors import KvBudgetError, ModelLoadError
     from batchjob.io.recovery import SinkError
     from batchjob.io.sources import SourceError
     from batchjob.job.error_budget import TooManyErrors

@@ -1,7 +1,8 @@
 """Engine: submit requests (requests.py), call `step()` until idle. Each step is one scheduler decision, the KV
 swaps it asks for, one forward and one sampling pass; rows that finish leave with their output and their
-blocks return to the pool. Callers use this class (submit, never_fits, step, num_waiting, drop_waiting); tests
-and benchmarks may also add Sequences they built (`add`, `generate`)."""
+blocks return to the pool. Callers use this class (submit, never_fits, run_step, num_waiting,
+drop_waiting_requests); tests and benchmarks may also add Sequences they built and read them back (`add`, `step`,
+`generate`)."""
 from __future__ import annotations
 
 import time
@@ -17,7 +18,7 @@ from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
 from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.core.output import OutputProcessor
-from batchjob.engine.requests import EngineRequest
+from batchjob.engine.requests import EngineRequest, RequestOutput
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
@@ -222,6 +223,14 @@ class Engine:
     def structured_stats(self):
         """What the structured-outputs rows cost so far (engine/structured/rows.py StructuredStats)."""
         return self.structured.stats
+
+    def run_step(self) -> list[RequestOutput]:
+        """One `step`; the requests that finished in it, as RequestOutputs (what the job and the API drive)."""
+        return [RequestOutput.of(seq) for seq in self.step()]
+
+    def drop_waiting_requests(self) -> list[int]:
+        """`drop_waiting`, as the ids of the requests taken back."""
+        return [seq.seq_id for seq in self.drop_waiting()]
 
     def drop_waiting(self) -> list[Sequence]:
         """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""

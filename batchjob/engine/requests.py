@@ -1,12 +1,16 @@
-"""What a caller hands the engine: one `EngineRequest` per completion. The engine makes its Sequence, its
-incremental detokenizer (for stop strings) and its random key (from the caller's seed, row and completion) and
-checks that it can ever run (`Engine.submit`, `Engine.never_fits`); so the job and the API build no engine
-internals. Outputs still leave `Engine.step` as the engine's finished Sequences (docs/design/index.md)."""
+"""The engine's surface for its callers: one `EngineRequest` in per completion, one `RequestOutput` out per
+finished request. The engine makes a request's Sequence, its incremental detokenizer (for stop strings) and its
+random key (from the caller's seed, row and completion), checks that it can ever run (`Engine.submit`,
+`Engine.never_fits`), and hands back plain outputs (`Engine.run_step`); so the job and the API build and read no
+engine internals. The request's parameters are `SamplingParams` and `PoolingParams` (engine/core/sequence.py,
+named here for callers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.core.sequence import PoolingParams, SamplingParams, Sequence
+
+__all__ = ["EngineRequest", "PoolingParams", "RequestOutput", "SamplingParams"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,3 +21,37 @@ class EngineRequest:
     row_index: int
     completion: int = 0  # which of the row's n completions (or of an embeddings line's inputs)
     lane: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A finished request: its tokens, why it ended, and what it asked for besides (logprobs, an embedding)."""
+    request_id: int  # what Engine.submit returned
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    finish_reason: str
+    stop_text: str | None  # the text cut at the stop string that ended it; None: decode output_ids
+    logprobs: list | None  # params.logprobs set: one (token id, logprob, top) per output token
+    prompt_logprobs: list | None
+    embedding: list[float] | None
+    error: str | None  # finish_reason "error": why
+    lane: str
+    queued_s: float | None  # from entering the queue to its first step (None: it never ran)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RequestOutput:
+        det = seq.detokenizer
+        return cls(seq.seq_id, seq.params, tuple(seq.prompt_ids), tuple(seq.output_ids), seq.finish_reason,
+                   det.text if det is not None and det.stop_string is not None else None,
+                   (seq.logprobs or []) if seq.params.logprobs is not None else None, seq.prompt_logprobs,
+                   seq.embedding, seq.error, seq.lane,
+                   None if seq.first_scheduled_at is None else seq.first_scheduled_at - seq.enqueued_at)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)

@@ -173,7 +173,7 @@ class JobConfig:
 
     def sampling_defaults(self, max_tokens: int | None = None):
         """The job's SamplingParams (a lane may set its own max_tokens); rows may override each field."""
-        from batchjob.engine.core.sequence import SamplingParams
+        from batchjob.engine.requests import SamplingParams
 
         score = self.task == "score"  # a scoring row: max_tokens 0, prompt logprobs (0: no alternatives)
         return SamplingParams.parse({
@@ -189,7 +189,7 @@ class JobConfig:
     def pooling_params(self):
         """The embed task's PoolingParams (None for generate); an unset pooling is `last` until the job
         resolves it from the model folder (job/embed_task.py)."""
-        from batchjob.engine.core.sequence import PoolingParams
+        from batchjob.engine.requests import PoolingParams
 
         if self.task != "embed":
             return None

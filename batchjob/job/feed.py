@@ -1,10 +1,10 @@
-"""Rows through the engine: read ahead from each stream, tokenized in batches, n Sequences per row; the
-finished Sequences assembled back into result rows, written to their stream's sink and counted."""
+"""Rows through the engine: read ahead from each stream, tokenized in batches, n engine requests per row; the
+finished requests assembled back into result rows, written to their stream's sink and counted."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.requests import RequestOutput, SamplingParams
 from batchjob.engine.engine import Engine
 from batchjob.job.config import ConfigError, JobConfig
 from batchjob.job.engine_setup import lanes_of
@@ -64,7 +64,7 @@ class RowFeed:
 
     def feed(self, stream: Stream, budget: int) -> None:
         """Queue rows until `budget` rows wait in the engine: read a batch, tokenize it in one call, add
-        each row's n Sequences; bad rows become error rows at once."""
+        each row's n requests; bad rows become error rows at once."""
         lane = stream.lane or None  # a stream of one lane counts that lane's queue, else every lane's
         builder = self.builders[id(stream.source)]
         while not stream.exhausted and (room := budget - self.engine.num_waiting(lane)) > 0:
@@ -124,8 +124,8 @@ class RowFeed:
 
     # rows out
 
-    def finished(self, seq: Sequence) -> None:
-        done = self.rows.finished(seq)
+    def finished(self, output: RequestOutput) -> None:
+        done = self.rows.finished(output)
         if done is not None:  # the row's last completion
             stream, row_index, kept = done.key
             self.emit(stream, row_index, kept, **done.row.fields())

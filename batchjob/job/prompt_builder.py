@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from batchjob.job.config import JobConfig
 from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
-from batchjob.engine.core.sequence import PoolingParams, SamplingParams
+from batchjob.engine.requests import PoolingParams, SamplingParams
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)

@@ -1,13 +1,13 @@
 """Result rows: a row's finished completions (text, finish reason, token logprobs) -> its output columns.
 
-A row with n > 1 runs as n Sequences; `PendingRow` gathers them and gives the row's fields once the
+A row with n > 1 runs as n engine requests; `PendingRow` gathers them and gives the row's fields once the
 last one finishes. Which optional columns an output has is fixed when the job starts (`OutputColumns`),
 so every part of one output folder has the same columns."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.requests import RequestOutput, SamplingParams
 from batchjob.job.prompt_builder import RowError, has_row_sampling
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
@@ -131,7 +131,7 @@ class Completion:
     token_ids: tuple[int, ...] = ()
     error: str | None = None  # finish_reason "error": why (a structured row's grammar that did not compile)
     embedding: list[float] | None = None  # an embed row's vector
-    prompt_logprobs: list | None = None  # Sequence.prompt_logprobs: (logprob, argmax, top) per prompt token from the second
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs: (logprob, argmax, top) per prompt token from the second
 
 
 @dataclass(slots=True, eq=False)
@@ -141,25 +141,21 @@ class PendingRow:
     done: list[Completion | None] = field(default_factory=list)
     prompt_tokens: int = 0
     continuation_start: int | None = None  # a score row's continuation: its first token's position
-    several_prompts: bool = False  # an OpenAI embeddings line: one Sequence per input (prompt_tokens: all of them)
+    several_prompts: bool = False  # an OpenAI embeddings line: one request per input (prompt_tokens: all of them)
     prompt_ids: tuple[int, ...] = ()
     token_text: TokenText | None = None
 
     def __post_init__(self) -> None:
         self.done = [None] * self.n
 
-    def add(self, index: int, seq: Sequence, tokenizer, token_text: TokenText) -> bool:
+    def add(self, index: int, out: RequestOutput, tokenizer, token_text: TokenText) -> bool:
         """Record completion `index`; True once all n are in."""
-        det = seq.detokenizer
-        if det is not None and det.stop_string is not None:
-            text = det.text  # cut at the stop string
-        else:
-            text = tokenizer.decode(seq.output_ids)
-        lps = token_text.logprobs(seq.logprobs or []) if seq.params.logprobs is not None else None
-        self.done[index] = Completion(index, text, seq.finish_reason, seq.num_output, lps, tuple(seq.output_ids), seq.error,
-                                      seq.embedding, seq.prompt_logprobs)
-        self.prompt_tokens = self.prompt_tokens + seq.num_prompt if self.several_prompts else seq.num_prompt
-        self.prompt_ids, self.token_text = tuple(seq.prompt_ids), token_text
+        text = out.stop_text if out.stop_text is not None else tokenizer.decode(list(out.output_ids))
+        lps = token_text.logprobs(out.logprobs) if out.logprobs is not None else None
+        self.done[index] = Completion(index, text, out.finish_reason, out.num_output, lps, out.output_ids, out.error,
+                                      out.embedding, out.prompt_logprobs)
+        self.prompt_tokens = self.prompt_tokens + out.num_prompt if self.several_prompts else out.num_prompt
+        self.prompt_ids, self.token_text = out.prompt_ids, token_text
         return all(c is not None for c in self.done)
 
     def fields(self) -> dict:

@@ -1,14 +1,13 @@
 """Rows inside the engine: a row enters as its n EngineRequests (one per completion, each with its own random
-stream; engine/requests.py) and leaves once its last Sequence finishes, as one PendingRow with all n. The
+stream; engine/requests.py) and leaves once its last request finishes, as one PendingRow with all n. The
 job's RowFeed and the Python API's LLM both run their rows through this."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.engine import Engine
-from batchjob.engine.requests import EngineRequest
+from batchjob.engine.requests import EngineRequest, RequestOutput, SamplingParams
 from batchjob.job.results import OutputColumns, PendingRow, TokenText
 
 Key = TypeVar("Key")  # what the caller knows a row by (its stream and index, or its place in a list)
@@ -18,7 +17,7 @@ Key = TypeVar("Key")  # what the caller knows a row by (its stream and index, or
 class DoneRow(Generic[Key]):
     key: Key
     row: PendingRow
-    seqs: list[Sequence]  # its n completions, in order
+    outputs: list[RequestOutput]  # its n completions, in order
 
 
 class RowsInFlight(Generic[Key]):
@@ -27,13 +26,13 @@ class RowsInFlight(Generic[Key]):
         self.tokenizer = tokenizer
         self.truncate = truncate  # embed rows: a prompt past the context keeps its first max_model_len tokens
         self.token_text = TokenText(tokenizer)
-        self._by_seq: dict[int, tuple[Key, PendingRow, list[Sequence | None], int]] = {}  # request id -> (key, row, seqs, c)
+        self._by_id: dict[int, tuple[Key, PendingRow, list[RequestOutput | None], int]] = {}  # request id -> (key, row, outputs, c)
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
     def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
             seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None) -> str | None:
-        """Queue a row's n Sequences; their random streams come from (seed, row_index, completion). `prompts`: the
-        row's prompt ids (one list), or several (an OpenAI embeddings line: one embed Sequence per input).
+        """Queue a row's n requests; their random streams come from (seed, row_index, completion). `prompts`: the
+        row's prompt ids (one list), or several (an OpenAI embeddings line: one embed request per input).
         Returns the error (and queues nothing) when a prompt can never run. `continuation_start`: a score
         row's continuation, scored on its own from this position."""
         many = len(prompts) > 1
@@ -47,29 +46,29 @@ class RowsInFlight(Generic[Key]):
             err = self.engine.never_fits(request)
             if err:  # one input that can never run fails the row: none of its inputs enter the engine
                 return f"input[{c}]: {err}"
-        seqs: list[Sequence | None] = [None] * len(requests)  # each completion's Sequence, as it finishes
+        outputs: list[RequestOutput | None] = [None] * len(requests)  # each completion's, as it finishes
         for c, request in enumerate(requests):
             got = self.engine.submit(request)
             if isinstance(got, str):  # the prompt never fits: the same for every completion (only the first is tried)
                 return got
-            self._by_seq[got] = (key, row, seqs, c)
+            self._by_id[got] = (key, row, outputs, c)
         self.num_rows += 1
         return None
 
-    def finished(self, seq: Sequence) -> DoneRow[Key] | None:
-        """Record a finished Sequence; the row once its last completion is in."""
-        key, row, seqs, c = self._by_seq.pop(seq.seq_id)
-        seqs[c] = seq
-        if not row.add(c, seq, self.tokenizer, self.token_text):
+    def finished(self, output: RequestOutput) -> DoneRow[Key] | None:
+        """Record a finished request; the row once its last completion is in."""
+        key, row, outputs, c = self._by_id.pop(output.request_id)
+        outputs[c] = output
+        if not row.add(c, output, self.tokenizer, self.token_text):
             return None
         self.num_rows -= 1
-        return DoneRow(key, row, seqs)
+        return DoneRow(key, row, outputs)
 
     def drop_waiting(self) -> int:
-        """Stopping: the rows whose Sequences never started leave the engine; returns how many Sequences."""
+        """Stopping: the rows whose requests never started leave the engine; returns how many requests."""
         rows, dropped = set(), 0
-        for seq in self.engine.drop_waiting():
-            entry = self._by_seq.pop(seq.seq_id, None)
+        for request_id in self.engine.drop_waiting_requests():
+            entry = self._by_id.pop(request_id, None)
             if entry is not None:
                 rows.add(id(entry[1]))
             dropped += 1

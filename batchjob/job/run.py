@@ -174,9 +174,9 @@ class Job:
                             feed.feed(stream, read_ahead)
                     if not engine.has_work or (draining and stop.drain_over()):
                         break
-                    finished = engine.step()
-                    for seq in finished:
-                        feed.finished(seq)
+                    finished = engine.run_step()
+                    for output in finished:
+                        feed.finished(output)
                     if finished and (hint := self.chat_hint.due(feed.one_token_stops)):
                         self.progress.say(hint)  # early: the operator may stop the job and rerun it with --chat
                     if engine.last_stats is not None:  # None: an async step was launched, none completed

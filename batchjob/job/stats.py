@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchjob.engine.engine import StepStats
-from batchjob.engine.core.sequence import Sequence
+from batchjob.engine.requests import RequestOutput
 
 RESERVOIR = 10_000  # wait samples kept per lane for percentiles; memory stays flat on any row count
 
@@ -68,7 +68,7 @@ class StatsRecorder:
         self._window = [0, 0]  # steps, tokens since the last line
         self._write_failed = False
 
-    def step(self, st: StepStats, finished: list[Sequence]) -> None:
+    def step(self, st: StepStats, finished: list[RequestOutput]) -> None:
         self.steps += 1
         self.tokens += st.num_tokens
         self.decode_tokens += st.num_decode
@@ -89,9 +89,9 @@ class StatsRecorder:
         self._window[0] += 1
         self._window[1] += st.num_tokens
         self.last = st
-        for seq in finished:
-            if seq.first_scheduled_at is not None:
-                self.lanes.setdefault(seq.lane, LaneWaits()).add(seq.first_scheduled_at - seq.enqueued_at, self.rng)
+        for out in finished:
+            if out.queued_s is not None:
+                self.lanes.setdefault(out.lane, LaneWaits()).add(out.queued_s, self.rng)
         now = time.monotonic()
         if now - self.last_write >= self.interval:
             self.write(self.snapshot(now))

@@ -13,12 +13,11 @@ import torch
 from batchjob.engine.worker.model_runner import ModelRunner
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.errors import KvBudgetError  # noqa: F401 - raised here, defined with the other errors
 
 GIB = 1 << 30
 
 
-class KvBudgetError(RuntimeError):
-    """The model and its largest step leave no room for a KV cache on this device."""
 
 
 @dataclass(slots=True, frozen=True)
