@@ -15,6 +15,7 @@ from batchjob.errors import ConfigError
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.recovery import same_job
 from batchjob.job.config import JobConfig
+from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.error_budget import job_failure
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs
@@ -38,6 +39,7 @@ def preflight(cfg: JobConfig, restart: bool = False) -> JobSummary | None:
     model = model_source(resolve_model_path(cfg.model))
     if restart or shard is not None or empty_inputs:  # a shard's slice and its claim are the Job's to check
         return None
+    resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default, as the Job's fingerprint has it
     return _finished(cfg, out, sources, model)
 
 

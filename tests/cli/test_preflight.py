@@ -53,6 +53,11 @@ def test_a_finished_job_run_again_is_said_before_torch_is_imported(tmp_path, tin
     # a trial run's rerun with the same --limit is finished too; without it, the rest runs
     limited = probe(tmp_path, *args, "--limit", "2")
     assert "already finished: 4 rows" in limited.stdout and "torch imported: False" in limited.stderr
+    # an embed job's rerun too (its pooling, unset, is the model's default in the fingerprint)
+    embed = [*args[:4], "--output", str(tmp_path / "embed"), "--task", "embed", "--no-progress"]
+    assert CliRunner().invoke(main, ["run", *embed]).exit_code == 0
+    embedded = probe(tmp_path, *embed)
+    assert "already finished: 4 rows" in embedded.stdout and "torch imported: False exit: 0" in embedded.stderr, embedded.stderr
     # another parameter is another job: the run goes on, and the Job names what differs
     changed = probe(tmp_path, *args[:-2], "3", "--no-progress")
     assert "differs in: params.max_tokens: 2 -> 3" in changed.stderr and "exit: 1" in changed.stderr, changed.stderr
