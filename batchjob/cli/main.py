@@ -37,10 +37,6 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     started = False
     choose_wait_policy()  # before torch is imported: OpenMP reads it once (job/threads.py)
     try:  # the imports too: torch's takes seconds, and a Ctrl-C there is a start-up interrupted
-        from batchjob.errors import ModelLoadError
-        from batchjob.io.recovery import SinkError
-        from batchjob.io.sources import SourceError
-        from batchjob.job.error_budget import TooManyErrors
         from batchjob.job.preflight import preflight
 
         try:
@@ -49,7 +45,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
             _fail(e, EXIT_USAGE)
         try:  # before torch is imported: what needs no model is said in a second (job/preflight.py)
             summary = preflight(cfg, restart=restart)
-        except (SourceError, ModelLoadError, SinkError, TooManyErrors) as e:
+        except _job_failures(with_torch=False) as e:
             _fail(e, EXIT_FAILED)
         if summary is not None:
             click.echo(summary.line())
@@ -103,16 +99,21 @@ def _ignore_sigint() -> None:
 
 
 
-def _job_failures() -> tuple[type[Exception], ...]:
-    """The errors that end a run with one line and exit 1 (imported here: some modules import torch)."""
+def _job_failures(with_torch: bool = True) -> tuple[type[Exception], ...]:
+    """The errors that end a run with one line and exit 1, imported here: some of their modules import torch, which
+    the preflight's (`with_torch=False`) must not."""
     from batchjob.errors import KvBudgetError, ModelLoadError
     from batchjob.io.recovery import SinkError
     from batchjob.io.sources import SourceError
     from batchjob.job.error_budget import TooManyErrors
+
+    light = (SourceError, ModelLoadError, SinkError, TooManyErrors, KvBudgetError)
+    if not with_torch:
+        return light
     from batchjob.kernels import KernelError
     from batchjob.models.config import UnsupportedModelError
 
-    return SourceError, ModelLoadError, UnsupportedModelError, SinkError, TooManyErrors, KernelError, KvBudgetError
+    return (*light, UnsupportedModelError, KernelError)
 
 
 def _fail(e: Exception, code: int) -> None:

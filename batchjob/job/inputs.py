@@ -4,10 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from batchjob.cluster.shards import ShardSpec, check_unsharded
+from batchjob.errors import ConfigError
 from batchjob.job.config import JobConfig
 from batchjob.io.sources import OpenAIBatchSource, Source, SourceError, open_source, validate_columns
 
 OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
+
+
+def output_folder(cfg: JobConfig) -> tuple[Path, ShardSpec | None]:
+    """The folder this process writes (a shard's OUT/shard-K-of-N/) and its shard, checked: the output is not a
+    file, an unsharded run does not write into a sharded job's folder, per-lane inputs are not sharded."""
+    out = Path(cfg.output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output: {out} is a file, not a folder; name a folder for the results")
+    shard = ShardSpec.resolve(cfg.shard)
+    if shard is None:
+        check_unsharded(out)
+        return out, None
+    if cfg.per_lane_inputs:
+        raise ConfigError("shard: lanes with their own inputs cannot be sharded; shard each lane's input as its own job")
+    return out / shard.folder_name, shard  # this process runs one slice of the input
 
 
 def input_folders(cfg: JobConfig, out: Path) -> list[tuple[str, Path, str | None]]:

@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batchjob.cluster.shards import ShardSpec, check_unsharded
-from batchjob.errors import ConfigError
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.recovery import same_job
 from batchjob.job.config import JobConfig
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.error_budget import job_failure
 from batchjob.job.fingerprint import ModelFacts, fingerprint
-from batchjob.job.inputs import OpenedInput, input_folders, open_inputs
+from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
 from batchjob.job.summary import JobSummary
 from batchjob.models.identity import model_identity
 from batchjob.models.location import model_source, resolve_model_path
@@ -27,19 +25,13 @@ from batchjob.models.location import model_source, resolve_model_path
 def preflight(cfg: JobConfig, restart: bool = False) -> JobSummary | None:
     """A finished job's summary (its rerun's verdict: raises AllRowsFailed / TooManyErrors as the job ended), or
     None when the job is to run. Raises ConfigError, SourceError or ModelLoadError for what cannot run."""
-    out = Path(cfg.output)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output: {out} is a file, not a folder; name a folder for the results")
-    shard = ShardSpec.resolve(cfg.shard)
-    if shard is None:
-        check_unsharded(out)
-    else:
-        out = out / shard.folder_name
+    out, shard = output_folder(cfg)
     sources, _, empty_inputs = open_inputs(cfg, input_folders(cfg, out))
-    model = model_source(resolve_model_path(cfg.model))
+    path = resolve_model_path(cfg.model)
+    model = model_source(path)
     if restart or shard is not None or empty_inputs:  # a shard's slice and its claim are the Job's to check
         return None
-    resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default, as the Job's fingerprint has it
+    resolve_pooling(cfg, path)  # an embed job's default, as the Job's fingerprint has it
     return _finished(cfg, out, sources, model)
 
 
@@ -56,8 +48,8 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
             return None
         if source.num_rows is not None and source.num_rows != manifest.total_rows:
             return None  # the Job says how the input changed (a JSONL input is counted as it is read)
-        done = manifest.done_rows().count()
-        if done < (manifest.total_rows if cfg.limit is None else min(manifest.total_rows, cfg.limit)):
+        wanted = manifest.total_rows if cfg.limit is None else min(manifest.total_rows, cfg.limit)
+        if manifest.done_rows().count() < wanted:
             return None
         recorded = manifest.fingerprint or {}
         params, recorded_model = recorded.get("params") or {}, recorded.get("model") or {}
@@ -69,7 +61,7 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
         facts = ModelFacts(identity, cfg.dtype or params.get("dtype", ""), quantization)
         if not same_job(recorded, fingerprint(cfg, source, path, facts)):
             return None  # the Job says what differs
-        total += manifest.total_rows if cfg.limit is None else min(manifest.total_rows, cfg.limit)
+        total += wanted
         totals = manifest.totals()
         rows, errors = rows + totals["rows"], errors + totals["errors"]
         first_error = first_error or (manifest.extra.get("run") or {}).get("first_error")

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from batchjob.job.config import ConfigError, JobConfig
+from batchjob.job.config import JobConfig
 from batchjob.device import choose_device, choose_dtype, dtype_name
 from batchjob.job.feed import RowFeed, check_chat_template, read_template
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
-from batchjob.cluster.shards import ShardSource, ShardSpec, check_unsharded, claim_shard
+from batchjob.cluster.shards import ShardSource, claim_shard
 from batchjob.io.export import write_openai_batch
 from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
@@ -37,7 +37,7 @@ from batchjob.job.stats import StatsRecorder
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
 from batchjob.job.threads import job_threads
-from batchjob.job.inputs import OpenedInput, input_folders, open_inputs
+from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
 from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
 from batchjob.job.summary import ChatHint, JobSummary, start_line
 
@@ -50,16 +50,7 @@ class Job:
         it the lock lives as long as the Job. `restart` deletes the folder's results first."""
         self.cfg = cfg
         torch.set_num_threads(job_threads(cfg.threads))
-        out = Path(cfg.output)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"output: {out} is a file, not a folder; name a folder for the results")
-        self.shard = ShardSpec.resolve(cfg.shard)
-        if self.shard is None:
-            check_unsharded(out)
-        else:  # this process runs one slice of the input, into OUT/shard-K-of-N/
-            if cfg.per_lane_inputs:
-                raise ConfigError("shard: lanes with their own inputs cannot be sharded; shard each lane's input as its own job")
-            out = out / self.shard.folder_name
+        out, self.shard = output_folder(cfg)
         sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
         # an unsharded job of empty inputs computes nothing: its folder records 0 rows, and no model loads
         self.nothing_to_compute = self.shard is None and len(self.empty_inputs) == len(sources)

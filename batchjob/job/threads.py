@@ -61,15 +61,15 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Pa
     for line in lines:  # "0::/path" (v2), "N:cpu,cpuacct:/path" (v1)
         _, controllers, path = line.split(":", 2)
         if controllers == "":
-            folder, files = root / path.lstrip("/"), ("cpu.max",)
+            folder, read = root / path.lstrip("/"), _v2_quota
         elif "cpu" in controllers.split(","):
-            folder, files = root / controllers / path.lstrip("/"), ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            folder, read = root / controllers / path.lstrip("/"), _v1_quota
             if not folder.is_dir():
                 folder = root / "cpu" / path.lstrip("/")
         else:
             continue
         while True:
-            quota = _read_quota(folder, files)
+            quota = read(folder)
             if quota is not None:
                 quotas.append(quota)
             if folder == root or root not in folder.parents:
@@ -78,12 +78,19 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Pa
     return min(quotas, default=None)
 
 
-def _read_quota(folder: Path, files: tuple[str, ...]) -> float | None:
+def _v2_quota(folder: Path) -> float | None:
+    """cgroup v2's cpu.max: "QUOTA PERIOD", or "max PERIOD" for none."""
     try:
-        if files == ("cpu.max",):
-            quota, period = (folder / "cpu.max").read_text().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
-        quota, period = (int((folder / name).read_text()) for name in files)
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    """cgroup v1's cpu.cfs_quota_us / cpu.cfs_period_us (a quota of -1: none)."""
+    try:
+        quota, period = (int((folder / name).read_text()) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
         return None if quota <= 0 or period <= 0 else quota / period
     except (OSError, ValueError):
         return None

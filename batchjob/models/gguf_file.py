@@ -27,14 +27,18 @@ Q8_0_BLOCK = 32  # weights per Q8_0 block (one fp16 scale each)
 _CHUNK_ELEMENTS = 1 << 22  # dequantize this many weights at a time (16 MB of float32), so a tensor never costs 2 copies
 
 
+def gguf_config(path: Path, reader: gguf.GGUFReader) -> tuple[dict, ModelConfig]:
+    """The file's metadata (the GGUF.* header fields left out) and the model config it describes."""
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return meta, config_from_gguf(meta, [t.name for t in reader.tensors], source=str(path))
+
+
 def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False) -> LoadedModel:
     """`int8_codes` (a model built with --quantization int8): Q8_0 matrices stay int8 codes with their fp16 scale
     per 32 weights (QuantizedWeight, group 32; build_model re-quantizes them per output channel from their exact
     values, docs/guide/quantization.md); otherwise every tensor is dequantized to `dtype` here."""
     reader = open_gguf(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensors = {t.name: t for t in reader.tensors}
-    config = config_from_gguf(meta, tensors.keys(), source=str(path))
+    meta, config = gguf_config(path, reader)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta, source=str(path))
     except ValueError as e:

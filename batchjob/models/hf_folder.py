@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchjob.models.compressed_tensors import compressed_tensors
+from batchjob.models.compressed_tensors import CompressedTensors, compressed_tensors
+from batchjob.models.config import ModelConfig
 from batchjob.models.registry import config_from_hf
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.identity import hf_identity, safetensors_files
@@ -19,13 +20,17 @@ from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
 MAP_BYTES = 64 << 20  # bytes read through one mapping of a shard before it is closed and reopened
 
 
+def hf_config(folder: Path, fp8_codes: bool = False) -> tuple[ModelConfig, CompressedTensors | None]:
+    """The folder's config.json read: the model config and, for a compressed-tensors checkpoint, its quantization."""
+    config_json = json.loads((folder / "config.json").read_text())
+    quant = compressed_tensors(config_json, source=str(folder / "config.json"), fp8_codes=fp8_codes)
+    return config_from_hf(config_json, source=str(folder / "config.json")), quant
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) -> LoadedModel:
     """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py; W8A8
     fp8 ones kept as codes only with `fp8_codes`, else dequantized here)."""
-    config_json = json.loads((folder / "config.json").read_text())
-    # refused before reading weights
-    quant = compressed_tensors(config_json, source=str(folder / "config.json"), fp8_codes=fp8_codes)
-    config = config_from_hf(config_json, source=str(folder / "config.json"))
+    config, quant = hf_config(folder, fp8_codes)  # refused before reading weights
     shards = safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:

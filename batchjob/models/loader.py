@@ -6,19 +6,16 @@ Weights never come from pickle files: only safetensors and GGUF are read. Nothin
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from batchjob.errors import ModelLoadError
-from batchjob.models.compressed_tensors import compressed_tensors
 from batchjob.models.config import UnsupportedModelError
-from batchjob.models.gguf_file import load_gguf
-from batchjob.models.hf_folder import load_hf_folder
+from batchjob.models.gguf_file import gguf_config, load_gguf
+from batchjob.models.hf_folder import hf_config, load_hf_folder
 from batchjob.models.identity import gguf_identity, hf_identity, open_gguf, safetensors_files
-from batchjob.models.registry import config_from_gguf, config_from_hf
 from batchjob.models.location import (BUILTIN_MODELS, hf_cache_snapshot, hf_hub_cache, model_source, resolve_model_path,
                                       resolve_model_spec)
 from batchjob.models.weights import LoadedModel
@@ -56,14 +53,11 @@ def describe_model(spec: str | Path = "smollm2", fp8_codes: bool = False) -> Mod
     path, hf_id = resolve_model_spec(str(spec))
     source = model_source(path)
     if source.is_dir():
-        config_json = json.loads((source / "config.json").read_text())
-        quant = compressed_tensors(config_json, source=str(source / "config.json"), fp8_codes=fp8_codes)
-        config = config_from_hf(config_json, source=str(source / "config.json"))
+        config, quant = hf_config(source, fp8_codes)
         identity = hf_identity(source, safetensors_files(source), config.architecture)
         if quant is None:
             return ModelDescription(identity, hf_id or source.name)
         return ModelDescription(identity, hf_id or source.name, quant.quantization, quant.scheme)
     reader = open_gguf(source)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    config = config_from_gguf(meta, [t.name for t in reader.tensors], source=str(source))
+    _, config = gguf_config(source, reader)
     return ModelDescription(gguf_identity(source, reader, config.architecture), source.stem)
