@@ -20,6 +20,8 @@ import torch
 
 from batchjob.errors import ChatHintWarning
 from batchjob.job.config import FIELDS, ConfigError, JobConfig, job_values, load_job
+from batchjob.job.modes import Quantization, Task
+from batchjob.job.options import Api, api_keywords
 from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.requests import RequestOutput
 from batchjob.engine.engine import Engine
@@ -35,21 +37,16 @@ from batchjob.job.results import Completion, OutputColumns, PendingRow
 from batchjob.job.rows_in_flight import RowsInFlight
 from batchjob.job.summary import JobSummary
 
-# generate()'s keywords, named as in a job file (and vLLM); `seed` is the job seed: row i's random stream
-# comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's, as in a job)
-SAMPLING_OPTIONS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
-                    "ignore_eos", "logprobs", "prompt_logprobs", "n", "seed", "json_schema", "json_object", "regex", "choice", "grammar")
+# the keywords, named as in a job file (and vLLM), from the options table (job/options.py); `seed` is the job seed:
+# row i's random stream comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's)
+SAMPLING_OPTIONS = api_keywords(Api.SAMPLING)
+CHAT_OPTIONS = api_keywords(Api.CHAT)
+EMBED_OPTIONS = api_keywords(Api.EMBED)  # embed()'s keywords (docs/guide/embeddings.md)
+SCORE_OPTIONS = api_keywords(Api.SCORE)  # score()'s keywords besides the continuations (docs/guide/scoring.md)
+ENGINE_OPTIONS = api_keywords(Api.ENGINE)
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
 SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
-CHAT_OPTIONS = ("chat", "chat_template", "system_prompt")
-EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "embed_prefix", "truncate")  # embed()'s keywords (docs/guide/embeddings.md)
-SCORE_OPTIONS = ("prompt_logprobs",)  # score()'s keywords besides the continuations (docs/guide/scoring.md)
-ENGINE_OPTIONS = ("dtype", "device", "kernels", "scheduling", "batch_size", "max_num_seqs", "max_num_batched_tokens",
-                  "prefill_chunk", "block_size", "kv_cache_gb", "gpu_memory_utilization", "cuda_graphs", "kv_cache_dtype", "quantization", "async_scheduling", "speculative", "num_speculative_tokens", "speculative_max_rows", "draft_model", "admission", "preemption", "swap_space_gb", "max_wait",
-                  "prefix_caching", "read_ahead", "threads", "max_model_len")
-assert set(SAMPLING_OPTIONS + CHAT_OPTIONS + EMBED_OPTIONS + ENGINE_OPTIONS) <= set(FIELDS)
 
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
@@ -100,7 +97,7 @@ class LLM:
             self.device = choose_device(self.config.device)
             self.dtype = choose_dtype(self.config.dtype, self.device)
             torch.set_num_threads(job_threads(self.config.threads))
-            self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == "int8",
+            self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == Quantization.INT8,
                                      fp8_codes=keeps_fp8_codes(self.config.quantization, self.device))
             self.tokenizer = self.loaded.tokenizer
             self._models = build_models(self.config, self.loaded, self.device, self.dtype)  # they take the weights
@@ -144,8 +141,8 @@ class LLM:
         (prepended to each text). No chat template is applied."""
         _check_names(options, EMBED_OPTIONS, "embed()")
         with api_words():
-            cfg = job_config({"model": self.config.model, **self.options, "task": "embed", **options})
-            resolve_pooling(cfg, resolve_model_path(self.config.model))
+            cfg = job_config({"model": self.config.model, **self.options, "task": Task.EMBED, **options})
+            cfg = resolve_pooling(cfg, resolve_model_path(self.config.model))
         builder = PromptBuilder(cfg, self.tokenizer, use_messages=False, in_memory=True)
         with self._lock:
             try:
@@ -164,7 +161,7 @@ class LLM:
         _check_names(options, SCORE_OPTIONS, "score()")
         records = score_records(prompts, continuations)
         with api_words():
-            cfg = job_config({"model": self.config.model, **self.options, "task": "score", **options})
+            cfg = job_config({"model": self.config.model, **self.options, "task": Task.SCORE, **options})
         builder = PromptBuilder(cfg, self.tokenizer, use_messages=False, in_memory=True)
         with self._lock:
             try:
@@ -223,7 +220,7 @@ class LLM:
         base = cfg.sampling_defaults()
         results: list[Result | None] = [None] * len(records)
         rows: RowsInFlight[int] = RowsInFlight(engine, self.tokenizer, truncate=cfg.truncate)
-        columns = {"embed": EMBED_COLUMNS, "score": OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
+        columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
                    }.get(cfg.task, ALL_COLUMNS)
         read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
         todo = iter(enumerate(records))
@@ -240,7 +237,7 @@ class LLM:
                     continue
                 try:
                     ids = builder.token_ids(record)
-                    start = builder.continuation_starts([record], [ids])[0] if cfg.task == "score" else None
+                    start = builder.continuation_starts([record], [ids])[0] if cfg.task == Task.SCORE else None
                     if isinstance(start, RowError):
                         raise start
                     params = row_sampling(record, base, in_memory=True)

@@ -11,13 +11,15 @@
 """
 from __future__ import annotations
 
+
 import torch
 
 from batchjob.kernels.interface import KernelSet
 from batchjob.kernels.native.build import BuildError, default_log
 from batchjob.kernels.reference.kernel_set import TorchKernels
+from batchjob.kernels.modes import KernelChoice
 
-CHOICES = ("auto", "torch", "native", "triton")
+CHOICES = tuple(KernelChoice)
 
 
 class KernelError(RuntimeError):

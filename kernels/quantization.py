@@ -37,8 +37,9 @@ from batchjob.kernels.linear import Linear
 from batchjob.kernels.linear_fp8 import Fp8Linear
 from batchjob.kernels.linear_int8 import Int8Linear, QuantizationError
 from batchjob.kernels.reference.scaled_mm import quantize_weight_fp8, quantize_weight_int8
+from batchjob.kernels.modes import Quantization
 
-QUANTIZATIONS = ("auto", "none", "int8", "fp8")  # auto: the checkpoint's (none for a float one)
+QUANTIZATIONS = tuple(Quantization)
 WeightMatmul = Linear | Int8Linear | Fp8Linear  # what a layer calls for a projection: x [..., in] -> [..., out]
 FP8_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 

@@ -1,5 +1,5 @@
-"""The generated reference pages: docs/reference/run-options.md from the options table (run_options.py) and the
-job file's tables (job/config.py), `python -m batchjob.cli.reference > docs/reference/run-options.md`; and
+"""The generated reference pages: docs/reference/run-options.md from the options table (job/options.py, its
+flags: run_options.py), `python -m batchjob.cli.reference > docs/reference/run-options.md`; and
 docs/reference/models.md from the model registry, `python -m batchjob.cli.reference models > ...`. A test fails
 when a committed page differs from what this prints."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from batchjob.job.config import FIELDS, TABLES
 
 HEADER = """# `batchjob run` options
 
-Generated from the options table (`batchjob/cli/run_options.py`) by `python -m batchjob.cli.reference`; do not
+Generated from the options table (`batchjob/job/options.py`) by `python -m batchjob.cli.reference`; do not
 edit by hand. Every option is also a job-file key: the flag overrides the file. A key stands at the top level
 of the job file or in its table (`[sampling]`, `[structured_outputs]`, `[embed]`, `[engine]`, `[output]`); a key in another
 table is an error.

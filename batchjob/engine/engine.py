@@ -16,34 +16,18 @@ from batchjob.engine.worker.kv_budget import gpu_kv_blocks
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
 from batchjob.engine.sample.row_keys import sequence_key
+from batchjob.engine.config import EngineConfig
 from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.core.output import OutputProcessor
 from batchjob.engine.requests import EngineRequest, RequestOutput
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
-from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
+from batchjob.engine.spec_decode.config import SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.engine.structured.grammar import GrammarState
 from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels.native.build import default_log
 from batchjob.models.causal_lm import CausalLM
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int = 0  # 0 = derive from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
-    gpu_memory_utilization: float | None = None  # on CUDA: size the pool from the device's memory (kv_budget.py)
-    swap_space_bytes: int = 0  # host pool for preemption=swap|auto
-    num_host_blocks: int = 0  # 0 = derive from swap_space_bytes
-    enable_prefix_caching: bool = True
-    # schedule and launch step N+1 before collecting step N (Engine.step); None: on CUDA only (a CPU forward
-    # has finished when it returns: nothing to overlap)
-    async_scheduling: bool | None = None
-    cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
-    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec_decode/ngram.py); None: off
-    scheduler: SchedulerConfig | None = None
 
 
 @dataclass(slots=True)

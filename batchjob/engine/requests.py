@@ -2,15 +2,18 @@
 finished request. The engine makes a request's Sequence, its incremental detokenizer (for stop strings) and its
 random key (from the caller's seed, row and completion), checks that it can ever run (`Engine.submit`,
 `Engine.never_fits`), and hands back plain outputs (`Engine.run_step`); so the job and the API build and read no
-engine internals. The request's parameters are `SamplingParams` and `PoolingParams` (engine/core/sequence.py,
-named here for callers)."""
+engine internals. The request's parameters are `SamplingParams` and `PoolingParams` (engine/core/sequence.py) and
+a structured output (engine/structured/spec.py), named here for callers; what the engine itself is built with is
+in engine/config.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchjob.engine.core.sequence import PoolingParams, SamplingParams, Sequence
+from batchjob.engine.core.sequence import Pooling, PoolingParams, SamplingParams, Sequence
+from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
 
-__all__ = ["EngineRequest", "PoolingParams", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineRequest", "Pooling", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputsError",
+           "from_response_format"]
 
 
 @dataclass(frozen=True, slots=True)

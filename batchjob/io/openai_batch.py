@@ -27,16 +27,14 @@ COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "
 MAX_INPUTS = 2048  # inputs per embeddings request, as OpenAI's limit
 ENCODING_FORMATS = ("float", "base64")
 
-# body field -> sampling parameter, for both endpoints (vLLM's extra sampling fields included)
-_SAMPLING = {
-    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
-    "stop": "stop", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-}
 # accepted and without effect on a batch run
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls", "modalities"}
+# OpenAI's request fields that batchjob does not honour: refused when set (left off: false, null or empty)
+_UNSUPPORTED = {"stream", "tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "prediction",
+                "reasoning_effort", "web_search_options", "best_of", "echo", "suffix"}
+# read here, not passed on as sampling parameters (the rest of a body is: OpenAI's sampling fields, which are named
+# as ours, and vLLM's extra ones, each checked by the job as a row's sampling parameter)
+_READ_HERE = {"messages", "prompt", "logprobs", "top_logprobs", "max_completion_tokens", "response_format"}
 
 
 REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
@@ -77,18 +75,15 @@ def request_record(line) -> dict:
     chat = url == CHAT
     sampling, unsupported = {}, []
     for key, value in body.items():
-        if key in _SAMPLING:
-            sampling[_SAMPLING[key]] = value
-        elif key == "response_format" and value is not None:
+        if key == "response_format" and value not in (None, {"type": "text"}):
             sampling["response_format"] = value  # json_schema / json_object / text: read as structured outputs
-        elif key in _IGNORED or key in ("messages", "prompt", "logprobs", "top_logprobs", "max_completion_tokens"):
+        elif key in _IGNORED or key in _READ_HERE:
             continue
-        elif value in (None, False, [], {}) or (key == "response_format" and value == {"type": "text"}):
-            continue  # an unsupported feature left off
-        elif key == "best_of" and value == body.get("n", 1):
-            continue
-        else:
-            unsupported.append(key)
+        elif key in _UNSUPPORTED:
+            if value not in (None, False, [], {}) and not (key == "best_of" and value == body.get("n", 1)):
+                unsupported.append(key)
+        elif value is not None:
+            sampling[key] = value
     if unsupported:
         raise ValueError(f"body.{unsupported[0]}: not supported by batchjob")
     record = {"custom_id": cid, "endpoint": url, "messages": None, "prompt": None, "sampling": sampling}

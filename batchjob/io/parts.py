@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.io.manifest import Manifest, ManifestError, PartEntry, utc_now
+from batchjob.io.part_format import PartFormat
 from batchjob.io.ranges import RowRanges
 
 RESULT_SCHEMA = pa.schema([
@@ -25,7 +26,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("error", pa.string()),
 ])
 FINISH_REASONS = ("stop", "length", "error")
-PART_FORMATS = ("arrow", "parquet")
+PART_FORMATS = tuple(PartFormat)
 PART_NAME = re.compile(r"part-(\d{5,})\.(arrow|parquet)")
 TEMP_NAME = re.compile(r"\.(part-\d{5,}\.(arrow|parquet)|manifest\.json(\.prev)?)\.tmp")
 

@@ -2,10 +2,12 @@
 `1_Pooling/config.json`) when the job sets none. The pooling itself is the engine's (engine/worker/pooler.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from batchjob.job.config import ConfigError, JobConfig
+from batchjob.job.modes import Pooling, Task
 
 # sentence-transformers' pooling modes -> ours; the first one set wins (a config sets one)
 _MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"))
@@ -28,7 +30,9 @@ def folder_pooling(model_path: Path) -> str | None:
                       "mean, cls; pass --pooling")
 
 
-def resolve_pooling(cfg: JobConfig, model_path: Path) -> None:
-    """An embed job without `pooling` takes the model folder's, else `last` (in place, before the fingerprint)."""
-    if cfg.task == "embed" and cfg.pooling is None:
-        cfg.pooling = folder_pooling(model_path) or "last"
+def resolve_pooling(cfg: JobConfig, model_path: Path) -> JobConfig:
+    """The job with its pooling resolved: an embed job without `pooling` takes the model folder's, else `last`
+    (before the fingerprint)."""
+    if cfg.task == Task.EMBED and cfg.pooling is None:
+        return dataclasses.replace(cfg, pooling=Pooling(folder_pooling(model_path) or Pooling.LAST))
+    return cfg

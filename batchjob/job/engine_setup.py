@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from batchjob.job.config import JobConfig
-from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.engine.core.lanes import Lane
-from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.spec_decode.config import speculative_config
+from batchjob.job.modes import AsyncScheduling, Preemption, Quantization, Scheduling, SpeculativeMethod
+from batchjob.engine.config import EngineConfig, Lane, SchedulerConfig, speculative_config
+from batchjob.engine.engine import Engine
 from batchjob.models.causal_lm import CausalLM
 from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
 from batchjob.models.registry import build_model
@@ -37,9 +36,9 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                         kv_cache_dtype=cfg.kv_cache_dtype, quantization=model_quantization(cfg, loaded),
                         prequantized=loaded.prequantized)
     draft = None
-    if cfg.speculative == "draft":
+    if cfg.speculative == SpeculativeMethod.DRAFT:
         try:
-            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == "int8",
+            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == Quantization.INT8,
                                   fp8_codes=keeps_fp8_codes(cfg.quantization, device))
         except ModelLoadError as e:
             raise ModelLoadError(f"--draft-model: {e}") from None
@@ -56,7 +55,7 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
 def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: CausalLM | None = None) -> Engine:
     """An engine around built models (a fresh one for models that served an engine before: its KV cache,
     scheduler and grammars are new)."""
-    static = cfg.scheduling == "static"
+    static = cfg.scheduling == Scheduling.STATIC
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
         # a static batch is prefilled whole, then decoded until its longest row ends
@@ -68,9 +67,9 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
     # --kv-cache-gb wins; else 1 GiB on the CPU, and on CUDA what gpu_memory_utilization leaves (kv_budget.py)
     ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
                         gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
-                        swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != "recompute" else 0,
+                        swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != Preemption.RECOMPUTE else 0,
                         enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,
-                        async_scheduling={"auto": None, "on": True, "off": False}[cfg.async_scheduling],
+                        async_scheduling=AsyncScheduling(cfg.async_scheduling).engine_value,
                         speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows,
                                                        cfg.draft_model),
                         scheduler=sched)

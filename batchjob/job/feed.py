@@ -7,6 +7,7 @@ from pathlib import Path
 from batchjob.engine.requests import RequestOutput, SamplingParams
 from batchjob.engine.engine import Engine
 from batchjob.job.config import ConfigError, JobConfig
+from batchjob.job.modes import Task
 from batchjob.job.engine_setup import lanes_of
 from batchjob.job.error_budget import ErrorBudget
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
@@ -90,7 +91,7 @@ class RowFeed:
             records = [b[1] for b in batch]
             all_prompts = builder.prompts_many(records)
             starts = [None] * len(batch)
-            if self.cfg.task == "score":
+            if self.cfg.task == Task.SCORE:
                 starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
             for (row_index, record, kept, row_lane, where), ids, start in zip(batch, all_prompts, starts):
                 try:

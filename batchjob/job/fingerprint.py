@@ -3,10 +3,13 @@ recorded in the manifest so that a resume into results of another job is refused
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from batchjob.job.config import JobConfig
+from batchjob.job.config import FIELDS, JobConfig
+from batchjob.job.modes import Quantization, Task
+from batchjob.job.options import OPTIONS, Identity
 from batchjob.cluster.shards import ShardSource
 from batchjob.io.sources import Source
 from batchjob.version import __version__
@@ -16,10 +19,10 @@ CONTENT_SAMPLES = 64  # this many windows spread evenly over the file, the first
 CONTENT_SAMPLE_BYTES = 64 << 10  # of this size (4 MiB read per huge file)
 _content_hashes: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> hash: a sharded run asks twice
 
-PARAM_FIELDS = ("prompt_column", "messages_column", "chat", "chat_template", "system_prompt", "keep_columns",
-                "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "lanes", "lane_column",
-                "min_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-                "include_stop_str_in_output", "logprobs", "n")
+# the options that make a rerun the same job (job/options.py): always recorded, or only when set (an option added
+# later: without it, an older job's fingerprint stays the same)
+PARAM_FIELDS = tuple(name for name, o in OPTIONS.items() if o.identity is Identity.ALWAYS)
+WHEN_SET_FIELDS = tuple(name for name, o in OPTIONS.items() if o.identity is Identity.WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +39,20 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, model: ModelFac
     """Plain data, no torch: a rerun can be told from another job before torch is imported (job/preflight.py)."""
     params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
     params["dtype"] = model.dtype
-    if cfg.kv_cache_dtype != "auto":  # a quantized KV cache changes the text (absent: the compute dtype, as before)
-        params["kv_cache_dtype"] = cfg.kv_cache_dtype
-    if model.quantization != "none":  # int8 compute changes the text (absent: the compute dtype, as before)
+    params.update({name: getattr(cfg, name) for name in WHEN_SET_FIELDS if getattr(cfg, name) != FIELDS[name].default})
+    if model.quantization != Quantization.NONE:  # int8 compute changes the text (absent: the compute dtype, as before)
         params["quantization"] = model.quantization
     structured = cfg.structured_outputs()
     if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
         params["structured_outputs"] = structured
-    if cfg.task == "embed":  # absent: generate, as before
+    if cfg.task == Task.EMBED:  # absent: generate, as before
         params["task"] = {"task": cfg.task, "pooling": cfg.pooling, "normalize": cfg.normalize,
                           "dimensions": cfg.dimensions, "embed_prefix": cfg.embed_prefix,
                           **({"truncate": True} if cfg.truncate else {})}  # absent: off, as before
-    elif cfg.task == "score":
+    elif cfg.task == Task.SCORE:
         params["task"] = {"task": cfg.task, "continuation_column": cfg.continuation_column}
-    if cfg.prompt_logprobs is not None:  # absent: off, as before
-        params["prompt_logprobs"] = cfg.prompt_logprobs
-    if cfg.max_model_len is not None:  # a lower cap ends long rows earlier ("length"); absent: the model's context
-        params["max_model_len"] = cfg.max_model_len
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),
-          "model": model.identity, "params": params}
+          "model": model.identity, "params": json.loads(json.dumps(params))}  # as the manifest holds it: modes as text
     if isinstance(source, ShardSource):
         fp["shard"] = source.info()
     return fp

@@ -31,8 +31,7 @@ def preflight(cfg: JobConfig, restart: bool = False) -> JobSummary | None:
     model = model_source(path)
     if restart or shard is not None or empty_inputs:  # a shard's slice and its claim are the Job's to check
         return None
-    resolve_pooling(cfg, path)  # an embed job's default, as the Job's fingerprint has it
-    return _finished(cfg, out, sources, model)
+    return _finished(resolve_pooling(cfg, path), out, sources, model)  # an embed job's pooling, as the Job's
 
 
 def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path) -> JobSummary | None:

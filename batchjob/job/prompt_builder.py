@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 
 from batchjob.job.config import JobConfig
-from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
-from batchjob.engine.requests import PoolingParams, SamplingParams
+from batchjob.job.modes import Task
+from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
@@ -39,7 +39,7 @@ class PromptBuilder:
     def messages(self, record: dict) -> list[dict] | None:
         cfg = self.config
         msgs = record.get(cfg.messages_column) if self.use_messages else None
-        if cfg.task != "generate":  # no chat template for an embed or score row: its prompt's text as it is
+        if cfg.task != Task.GENERATE:  # no chat template for an embed or score row: its prompt's text as it is
             if msgs is not None and record.get(cfg.prompt_column) is None:
                 raise RowError(f"{self._named(cfg.messages_column)}: an {cfg.task} row takes a prompt (text or token "
                                f"ids), not chat messages; chat templates are not applied to {cfg.task} rows")
@@ -77,10 +77,10 @@ class PromptBuilder:
         cfg, flat, owner, out = self.config, [], [], [None] * len(records)
         for i, record in enumerate(records):
             endpoint = record.get(ENDPOINT_COLUMN)
-            if endpoint == EMBEDDINGS and cfg.task != "embed":
+            if endpoint == EMBEDDINGS and cfg.task != Task.EMBED:
                 out[i] = RowError(f"url: {EMBEDDINGS} requests need task = \"embed\" (this job's task is {cfg.task}); "
                                   "run the job with --task embed")
-            elif endpoint in (CHAT, COMPLETIONS) and cfg.task == "embed":
+            elif endpoint in (CHAT, COMPLETIONS) and cfg.task == Task.EMBED:
                 out[i] = RowError(f"url: {endpoint} requests generate text; this job's task is embed (give "
                                   f"{EMBEDDINGS} requests, or run it without --task embed)")
             elif endpoint == EMBEDDINGS:
@@ -179,7 +179,7 @@ class PromptBuilder:
     def _scored_pair(self, record: dict) -> tuple[str, str] | tuple[list[int], list[int]] | None:
         """A score row's (context, continuation), both text or both token ids; None when it has none."""
         cfg = self.config
-        if cfg.task != "score" or record.get(cfg.continuation_column) is None:
+        if cfg.task != Task.SCORE or record.get(cfg.continuation_column) is None:
             return None
         continuation, where = record[cfg.continuation_column], self._named(cfg.continuation_column)
         value = record.get(cfg.prompt_column)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from batchjob.job.config import JobConfig
+from batchjob.job.modes import OutputFormat, Quantization, Task
 from batchjob.device import choose_device, choose_dtype, dtype_name
 from batchjob.job.feed import RowFeed, check_chat_template, read_template
 from batchjob.job.embed_task import resolve_pooling
@@ -48,14 +49,15 @@ class Job:
     def __init__(self, cfg: JobConfig, *, restart: bool = False, resources: contextlib.ExitStack | None = None):
         """`resources` holds what the job must give back however it ends (the output lock); without
         it the lock lives as long as the Job. `restart` deletes the folder's results first."""
-        self.cfg = cfg
+        # a mistyped model fails here, before an output folder is created; an embed job's default pooling is the
+        # model folder's
+        self.cfg = cfg = resolve_pooling(cfg, resolve_model_path(cfg.model))
         torch.set_num_threads(job_threads(cfg.threads))
         out, self.shard = output_folder(cfg)
         sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
         # an unsharded job of empty inputs computes nothing: its folder records 0 rows, and no model loads
         self.nothing_to_compute = self.shard is None and len(self.empty_inputs) == len(sources)
         template = read_template(cfg.chat_template) if cfg.chat_template else None
-        resolve_model_path(cfg.model)  # a mistyped model fails here, before an output folder is created
         device = choose_device(cfg.device)
         dtype = choose_dtype(cfg.dtype, device)
         # one writer per output folder (a shard's own folder) from before anything in it is touched
@@ -75,15 +77,14 @@ class Job:
               dtype: torch.dtype, template: str | None) -> None:
         if restart:
             clear_for_restart(out, [folder for _, _, folder, _ in sources])
-        resolve_pooling(cfg, resolve_model_path(cfg.model))  # an embed job's default: the model folder's pooling
         lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         if self.nothing_to_compute:  # every input is empty: the model is described from its files, not loaded
             described = describe_model(cfg.model, fp8_codes=keeps_fp8_codes(cfg.quantization, device))
             self.model_facts = ModelFacts(described.identity, dtype_name(dtype), model_quantization(cfg, described))
             self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
-            self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != "generate")
+            self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != Task.GENERATE)
             return
-        self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == "int8",
+        self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == Quantization.INT8,
                                  fp8_codes=keeps_fp8_codes(cfg.quantization, device))
         self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
         self.model_facts = ModelFacts(self.loaded.identity, dtype_name(dtype), model_quantization(cfg, self.loaded))
@@ -93,7 +94,7 @@ class Job:
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
-                                  prefill_only=cfg.task != "generate", model=self.loaded.name)
+                                  prefill_only=cfg.task != Task.GENERATE, model=self.loaded.name)
         served = {cfg.model, self.loaded.name, Path(cfg.model).name, Path(cfg.model).stem}
         for source, *_ in sources:
             reader = getattr(source, "inner", source)  # a shard's whole file
@@ -200,7 +201,7 @@ class Job:
             for stream in self.streams:
                 stream.sink.close()
                 limited = cfg.limit is not None and stream.source.num_rows != stream.sink.done.count()
-                if cfg.output_format == "openai-batch" and stream.exhausted and not self.summary.stopped and not limited:
+                if cfg.output_format == OutputFormat.OPENAI_BATCH and stream.exhausted and not self.summary.stopped and not limited:
                     write_openai_batch(stream.sink.out_dir)  # every row is in: the response file
         finally:
             collector.stop()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from batchjob.job import threads as threads_module
 from batchjob.job.config import JobConfig
+from batchjob.job.modes import KvCacheDtype, Quantization, Task
 
 if TYPE_CHECKING:  # the summary and its final line are also a rerun's verdict before torch is imported (preflight.py)
     from batchjob.models.causal_lm import CausalLM
@@ -71,8 +72,8 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     if cfg.limit is not None:
         rows += f" (--limit {cfg.limit:,})"
     dtype = str(model.dtype).removeprefix('torch.')
-    kv = dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype
-    matmuls = "" if model.quantization == "none" else f", {model.quantization} matmuls"
+    kv = dtype if model.kv_cache_dtype == KvCacheDtype.AUTO else model.kv_cache_dtype
+    matmuls = "" if model.quantization == Quantization.NONE else f", {model.quantization} matmuls"
     import torch
 
     threads = torch.get_num_threads()
@@ -91,7 +92,7 @@ class ChatHint:
     FINAL_ROWS = 4  # enough at the end of a short job
 
     def __init__(self, cfg: JobConfig, loaded: LoadedModel, uses_messages: bool):
-        self.wanted = cfg.task == "generate" and not (cfg.chat or uses_messages) and loaded.tokenizer.chat_template is not None
+        self.wanted = cfg.task == Task.GENERATE and not (cfg.chat or uses_messages) and loaded.tokenizer.chat_template is not None
         self.model, self.column = loaded.name, cfg.messages_column
 
     def due(self, one_token_stops: tuple[int, int], final: bool = False) -> str | None:

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-KV_DTYPES = ("auto", "int8", "int4")
+from batchjob.kernels.modes import KvCacheDtype
+
+KV_DTYPES = tuple(KvCacheDtype)
 GROUP4 = 16  # int4: values per scale along head_dim (head_dim itself when smaller); measured best of 16/32/64
 
 

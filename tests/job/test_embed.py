@@ -224,15 +224,9 @@ def test_the_model_folders_pooling_is_the_default(tmp_path, llama_dir):
     (folder / "1_Pooling").mkdir()
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True,
                                                                   "pooling_mode_mean_tokens": False}))
-    cfg = JobConfig(task="embed")
-    resolve_pooling(cfg, folder)
-    assert cfg.pooling == "cls"
-    cfg = JobConfig(task="embed")
-    resolve_pooling(cfg, llama_dir)
-    assert cfg.pooling == "last"
-    cfg = JobConfig(task="embed", pooling="mean")
-    resolve_pooling(cfg, folder)
-    assert cfg.pooling == "mean"  # the job's own wins
+    assert resolve_pooling(JobConfig(task="embed"), folder).pooling == "cls"
+    assert resolve_pooling(JobConfig(task="embed"), llama_dir).pooling == "last"
+    assert resolve_pooling(JobConfig(task="embed", pooling="mean"), folder).pooling == "mean"  # the job's own wins
 
 
 def test_an_embed_job_resumes_after_sigkill_exactly_once(tmp_path, llama_dir):

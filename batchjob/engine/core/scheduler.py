@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable
 
 from batchjob.engine.core.block_pool import BlockPool, block_hashes
@@ -18,14 +19,28 @@ from batchjob.engine.core.sequence import Sequence, SeqStatus
 __all__ = ["Lane", "Scheduler", "SchedulerConfig", "Step"]  # Lane: re-exported for callers that configure lanes
 
 
+class Admission(StrEnum):
+    """When a waiting row may start: its prompt plus a watermark fits (optimistic, relies on preemption), or
+    its prompt plus max_tokens (reserve: never preempts)."""
+    OPTIMISTIC = "optimistic"
+    RESERVE = "reserve"
+
+
+class Preemption(StrEnum):
+    """How a running row gives way: auto (by the engine's cost model; else recompute), recompute or swap."""
+    AUTO = "auto"
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 0  # 0 = a row's prompt chunk is limited only by the budget
     static_batch: int = 0  # > 0: classic static batching with batches of this size
-    admission: str = "optimistic"  # optimistic (prompt + watermark) | reserve (prompt + max_tokens)
-    preemption: str = "auto"  # auto (by the cost model the engine supplies; else recompute) | recompute | swap
+    admission: Admission = Admission.OPTIMISTIC
+    preemption: Preemption = Preemption.AUTO
     watermark_blocks: int = 1
     max_wait: float = 300.0  # seconds; a row waiting longer goes ahead of every lane
     aging: float = 0.0  # priority points gained per second of waiting; 0 = reach the top lane at max_wait
@@ -258,7 +273,7 @@ class Scheduler:
 
     def _swap_mode(self, seq: Sequence) -> bool:
         mode = self.config.preemption
-        if mode == "recompute" or self.host_pool is None or not self.host_pool.can_allocate(len(seq.block_table)):
+        if mode == Preemption.RECOMPUTE or self.host_pool is None or not self.host_pool.can_allocate(len(seq.block_table)):
             return False
         if mode == "auto":
             return self.prefer_swap is not None and self.prefer_swap(seq)
@@ -280,8 +295,8 @@ class Scheduler:
             hits = pool.cached_prefix(hashes[: (seq.num_tokens - 1) // pool.block_size])
             need = pool.blocks_for(seq.num_tokens + grows) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
             step.prefix_query_tokens += seq.num_tokens
-        reserve = self._reserve_need(seq) if cfg.admission == "reserve" else 0
-        outstanding = self._outstanding_reservations() if cfg.admission == "reserve" else 0  # else always 0: skip the O(running) sum
+        reserve = self._reserve_need(seq) if cfg.admission == Admission.RESERVE else 0
+        outstanding = self._outstanding_reservations() if cfg.admission == Admission.RESERVE else 0  # else always 0: skip the O(running) sum
         need_free = max(need, reserve - len(hits)) + outstanding + cfg.watermark_blocks
         if need_free > pool.num_free and not self._evict_lower(seq, step, blocks=need_free):
             return False

@@ -12,14 +12,21 @@ MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
 MAX_N = 128  # completions per row, as the OpenAI API
 
 
-POOLINGS = ("last", "mean", "cls")
+class Pooling(enum.StrEnum):
+    """An embed row's pooling: the last prompt position, the mean over the prompt (in fp32), or the first."""
+    LAST = "last"
+    MEAN = "mean"
+    CLS = "cls"
+
+
+POOLINGS = tuple(Pooling)
 
 
 @dataclass(slots=True, frozen=True)
 class PoolingParams:
     """An embed row (`--task embed`): prefill only, no LM head; the final normed hidden states of its prompt
     pooled into one vector (docs/guide/embeddings.md)."""
-    pooling: str = "last"  # last (the last prompt position) | mean (over the prompt, in fp32) | cls (the first)
+    pooling: Pooling = Pooling.LAST
     normalize: bool = True  # L2, after the truncation to `dimensions`
     dimensions: int | None = None  # Matryoshka: keep the first N values; None = all
 
@@ -34,7 +41,7 @@ class PoolingParams:
     def reads_prefix_cache(self) -> bool:
         # last pooling computes at least the last prompt token whatever the cache holds; mean and cls
         # need every position (or the first) computed in this row
-        return self.pooling == "last"
+        return self.pooling == Pooling.LAST
 
 
 @dataclass(slots=True, frozen=True)

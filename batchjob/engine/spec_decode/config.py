@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-METHODS = ("none", "ngram", "draft")
+
+class SpeculativeMethod(StrEnum):
+    """`--speculative`: none, ngram (prompt lookup: ngram.py) or draft (a draft model: draft.py)."""
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT = "draft"
+
+
+METHODS = tuple(SpeculativeMethod)
 
 
 class SpeculativeError(ValueError):
@@ -13,7 +22,7 @@ class SpeculativeError(ValueError):
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str = "none"  # none | ngram (prompt lookup) | draft (a draft model: engine/spec_decode/draft.py)
+    method: SpeculativeMethod = SpeculativeMethod.NONE
     num_tokens: int = 4  # k: tokens proposed per row and step
     ngram_max: int = 4  # the longest suffix looked up
     ngram_min: int = 2  # the shortest

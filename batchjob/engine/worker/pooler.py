@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.engine.core.scheduler import Step
+from batchjob.engine.core.sequence import Pooling
 
 
 def pool_step(hidden: torch.Tensor, step: Step, last: list[int]) -> list[tuple[int, torch.Tensor]]:
@@ -20,16 +21,16 @@ def pool_step(hidden: torch.Tensor, step: Step, last: list[int]) -> list[tuple[i
         start, first = seq.num_computed, last[i] - n + 1
         if start == 0:
             seq.pooled = None
-        if p.pooling == "mean":
+        if p.pooling == Pooling.MEAN:
             part = hidden[first:last[i] + 1].float().sum(0)
             seq.pooled = part if seq.pooled is None else seq.pooled + part
-        elif p.pooling == "cls" and start == 0:
+        elif p.pooling == Pooling.CLS and start == 0:
             seq.pooled = hidden[first].float().clone()
         if start + n < seq.num_tokens:
             continue
-        if p.pooling == "mean":
+        if p.pooling == Pooling.MEAN:
             vec = seq.pooled / seq.num_prompt
-        elif p.pooling == "cls":
+        elif p.pooling == Pooling.CLS:
             vec = seq.pooled
         else:
             vec = hidden[last[i]].float()
