@@ -143,6 +143,9 @@ class JobConfig:
         table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
     stop_token_ids: list[int] = opt([],
         'comma-separated token ids that end a row (besides EOS)', table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
+    allowed_token_ids: list[int] = opt([],
+        'comma-separated token ids: only these may be generated, as vLLM\'s allowed_token_ids (default: any)',
+        table=SAMPLING, api=Api.SAMPLING, fingerprint=WHEN_SET)
     ignore_eos: bool = opt(False,
         'keep generating past EOS until max_tokens', table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
     min_tokens: int = opt(0,

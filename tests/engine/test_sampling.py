@@ -183,6 +183,35 @@ def test_sampled_tokens_stay_inside_the_mask(tiny):
             assert tok in [t for t, _ in top]
 
 
+
+def test_allowed_token_ids_match_transformers_and_reach_every_entry_point(tiny, tmp_path):
+    # greedy: transformers' generate restricted by prefix_allowed_tokens_fn; sampled: every token inside the set
+    ours, ref, tok, path = tiny
+    ps = prompts(5, ours.config.vocab_size, seed=6)
+    allowed = sorted(random.Random(7).sample(range(3, ours.config.vocab_size), 9))
+    got = run_rows(engine_of(ours), ps, SamplingParams(max_tokens=10, ignore_eos=True, allowed_token_ids=tuple(allowed)))
+    for p, s in zip(ps, got):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
+                               eos_token_id=None, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+        assert s.output_ids == out[0, len(p):].tolist()
+    hot = run_rows(engine_of(ours), ps, SamplingParams(max_tokens=10, temperature=1.3, allowed_token_ids=tuple(allowed)), seed=2)
+    assert all(t in allowed for s in hot for t in s.output_ids)
+    # the job option (a flag), a row's own column, and the API's keyword
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": [5, 6, 7]}) + "\n" + json.dumps({"prompt": [5, 6, 7], "allowed_token_ids": [9]}) + "\n")
+    done = CliRunner().invoke(main, ["run", "--model", str(path), "--input", str(src), "--output", str(tmp_path / "out"),
+                                     "--max-tokens", "4", "--ignore-eos", "--allowed-token-ids", ",".join(map(str, allowed)),
+                                     "--no-progress", "--kernels", "torch"])
+    assert done.exit_code == 0, done.output
+    rows = read_results(tmp_path / "out").to_pylist()
+    alone = run_rows(engine_of(ours), [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, allowed_token_ids=tuple(allowed)))
+    assert [r["generated_text"] for r in rows] == [tok.decode(alone[0].output_ids), tok.decode([9] * 4)]
+    from batchjob import api
+    result = api.generate([[5, 6, 7]], model=str(path), max_tokens=4, ignore_eos=True, allowed_token_ids=[9, 11], kernels="torch")
+    assert set(result[0].token_ids) <= {9, 11}
+
+
 # ---- logprobs ---------------------------------------------------------------------------------------
 
 

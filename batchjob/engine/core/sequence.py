@@ -59,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # over output tokens
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (vLLM's); () = any
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: the chosen token's only); None = off
@@ -117,8 +118,9 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(t < 0 for t in getattr(self, name)):
+                raise ValueError(f"{name}: token ids must be >= 0, got {list(getattr(self, name))}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
@@ -170,9 +172,9 @@ def _coerce(name: str, value):
         if not isinstance(value, PoolingParams):
             raise ValueError("pooling: set by the job's task (--task embed), not per row")
         return value
-    if name == "stop_token_ids":
+    if name in ("stop_token_ids", "allowed_token_ids"):
         if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise ValueError(f"stop_token_ids: expected a list of integers, got {value!r}")
+            raise ValueError(f"{name}: expected a list of integers, got {value!r}")
         return tuple(value)
     return value
 

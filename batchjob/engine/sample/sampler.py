@@ -1,6 +1,6 @@
 """Sampler: one pass over a step's rows -> one token per row, plus logprobs for the rows that ask.
 
-The order is vLLM's: raw logprobs (log-softmax of the model's logits) -> min_tokens mask -> penalties ->
+The order is vLLM's: raw logprobs (log-softmax of the model's logits) -> allowed_token_ids -> min_tokens mask -> penalties ->
 argmax for greedy rows; temperature -> min_p -> top-k -> top-p -> draw for the others. Each stage runs
 once over all the rows that use it; a greedy row without penalties costs its share of one argmax.
 
@@ -44,10 +44,14 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list
               for t in s.stop_token_set if t < vocab]
     penalized = [i for i, p in enumerate(params) if p.penalized]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if banned or penalized or sampled or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    writes = banned or penalized or allowed
+    if writes or sampled or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         widened = logits.float()  # a copy unless already fp32: masks and penalties below write into it
-        logits = widened.clone() if widened is logits and (banned or penalized) else widened
+        logits = widened.clone() if widened is logits and writes else widened
     # else: greedy rows only: the argmax of the model-dtype logits is that of their exact fp32 widening
+    if allowed:
+        keep_allowed(logits, allowed, params)
     if banned:
         rows, toks = zip(*banned)
         logits[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = float("-inf")
@@ -73,6 +77,16 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list
             choice[rows_of] = pick.squeeze(1) if ids is None else ids.gather(1, pick).squeeze(1)
         out[idx] = choice
     return SampledTokens(out, raw_lp, [seqs[i] for i in want_lp], want_lp)
+
+
+def keep_allowed(logits: torch.Tensor, rows: list[int], params: list) -> None:
+    """Rows with allowed_token_ids: every other token gets -inf (ids past the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for k, i in enumerate(rows):
+        keep[k, [t for t in params[i].allowed_token_ids if t < vocab]] = True
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill_(~keep.to(logits.device), float("-inf"))
 
 
 class SampledTokens:
