@@ -4,38 +4,36 @@ engine; `generate()` keeps the last few in a cache keyed by model and engine kno
 reload a model per call."""
 from __future__ import annotations
 
-import contextlib
-import difflib
-import re
 import sys
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from batchjob.device import choose_device, choose_dtype
+from batchjob.engine.engine import Engine
 from batchjob.errors import ChatHintWarning
-from batchjob.job.config import FIELDS, ConfigError, JobConfig, job_values, load_job
+from batchjob.job.config import ConfigError, JobConfig, job_values, load_job
+from batchjob.job.embed_task import resolve_pooling
+from batchjob.job.engine_setup import build_models, engine_for
+from batchjob.job.in_memory import Result, run_in_memory, score_records
+from batchjob.job.keywords import api_words, chat_template_text, check_names, check_template, job_config
 from batchjob.job.modes import Quantization, Task
 from batchjob.job.options import Api, api_keywords
-from batchjob.device import choose_device, choose_dtype
-from batchjob.engine.requests import RequestOutput
-from batchjob.engine.engine import Engine
-from batchjob.job.embed_task import resolve_pooling
+from batchjob.job.prompt_builder import PromptBuilder
+from batchjob.job.prompt_records import conversation_records, prompt_records
+from batchjob.job.results import Completion
 from batchjob.job.run import run_job
-from batchjob.job.engine_setup import build_models, engine_for
-from batchjob.kernels.quantization import keeps_fp8_codes
-from batchjob.job.threads import job_threads
-from batchjob.models.loader import load_model, resolve_model_path
-from batchjob.job.prompt_records import conversation_records, is_token_ids, prompt_records
-from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
-from batchjob.job.results import Completion, OutputColumns, PendingRow
-from batchjob.job.rows_in_flight import RowsInFlight
 from batchjob.job.summary import JobSummary
+from batchjob.job.threads import job_threads
+from batchjob.kernels.quantization import keeps_fp8_codes
+from batchjob.models.loader import load_model, resolve_model_path
+
+__all__ = ["LLM", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run", "score"]
 
 # the keywords, named as in a job file (and vLLM), from the options table (job/options.py); `seed` is the job seed:
 # row i's random stream comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's)
@@ -47,38 +45,7 @@ ENGINE_OPTIONS = api_keywords(Api.ENGINE)
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
 SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
-
-IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
-ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
-EMBED_COLUMNS = OutputColumns(embedding=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """One prompt's result: the fields of an output row (docs/guide/output-and-resume.md); `text` is `generated_text`."""
-    text: str
-    finish_reason: str  # stop | length | error
-    prompt_tokens: int
-    completion_tokens: int  # of all n completions
-    error: str | None = None  # why the prompt failed (finish_reason "error")
-    logprobs: list[dict] | None = None  # the first completion's, when logprobs was asked for
-    completions: tuple[Completion, ...] | None = None  # n > 1: all n, in order (the first is also `text`)
-    token_ids: tuple[int, ...] = ()  # the first completion's generated token ids
-    embedding: list[float] | None = None  # embed(): the prompt's pooled (and normalised) final hidden states
-    # score(): each prompt token's logprob (None for the first) and their sum; with a continuation its summed
-    # logprob, its token count and whether each of its tokens is the argmax; generate(prompt_logprobs=k): the
-    # entries {token_id, token, logprob, top_logprobs} (None first)
-    prompt_logprobs: list | None = None
-    prompt_logprob_sum: float | None = None
-    continuation_logprob: float | None = None
-    continuation_tokens: int | None = None
-    is_greedy: bool | None = None
-    prompt_top_logprobs: list | None = None  # score(prompt_logprobs=k > 0): the top k per position (None first)
-
-
-def failed(error: str, prompt_tokens: int = 0) -> Result:
-    return Result(text="", finish_reason="error", prompt_tokens=prompt_tokens, completion_tokens=0, error=error)
 
 
 class LLM:
@@ -90,7 +57,7 @@ class LLM:
     UnsupportedModelError, KernelError (QuantizationError among them) or KvBudgetError. Calls are serialized (one engine)."""
 
     def __init__(self, model: str = "smollm2", **engine: Any):
-        _check_names(engine, ENGINE_OPTIONS, "LLM()")
+        check_names(engine, ENGINE_OPTIONS, "LLM()")
         with api_words():
             self.options = {k: v for k, v in engine.items() if v is not None}
             self.config = job_config({"model": model, **self.options})
@@ -122,7 +89,7 @@ class LLM:
         and chat, chat_template, system_prompt. A bad keyword or value raises ValueError (ConfigError); a bad
         prompt is a Result with an error. Plain prompts that end at their first token from a model with a chat
         template warn (ChatHintWarning): the model probably wants chat=True."""
-        _check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "generate()")
+        check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "generate()")
         return self._run(prompt_records(prompts), options)
 
     def chat(self, conversations: Any, **options: Any) -> list[Result]:
@@ -130,7 +97,7 @@ class LLM:
         {role, content} messages) or a list of them, each rendered with the model's chat template (or
         chat_template=, a file or the Jinja text) and a generation prompt. `options`: sampling parameters,
         chat_template, system_prompt (prepended to a conversation that has no system message)."""
-        _check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt"), "chat()")
+        check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt"), "chat()")
         return self._run(conversation_records(conversations), options)
 
     def embed(self, texts: Any, **options: Any) -> list[Result]:
@@ -139,7 +106,7 @@ class LLM:
         of them. `options`: pooling (last | mean | cls; default: the model folder's 1_Pooling/config.json, else
         last), normalize (L2, default True), dimensions (keep the first N, then normalise), embed_prefix
         (prepended to each text). No chat template is applied."""
-        _check_names(options, EMBED_OPTIONS, "embed()")
+        check_names(options, EMBED_OPTIONS, "embed()")
         with api_words():
             cfg = job_config({"model": self.config.model, **self.options, "task": Task.EMBED, **options})
             cfg = resolve_pooling(cfg, resolve_model_path(self.config.model))
@@ -158,7 +125,7 @@ class LLM:
         lm-evaluation-harness's loglikelihood (`.continuation_logprob`, `.continuation_tokens`, `.is_greedy`).
         `options`: prompt_logprobs (the top N alternatives per position in `.prompt_top_logprobs`). No chat
         template is applied."""
-        _check_names(options, SCORE_OPTIONS, "score()")
+        check_names(options, SCORE_OPTIONS, "score()")
         records = score_records(prompts, continuations)
         with api_words():
             cfg = job_config({"model": self.config.model, **self.options, "task": Task.SCORE, **options})
@@ -214,73 +181,7 @@ class LLM:
                           "message) or call LLM.chat(conversations)", ChatHintWarning, stacklevel=_caller_level())
 
     def _generate(self, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
-        """The job's loop in memory: rows enter the engine with the read-ahead a job uses, their random streams
-        from (seed, row), and leave through the same RowsInFlight as a job's rows."""
-        engine = self.engine
-        base = cfg.sampling_defaults()
-        results: list[Result | None] = [None] * len(records)
-        rows: RowsInFlight[int] = RowsInFlight(engine, self.tokenizer, truncate=cfg.truncate)
-        columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
-                   }.get(cfg.task, ALL_COLUMNS)
-        read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
-        todo = iter(enumerate(records))
-        exhausted = False
-        while True:
-            while not exhausted and engine.num_waiting() < read_ahead:
-                item = next(todo, None)
-                if item is None:
-                    exhausted = True
-                    break
-                index, record = item
-                if isinstance(record, str):  # not a prompt at all
-                    results[index] = failed(record)
-                    continue
-                try:
-                    ids = builder.token_ids(record)
-                    start = builder.continuation_starts([record], [ids])[0] if cfg.task == Task.SCORE else None
-                    if isinstance(start, RowError):
-                        raise start
-                    params = row_sampling(record, base, in_memory=True)
-                except RowError as e:
-                    results[index] = failed(str(e))
-                    continue
-                err = rows.add(index, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start)
-                if err:
-                    results[index] = failed(err, prompt_tokens=len(ids))
-            if not engine.has_work:
-                break
-            for output in engine.run_step():
-                done = rows.finished(output)
-                if done is not None:
-                    results[done.key] = result_of(done.row, done.outputs)
-        return results  # every row has its Result once the engine is idle
-
-
-def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
-    fields = row.fields()
-    return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
-                  completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
-                  completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
-                  embedding=fields["extra"].get("embedding"),
-                  **{name: fields["extra"].get(name) for name in RESULT_SCORE_FIELDS})
-
-
-RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_logprob", "continuation_tokens",
-                       "is_greedy", "prompt_top_logprobs")  # the output columns of the same names
-
-
-def score_records(prompts: Any, continuations: Any) -> list[dict | str]:
-    """score()'s prompts (a string or token ids, or a list of them) and optional continuations, one per
-    prompt, as the input records of a score job."""
-    records = prompt_records(prompts)
-    if continuations is None:
-        return records
-    if isinstance(continuations, str) or is_token_ids(continuations):
-        continuations = [continuations]
-    if not isinstance(continuations, (list, tuple)) or len(continuations) != len(records):
-        raise ValueError(f"continuations: expected one per prompt ({len(records)}), got "
-                         f"{len(continuations) if isinstance(continuations, (list, tuple)) else type(continuations).__name__}")
-    return [{**r, "continuation": c} if isinstance(r, dict) else r for r, c in zip(records, continuations)]
+        return run_in_memory(self.engine, self.tokenizer, cfg, builder, records)
 
 
 # the cache behind generate()
@@ -292,7 +193,7 @@ _cache_lock = threading.Lock()
 def cached_llm(model: str = "smollm2", **engine: Any) -> LLM:
     """The cached LLM for this model and these engine knobs, loaded on first use; the least recently used
     one goes when more than CACHE_SIZE are held. `threads` is process-wide, so it is set, not keyed."""
-    _check_names(engine, ENGINE_OPTIONS, "generate()")
+    check_names(engine, ENGINE_OPTIONS, "generate()")
     threads = engine.pop("threads", None)
     with api_words():
         cfg = job_config({"model": model, "threads": threads, **engine})
@@ -343,7 +244,7 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
     UnsupportedModelError for a model that cannot load; KernelError or KvBudgetError for an engine that
     cannot run here. Warns (ChatHintWarning) when plain prompts end at their first token from a model with
     a chat template: it probably wants chat=True or batchjob.chat()."""
-    _check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
+    check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).generate(prompts, **call)
@@ -354,7 +255,7 @@ def chat(conversations: Any, *, model: str = "smollm2", **options: Any) -> list[
     "content"} messages) or a list of them, each rendered with the model's chat template and a generation
     prompt. Returns one Result per conversation. The keywords are generate()'s, less `chat`: sampling,
     chat_template, system_prompt and the engine's; the same errors."""
-    _check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt") + ENGINE_OPTIONS, "chat()")
+    check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt") + ENGINE_OPTIONS, "chat()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).chat(conversations, **call)
@@ -367,7 +268,7 @@ def embed(texts: Any, *, model: str = "smollm2", **options: Any) -> list[Result]
     1_Pooling/config.json, else last), normalize (L2; default True), dimensions (Matryoshka: the first N,
     then normalised), embed_prefix (prepended to each text, e.g. "query: "), and the engine keywords of
     generate() (the engine is cached as generate()'s)."""
-    _check_names(options, EMBED_OPTIONS + ENGINE_OPTIONS, "embed()")
+    check_names(options, EMBED_OPTIONS + ENGINE_OPTIONS, "embed()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).embed(texts, **call)
@@ -378,7 +279,7 @@ def score(prompts: Any, continuations: Any = None, *, model: str = "smollm2", **
     `continuations` (one per prompt) each continuation's summed logprob and is_greedy, lm-evaluation-harness's
     loglikelihood. Keywords: prompt_logprobs (top-N alternatives per position) and the engine keywords of
     generate() (the engine is cached as generate()'s)."""
-    _check_names(options, SCORE_OPTIONS + ENGINE_OPTIONS, "score()")
+    check_names(options, SCORE_OPTIONS + ENGINE_OPTIONS, "score()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).score(prompts, continuations, **call)
@@ -400,83 +301,9 @@ def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrid
         return run_job(cfg, restart=restart)
 
 
-# arguments
-
-def job_config(values: dict) -> JobConfig:
-    """The job file's validation for in-memory values (ConfigError, a ValueError, names the field)."""
-    return load_job(None, {"input": IN_MEMORY, "output": IN_MEMORY, **values})
-
-
-_KEYWORDS = frozenset(FIELDS) | {"restart"}
-_NOT_VALUES = "or|and|to|in|of|with|for|is|at|on|as"
-_FLAG = re.compile(rf"--(?P<no>no-)?(?P<name>[a-z][a-z0-9-]*)"
-                   rf"(?P<value> (?!(?:{_NOT_VALUES})\b)(?:[a-z0-9][\w.]*|[A-Z]+)\b(?: or [a-z0-9][\w.]*\b)?)?")
-
-
-def api_message(text: str) -> str:
-    """A message written for `batchjob run` in the API's words: each flag of a keyword argument becomes that
-    keyword ("use --kernels auto or torch" -> "use kernels='auto' or 'torch'", "--restart" -> "restart=True")."""
-    def keyword(m: re.Match) -> str:
-        name = m["name"].replace("-", "_")
-        if name not in _KEYWORDS:
-            return m[0]
-        if name == "restart" or isinstance(FIELDS[name].default, bool):
-            return f"{name}={not m['no']}{m['value'] or ''}"
-        if m["no"] or not m["value"]:
-            return m[0] if m["no"] else name
-        values = m["value"].strip().split(" or ")
-        return f"{name}=" + " or ".join(v if v.isupper() or v.replace(".", "", 1).isdigit() else repr(v) for v in values)
-
-    return _FLAG.sub(keyword, text)
-
-
-@contextlib.contextmanager
-def api_words():
-    """Errors raised inside speak of keyword arguments, not of `batchjob run`'s flags (the same error types)."""
-    try:
-        yield
-    except Exception as e:
-        if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, OSError):
-            e.args = (api_message(e.args[0]),)
-        raise
-
-
 def _caller_level() -> int:
     """warnings.warn's stacklevel that names the caller's line: the first frame outside batchjob."""
     frame, level, here = sys._getframe(1), 1, str(Path(__file__).parent)
     while frame is not None and frame.f_code.co_filename.startswith(here):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _check_names(given: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(given) - set(allowed))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], allowed, n=1)
-        meant = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{unknown[0]}: unknown keyword argument to {where}{meant}; known: {', '.join(allowed)}")
-
-
-def chat_template_text(value: str | None) -> str | None:
-    """A template file, as a job's chat_template, or (as vLLM also takes) the Jinja text itself."""
-    if value is None:
-        return None
-    if not isinstance(value, (str, Path)):
-        raise ValueError(f"chat_template: expected a file path or the template text, got {value!r}")
-    if isinstance(value, str) and "{" in value:  # Jinja needs {{ or {%; a path rarely has a brace
-        return value
-    try:
-        return Path(value).read_text()
-    except OSError as e:
-        raise ValueError(f"chat_template: cannot read {value}: {e.strerror or e}") from None
-
-
-def check_template(template: str | None) -> None:
-    from batchjob.models.chat import ChatTemplateError, compile_template
-
-    if template is None:
-        return  # rows say that the model has no template, one by one (as in a job)
-    try:
-        compile_template(template)
-    except ChatTemplateError as e:
-        raise ValueError(f"chat_template: {e}") from None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from batchjob.kernels.interface import KernelSet
-from batchjob.kernels.native.build import BuildError, default_log
+from batchjob.kernels.native.build import BuildError
+from batchjob.kernels.notices import notice
 from batchjob.kernels.reference.kernel_set import TorchKernels
 from batchjob.kernels.modes import KernelChoice
 
@@ -27,7 +28,7 @@ class KernelError(RuntimeError):
 
 
 def select_kernels(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, gqa: int,
-                   block_size: int = 16, log=default_log, kv_cache_dtype: str = "auto",
+                   block_size: int = 16, log=notice, kv_cache_dtype: str = "auto",
                    softcap: float | None = None) -> KernelSet:
     """The kernel set for a model and KV block size; raises KernelError when an explicit choice cannot run here.
     Elementwise ops the chosen backend lacks run the torch reference, said in one log line. `softcap`: the

@@ -2,9 +2,9 @@
 between kernels/linear.py's `Linear` (the compute dtype), kernels/linear_int8.py's `Int8Linear` (W8A8 int8)
 and kernels/linear_fp8.py's `Fp8Linear` (W8A8 fp8 e4m3, CUDA with compute capability >= 8.9 only).
 
-The families call `linear(weight, bias)` for every projection and stay unaware of quantization;
-`build_model` sets the format for the duration of one build (`weight_matmuls(...)`, a context variable, so
-two models built in turn, e.g. a target and its draft, each get their own). Kept in the compute dtype under
+The families call `linear(fmt, weight, bias)` for every projection with the format `build_model` hands them
+(`BuildSpec.matmuls`, models/family.py), explicit, so two models built in turn, e.g. a target and its draft,
+each get their own; the families do not look into it. Kept in the compute dtype under
 int8: embeddings, norms and MoE routers (small, and routing is sensitive to them).
 
 The LM head is int8 too. Measured on SmolLM2 (bench/int8_quality.py, 64 prompts): it adds nothing measurable
@@ -26,9 +26,6 @@ elsewhere they are dequantized at load). `resolved_quantization` decides the for
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -134,9 +131,6 @@ def resolved_quantization(requested: str, checkpoint: str | None, scheme: str, s
     return runs
 
 
-_format: ContextVar[MatmulFormat] = ContextVar("matmul_format", default=MatmulFormat())
-
-
 def check_quantization(quantization: str, device: torch.device | str) -> None:
     """Raises QuantizationError, naming the option and what to use, when `quantization` cannot run on `device`."""
     device = torch.device(device)
@@ -152,22 +146,11 @@ def check_quantization(quantization: str, device: torch.device | str) -> None:
                                     f"{cap[0]}.{cap[1]}; use --quantization int8 or none")
 
 
-@contextmanager
-def weight_matmuls(quantization: str = "none", lm_head: bool = True, prequantized: bool = False) -> Iterator[None]:
-    """Within the block, `linear` and `lm_head_linear` build matmuls of this format."""
-    token = _format.set(MatmulFormat(quantization, lm_head, prequantized))
-    try:
-        yield
-    finally:
-        _format.reset(token)
-
-
-def linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> WeightMatmul:
-    """A projection's weight matmul ([out, in], bias [out]) in the format in force. A fused projection (QKV,
+def linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> WeightMatmul:
+    """A projection's weight matmul ([out, in], bias [out]) in the format `fmt` (the model's, given at build). A fused projection (QKV,
     gate/up) is quantized per output channel as one: the same codes and scales as each part alone. A
     QuantizedWeight arrives only under int8 or fp8 (build_model dequantizes them otherwise): its codes as stored
     where they are of that kind, else re-quantized per channel from its exact values."""
-    fmt = _format.get()
     if isinstance(weight, QuantizedWeight):
         if fmt.quantization == "fp8":
             codes, scales = weight.fp8_channel()
@@ -183,12 +166,11 @@ def linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = N
     return Linear(weight, bias)
 
 
-def lm_head_linear(weight: torch.Tensor | QuantizedWeight) -> WeightMatmul:
+def lm_head_linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight) -> WeightMatmul:
     """The LM head's matmul: the compute dtype unless int8 quantizes the LM head too (or the checkpoint did);
     under fp8 the compute dtype (the module docstring says why)."""
-    fmt = _format.get()
     if isinstance(weight, QuantizedWeight):
-        return linear(weight)
+        return linear(fmt, weight)
     if fmt.quantization == "int8" and fmt.lm_head and not fmt.prequantized:
         return Int8Linear(weight)
     return Linear(weight)

@@ -20,6 +20,7 @@ from batchjob.cli.main import main
 from batchjob.job.config import ConfigError, load_job
 from batchjob.engine.core.sequence import SamplingParams
 from batchjob.job.engine_setup import build_engine
+from batchjob.job.keywords import api_message
 from batchjob.models.loader import load_model
 
 PROMPTS = ["The quick brown fox", "Batch inference reads rows", "def square(x: int) -> int:", "Hello & welcome"]
@@ -307,7 +308,7 @@ def test_api_messages_name_keyword_arguments_not_flags_or_columns(llm, model_dir
         batchjob.generate("x", model=str(model_dir), temprature=0.5)
     with pytest.raises(ConfigError, match=r"input: no input given; pass input=PATH"):
         batchjob.run({"model": str(model_dir)})
-    assert api.api_message("raise --gpu-memory-utilization or lower --max-num-seqs; rerun with --restart to start "
+    assert api_message("raise --gpu-memory-utilization or lower --max-num-seqs; rerun with --restart to start "
                            "over; pip install --no-deps x; --no-prefix-caching") == (
         "raise gpu_memory_utilization or lower max_num_seqs; rerun with restart=True to start over; "
         "pip install --no-deps x; prefix_caching=False")

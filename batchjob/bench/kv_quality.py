@@ -33,6 +33,7 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     from batchjob.engine.worker.input_batch import step_inputs
     from batchjob.engine.worker.model_runner import ModelRunner
     from batchjob.engine.core.scheduler import Step
+    from batchjob.models.step_context import StepContext
     from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 
     bs = 16
@@ -44,7 +45,7 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
         n = min(CHUNK, len(ids) - 1 - start)
         inputs = step_inputs(Step([seq], [n]), bs, False)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
-        hidden = model.forward(input_ids, positions, meta, runner.kv.layers)
+        hidden = model.forward(StepContext(positions, meta, runner.kv.layers, input_ids=input_ids))
         out.append(model.logits(hidden).float())
         seq.num_computed += n
     return torch.cat(out)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from batchjob.engine.core.block_pool import BlockPool
 from batchjob.engine.core.detokenizer import IncrementalDetokenizer
-from batchjob.engine.worker.cuda_graphs import DecodeGraphs
 from batchjob.engine.core.cost_model import CostModel
 from batchjob.engine.worker.kv_budget import gpu_kv_blocks
 from batchjob.engine.worker.kv_cache import KVCache
@@ -26,7 +25,7 @@ from batchjob.engine.spec_decode.config import SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.engine.structured.grammar import GrammarState
 from batchjob.engine.structured.rows import StructuredRows
-from batchjob.kernels.native.build import default_log
+from batchjob.kernels.notices import notice
 from batchjob.models.causal_lm import CausalLM
 
 
@@ -93,14 +92,16 @@ class Engine:
         self.max_model_len = self.scheduler.max_model_len  # the context, capped at what the KV pool holds
         for m in (model, draft_model) if draft_model is not None else (model,):
             m.fit_context(self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
+        graphs = None  # decode steps as CUDA graphs: (most rows in a step, the longest row)
         if config.cuda_graphs and model.device.type == "cuda":
             if not model.kernels.captures_graphs:
-                default_log(f"CUDA graphs need the Triton kernels (the {model.kernels.name} kernels plan each step "
-                            "on the host); decode steps run eagerly")
+                notice(f"CUDA graphs need the Triton kernels (the {model.kernels.name} kernels plan each step on the "
+                       "host); decode steps run eagerly")
             else:
-                self.runner.decode_graphs = DecodeGraphs(model, self.runner.kv.layers, config.block_size,
-                                                         self.scheduler.config.max_num_seqs, self.max_model_len)
+                graphs = (self.scheduler.config.max_num_seqs, self.max_model_len)
+        self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host, structured=self.structured,
+                                  graphs=graphs)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
         self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
@@ -118,8 +119,6 @@ class Engine:
             self.proposer = DraftProposer(spec, draft_model, model, num_blocks, config.block_size)
         self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         self.outputs = OutputProcessor(self.scheduler, self.pool, self.eos, self.max_model_len, self.proposer)
-        self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
-        self.runner.structured = self.structured
         self._compiling: list[Sequence] = []  # structured rows whose grammar is still compiling
         self.tokenizer = tokenizer
         self._next_id = 1 << 40  # submitted requests' ids (apart from the ids of Sequences added as they are)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchjob.engine.requests import RequestOutput, SamplingParams
+from batchjob.engine.requests import SamplingParams
 from batchjob.engine.engine import Engine
 from batchjob.job.config import ConfigError, JobConfig
 from batchjob.job.modes import Task
 from batchjob.job.engine_setup import lanes_of
 from batchjob.job.error_budget import ErrorBudget
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
-from batchjob.job.rows_in_flight import RowsInFlight
+from batchjob.job.row_driver import RowDriver, StepDone
 from batchjob.models.loader import LoadedModel
 from batchjob.job.streams import Stream
 from batchjob.job.summary import JobSummary
@@ -34,9 +34,10 @@ class RowFeed:
         self.lanes = {lane.name: lane for lane in lanes_of(cfg)}
         self.params = {lane["name"]: cfg.sampling_defaults(lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = cfg.sampling_defaults()
-        # rows in the engine, known by (stream, row index, kept columns)
-        self.rows: RowsInFlight[tuple[Stream, int, dict]] = RowsInFlight(engine, loaded.tokenizer, truncate=cfg.truncate)
+        # rows in the engine, known by (stream, row index, kept columns), and the loop that runs them
+        self.rows: RowDriver[tuple[Stream, int, dict]] = RowDriver(engine, loaded.tokenizer, truncate=cfg.truncate)
         self.dropped = 0  # rows read but put back by a stop
+        self.draining = False  # stopping: no more rows are read, the running ones finish
         self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
         self.first_error: str | None = None
         self.before = (0, 0)  # (rows, errors) committed by earlier runs: set when the run starts
@@ -62,6 +63,16 @@ class RowFeed:
             raise RowError(f"column 'priority': no lane has priority {prio!r}; lanes: "
                            + ", ".join(f"{lane.name}={lane.priority}" for lane in self.lanes.values()))
         return match[0]
+
+    def refill(self, streams: list[Stream], budget: int, stopping: bool) -> None:
+        """Before each step (RowDriver.steps): each stream's rows up to `budget` waiting; once `stopping`, the
+        rows that have not started go back to the input, and none are read after."""
+        if stopping and not self.draining:
+            self.draining = True
+            self.drop_waiting()
+        if not self.draining:
+            for stream in streams:
+                self.feed(stream, budget)
 
     def feed(self, stream: Stream, budget: int) -> None:
         """Queue rows until `budget` rows wait in the engine: read a batch, tokenize it in one call, add
@@ -125,9 +136,9 @@ class RowFeed:
 
     # rows out
 
-    def finished(self, output: RequestOutput) -> None:
-        done = self.rows.finished(output)
-        if done is not None:  # the row's last completion
+    def finished(self, step: StepDone) -> None:
+        """A step's finished rows (each once its last completion is in) to their sinks."""
+        for done in step.rows:
             stream, row_index, kept = done.key
             self.emit(stream, row_index, kept, **done.row.fields())
 

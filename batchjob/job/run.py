@@ -156,19 +156,11 @@ class Job:
             self._mark_run("running")
             try:
                 feed.check_errors()  # the rows committed before may be over the limit already
-                draining = False
-                while True:
-                    if stop.stopping and not draining:
-                        draining = True
-                        feed.drop_waiting()
-                    if not draining:
-                        for stream in self.streams:
-                            feed.feed(stream, read_ahead)
-                    if not engine.has_work or (draining and stop.drain_over()):
-                        break
-                    finished = engine.run_step()
-                    for output in finished:
-                        feed.finished(output)
+                steps = feed.rows.steps(lambda: feed.refill(self.streams, read_ahead, stop.stopping),
+                                        proceed=lambda: not (feed.draining and stop.drain_over()))
+                for step in steps:
+                    feed.finished(step)
+                    finished = step.outputs
                     if finished and (hint := self.chat_hint.due(feed.one_token_stops)):
                         self.progress.say(hint)  # early: the operator may stop the job and rerun it with --chat
                     if engine.last_stats is not None:  # None: an async step was launched, none completed

@@ -5,8 +5,9 @@ from typing import Protocol
 
 import torch
 
-from batchjob.kernels import AttentionMetadata, KernelSet
+from batchjob.kernels import KernelSet
 from batchjob.models.config import ModelConfig
+from batchjob.models.step_context import ModelFeature, StepContext
 
 
 class CausalLM(Protocol):
@@ -22,8 +23,10 @@ class CausalLM(Protocol):
     def fit_context(self, max_model_len: int) -> None:
         """What depends on the job's context length (Phi-3 longrope: which factors); before the first step."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...
+    features: frozenset[ModelFeature]  # what a step may carry besides token ids (the family's declaration)
+
+    def forward(self, step: StepContext) -> torch.Tensor:
+        """The final hidden states [T, hidden] of the step's tokens (models/step_context.py)."""
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

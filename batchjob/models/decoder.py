@@ -2,8 +2,8 @@
 (models/families/): embeddings (optionally scaled), its DecoderLayers, a final norm and the LM head (with an
 optional final logit soft-cap).
 
-`forward(input_ids, positions, meta, kv_caches)` sees only flat tensors: no request objects, no padding of
-the batch, no per-row loops. The KV store and paged attention run on the kernel set chosen at load
+`forward(step)` reads one StepContext (models/step_context.py): flat tensors, no request objects, no padding of
+the batch, no per-row loops; a step that uses a feature the family does not declare is refused by name. The KV store and paged attention run on the kernel set chosen at load
 (kernels/dispatch.py: torch, native or triton); residual adds are fused into the next norm where a block
 has one (`add_rms_norm`).
 """
@@ -12,18 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import AttentionMetadata, RotaryEmbedding, select_kernels
-from batchjob.kernels.native.build import default_log
+from batchjob.kernels import RotaryEmbedding, select_kernels
+from batchjob.kernels.notices import notice
 from batchjob.kernels.profiling import scope
-from batchjob.kernels.quantization import lm_head_linear
+from batchjob.kernels.quantization import WeightMatmul
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import DecoderLayer
+from batchjob.models.step_context import ModelFeature, StepContext
 
 
 class DecoderLM:
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor, final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
-                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto"):
+                 lm_head: WeightMatmul, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
+                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
+                 features: frozenset[ModelFeature] = frozenset({ModelFeature.INPUT_EMBEDS})):
         """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
         tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
         that cannot run here."""
@@ -32,12 +34,13 @@ class DecoderLM:
         self.device = device
         self.kernel_choice = kernels
         self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/reference/kv_quant.py)
-        self.quantization = "none"  # the weight matmuls' format (none | int8 | fp8): build_model sets it
+        self.quantization = quantization  # the weight matmuls' format (none | int8 | fp8), as build_model built them
+        self.features = features  # what a step may carry (the family's declaration)
         self.layers = layers
         self.embed = embed
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
         self.final_norm = final_norm
-        self.lm_head = lm_head_linear(lm_head)  # in the format build_model set (kernels/quantization.py)
+        self.lm_head = lm_head  # in the format build_model built it (kernels/quantization.py lm_head_linear)
         self.rotaries = rotaries
         self.partial_rotary = any(layer.attn.rotary_dim and layer.attn.rotary_dim < config.head_dim for layer in layers)
         self.block_size = -1
@@ -60,24 +63,22 @@ class DecoderLM:
         for r in self.rotaries:
             r.use_long(long)
         if long:  # as vLLM warns: the long factors serve long contexts at some cost to short ones
-            default_log(f"{self.config.architecture}: longrope's long factors for a {max_model_len:,}-token context "
+            notice(f"{self.config.architecture}: longrope's long factors for a {max_model_len:,}-token context "
                         f"(over the {rope.original:,} it was pre-trained for); --max-model-len {rope.original} "
                         "uses the short ones, better for short rows")
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, step: StepContext) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
-        ops, eps = self.kernels, self.config.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place by add_rms_norm
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
+        step.check(self.features, self.config.architecture)
+        ops, eps, positions, meta = self.kernels, self.config.rms_norm_eps, step.positions, step.meta
+        h = self.embeddings(step)  # the residual stream, updated in place by add_rms_norm
         ropes = [(ops.prepare_rotary(r, positions), r.table(positions) if self.partial_rotary else None)
                  for r in self.rotaries]
         first = self.layers[0].attn_norm
         with scope("norm"):
             x = ops.rms_norm(h, first, eps) if first is not None else h
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, step.kv_caches)):
             o = layer.attn(x, ropes, meta, k_cache, v_cache, ops, eps)
             with scope("norm"):
                 if layer.post_attn_norm is not None:
@@ -90,6 +91,14 @@ class DecoderLM:
                 after = self.final_norm if i + 1 == len(self.layers) else self.layers[i + 1].attn_norm
                 x = _add_norm(ops, x, h, after, eps)
         return x
+
+    def embeddings(self, step: StepContext) -> torch.Tensor:
+        """The step's input embeddings: given (a copy: the residual stream is written in place), or looked up and
+        scaled where the family scales them (Gemma)."""
+        if step.inputs_embeds is not None:
+            return step.inputs_embeds.to(self.dtype, copy=True)
+        h = F.embedding(step.input_ids, self.embed)
+        return h if self.embed_scale is None else h * self.embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.raw_logits(hidden).float()

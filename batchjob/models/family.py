@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from batchjob.kernels import RotaryEmbedding
+from batchjob.kernels.quantization import MatmulFormat
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import DecoderLayer
+from batchjob.models.step_context import ModelFeature
 
 
 @dataclass(slots=True)
@@ -23,13 +25,25 @@ class ModelParts:
 
 
 @dataclass(frozen=True, slots=True)
+class BuildSpec:
+    """What a family builds its layers with: the compute dtype, the device and the weight matmuls' format, all
+    given explicitly (a family passes `matmuls` to every `linear`)."""
+    dtype: torch.dtype
+    device: torch.device
+    matmuls: MatmulFormat
+
+
+@dataclass(frozen=True, slots=True)
 class Family:
     name: str  # as the docs list it
     hf_architectures: dict[str, str]  # HF `architectures` entry -> the variant (ModelConfig.architecture)
     model_types: dict[str, str]  # HF `model_type` -> the variant, when `architectures` names none of ours
     parse_hf: Callable[[dict, str, str], ModelConfig]  # (config.json, variant, source) -> ModelConfig
     weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # every HF weight name the config implies
-    build: Callable[[ModelConfig, dict[str, torch.Tensor], torch.dtype, torch.device], ModelParts]
+    build: Callable[[ModelConfig, dict[str, torch.Tensor], BuildSpec], ModelParts]
+    # what a step may carry into this family's forward besides token ids (models/step_context.py); every
+    # DecoderLM takes input embeddings
+    features: frozenset[ModelFeature] = frozenset({ModelFeature.INPUT_EMBEDS})
     # GGUF (llama.cpp's format): what its convert_hf_to_gguf.py wrote for this family, and how to read it back
     gguf_architectures: dict[str, str] = field(default_factory=dict)  # GGUF general.architecture -> the variant
     # (metadata, tensor names, variant, source); None: a file of that GGUF architecture that is another family's

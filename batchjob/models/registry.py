@@ -7,11 +7,11 @@ from collections.abc import Collection
 
 import torch
 
-from batchjob.kernels.quantization import QuantizedWeight, check_quantization, weight_matmuls
+from batchjob.kernels.quantization import MatmulFormat, QuantizedWeight, check_quantization, lm_head_linear
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
-from batchjob.models.family import Family
+from batchjob.models.family import BuildSpec, Family
 from batchjob.models.families import gemma, llama, moe, olmo2, phi3
 
 
@@ -92,11 +92,11 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         if isinstance(t, QuantizedWeight) and (quantization not in ("int8", "fp8") or name.endswith(_FLOAT_MATMULS)):
             t = t.dequantized(dtype)
         w[name] = t.to(device=dev, dtype=dtype)
-    with weight_matmuls(quantization, lm_head=quantize_lm_head, prequantized=prequantized):
-        parts = family_of(config).build(config, w, dtype, dev)
-        for r in parts.rotaries:
-            r.to(dev)
-        model = DecoderLM(config, parts.layers, parts.embed, parts.final_norm, parts.lm_head, parts.rotaries, dtype, dev,
-                          kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-    model.quantization = quantization
-    return model
+    family = family_of(config)
+    spec = BuildSpec(dtype, dev, MatmulFormat(quantization, lm_head=quantize_lm_head, prequantized=prequantized))
+    parts = family.build(config, w, spec)
+    for rope in parts.rotaries:
+        rope.to(dev)
+    return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, lm_head_linear(spec.matmuls, parts.lm_head),
+                     parts.rotaries, dtype, dev, kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                     quantization=quantization, features=family.features)

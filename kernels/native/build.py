@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -208,7 +207,3 @@ def build(source: str, defines: dict[str, int], log=None, built: list[str] | Non
     finally:
         if lock is not None:
             lock.close()
-
-
-def default_log(message: str) -> None:
-    print(f"batchjob: {message}", file=sys.stderr, flush=True)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.kernels.native.build import BuildError, build, cpu_isa, default_log
+from batchjob.kernels.native.build import BuildError, build, cpu_isa
+from batchjob.kernels.notices import notice
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _CODES, _SUMS = 2, 2  # bj_int8_linear's x given as int8 codes; its output as the int32 sums
@@ -147,14 +148,14 @@ def native_scaled_mm(isa: str | None = None) -> NativeScaledMM | None:
 @functools.cache
 def _native_for(isa: str) -> NativeScaledMM | None:
     try:
-        return NativeScaledMM(ctypes.CDLL(str(build("scaled_mm.cpp", {}, log=default_log, isa=isa))), isa)
+        return NativeScaledMM(ctypes.CDLL(str(build("scaled_mm.cpp", {}, log=notice, isa=isa))), isa)
     except (BuildError, OSError) as e:
         return _unavailable(str(e))
 
 
 @functools.cache
 def _unavailable(why: str) -> None:
-    default_log(f"int8 matmuls: native kernel unavailable ({why}); using torch._int_mm and the torch references, "
+    notice(f"int8 matmuls: native kernel unavailable ({why}); using torch._int_mm and the torch references, "
                 "which on most CPUs (all without AMX) run slower than the default matmuls: leave out --quantization int8 "
                 "unless the memory matters")
     return None

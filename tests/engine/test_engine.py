@@ -116,9 +116,9 @@ def test_one_forward_mixes_prompt_and_decode_tokens(tiny_model):
     calls = []
     real_forward = tiny_model.forward
 
-    def spy(input_ids, positions, meta, kv):
-        calls.append((meta.num_decodes, input_ids.shape[0]))
-        return real_forward(input_ids, positions, meta, kv)
+    def spy(step):
+        calls.append((step.meta.num_decodes, step.num_tokens))
+        return real_forward(step)
 
     tiny_model.forward = spy
     try:

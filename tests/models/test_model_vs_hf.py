@@ -3,6 +3,7 @@ torch reference kernels and with the native ones."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.models.registry import build_model
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.loader import load_model
+from batchjob.models.step_context import StepContext
 from tests.builders import TINY_ARCHS
 
 ARCHS = (*TINY_ARCHS, "mistral_window")
@@ -41,7 +43,7 @@ def all_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 8) -
     runner = engine.runner
     inputs = step_inputs(step, runner.block_size, False)
     ids, pos, meta = inputs.input_ids, inputs.positions, inputs.meta
-    hidden = model.forward(ids, pos, meta, runner.kv.layers)
+    hidden = model.forward(StepContext(pos, meta, runner.kv.layers, input_ids=ids))
     # prepare() puts 1-token rows (decodes) first; map each row back to its tokens
     order = sorted(range(len(seqs)), key=lambda i: step.num_new[i] != 1)
     out, start = [None] * len(seqs), 0
@@ -127,3 +129,29 @@ def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smoll
         assert s.output_ids == out[0, len(p):].tolist(), tok.decode(p)
     france = tok.decode(got[0].output_ids)
     assert "Paris" in france
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_input_embeddings_match_transformers_and_undeclared_features_are_refused(arch, tiny_model_dir):
+    # the step context's input embeddings replace the lookup as transformers' inputs_embeds do (Gemma: unscaled)
+    from batchjob.models.config import UnsupportedModelError
+
+    path = tiny_model_dir(arch)
+    model, ref = our_model(path, kernels="torch"), hf_model(path)
+    embeds = 0.5 * torch.randn(11, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    engine = Engine(model, [], EngineConfig(num_blocks=64, block_size=8))
+    seq = Sequence(0, list(range(3, 14)), SamplingParams())
+    seq.block_table = engine.pool.allocate(engine.pool.blocks_for(seq.num_tokens))
+    step = Step(seqs=[seq], num_new=[seq.num_tokens])
+    inputs = step_inputs(step, engine.runner.block_size, False)
+    ctx = StepContext(inputs.positions, inputs.meta, engine.runner.kv.layers, inputs_embeds=embeds)
+    got = model.logits(model.forward(ctx))
+    with torch.no_grad():
+        want = ref(inputs_embeds=embeds[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    for refused, name in ((StepContext(inputs.positions[None].expand(3, -1), inputs.meta, engine.runner.kv.layers,
+                                       input_ids=inputs.input_ids), "3-D positions"),
+                          (StepContext(inputs.positions, inputs.meta, engine.runner.kv.layers, input_ids=inputs.input_ids,
+                                       adapter_ids=torch.zeros(11, dtype=torch.int32)), "LoRA adapters")):
+        with pytest.raises(UnsupportedModelError, match=f"{arch}: {re.escape(name)}.* not supported by this model family"):
+            model.forward(refused)

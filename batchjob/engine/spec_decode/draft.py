@@ -20,6 +20,7 @@ from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
+from batchjob.models.step_context import StepContext
 
 
 UNFILLED = -1  # a proposal slot the draft model has not filled yet
@@ -66,7 +67,7 @@ class DraftProposer(NgramProposer):
         input_ids, positions, meta, ends = flatten(rows, self.block_size, model.device.type != "cpu")
         runner.staging.next_step()
         input_ids, positions = runner.to_device(input_ids, positions, meta)
-        hidden = model.forward(input_ids, positions, meta, runner.kv.layers)
+        hidden = model.forward(StepContext(positions, meta, runner.kv.layers, input_ids=input_ids))
         return model.raw_logits(hidden[runner.staging.to_device("logit_rows", torch.tensor(ends))]) if sample else None
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:

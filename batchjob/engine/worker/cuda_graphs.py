@@ -20,6 +20,7 @@ import time
 import torch
 
 from batchjob.kernels import AttentionMetadata
+from batchjob.models.step_context import StepContext
 
 LARGEST = 512
 
@@ -100,7 +101,7 @@ class DecodeGraphs:
                                  query_start_loc=self.query_start_loc[:b + 1], slot_mapping=self.slot_mapping[:b],
                                  num_decodes=b)
         meta.plans.update(self.plan)  # planned from shapes, not from this step's lengths: valid at every replay
-        hidden = self.model.forward(self.input_ids[:b], self.positions[:b], meta, self.kv_caches)
+        hidden = self.model.forward(StepContext(self.positions[:b], meta, self.kv_caches, input_ids=self.input_ids[:b]))
         return self.model.raw_logits(hidden)
 
     def _capture(self, b: int) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from batchjob.engine.sample import sampler
 from batchjob.engine.core.scheduler import Step
+from batchjob.engine.worker.cuda_graphs import DecodeGraphs
 from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
@@ -17,18 +18,22 @@ from batchjob.engine.worker.staging import StagingBuffers
 from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels import AttentionMetadata
 from batchjob.kernels.profiling import scope
+from batchjob.models.step_context import StepContext
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, num_host_blocks: int = 0):
+    def __init__(self, model, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 structured: StructuredRows | None = None, graphs: tuple[int, int] | None = None):
+        """`structured`: the engine's structured rows (their masks, per step); `graphs`: (most rows in a step, the
+        longest row) to replay decode steps as CUDA graphs (the model's kernels must capture them)."""
         model.fit_kernels(block_size)
         self.model = model
         self.block_size = block_size
         self.kv = KVCache(model, num_blocks, block_size, num_host_blocks)
         self.staging = StagingBuffers(model.device)
-        self.decode_graphs = None  # engine/worker/cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
+        self.decode_graphs = None if graphs is None else DecodeGraphs(model, self.kv.layers, block_size, *graphs)
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
-        self.structured: StructuredRows | None = None  # the engine's structured rows: their masks, per step
+        self.structured = structured
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """A step's inputs and metadata (in place) through the staging buffers onto the model's device."""
@@ -91,7 +96,7 @@ class ModelRunner:
         sampling = [step.seqs[i] for i in rows]
         mask = self.structured.start_mask(sampling, spans) if self.structured is not None and rows else None
         t0 = time.perf_counter()
-        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
+        hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, input_ids=input_ids))
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
         pooled = pool_step(hidden, step, last) if embeds else []

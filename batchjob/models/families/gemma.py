@@ -11,12 +11,13 @@ from collections.abc import Collection
 import torch
 
 from batchjob.kernels import RotaryEmbedding
-from batchjob.kernels.quantization import linear
 from batchjob.models.config import ModelConfig, UnsupportedModelError, _shortest_f32
-from batchjob.models.family import Family, ModelParts
+from batchjob.models import hf_layout as hf
+from batchjob.models.family import BuildSpec, Family, ModelParts
 from batchjob.models.families import llama
+from batchjob.models.gguf_fields import gguf_fields, gguf_value
 from batchjob.models.hf_config import common_fields, rope_of
-from batchjob.models.layers import MLP, DecoderLayer, fused
+from batchjob.models.layers import DecoderLayer
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma's configs name its tanh GELU both ways
 
@@ -50,9 +51,9 @@ def parse_gguf(meta: dict, tensor_names: Collection[str], arch: str, source: str
     its layer pattern (sliding_window_pattern: every n-th layer global, or one flag per layer), and its
     attention scale, which it derives rather than reads (1 / sqrt(hidden / heads) for the 27B models, else
     1 / sqrt(head_dim))."""
-    key = functools.partial(llama.gguf_value, meta, source)
+    key = functools.partial(gguf_value, meta, source)
     gemma2 = arch == "gemma2"
-    fields = llama.gguf_fields(meta, tensor_names, arch, source)
+    fields = gguf_fields(meta, tensor_names, arch, source)
     n, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
     window = int(key("attention.sliding_window", 4096 if gemma2 else 0))  # Gemma 3 without one: all global
     pattern = meta.get(f"{meta['general.architecture']}.attention.sliding_window_pattern", 2 if gemma2 else 6)
@@ -91,7 +92,7 @@ def gguf_tensor(c: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    shapes = llama.weight_shapes(c)
+    shapes = hf.weight_shapes(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "pre_feedforward_layernorm.weight": (c.hidden_size,),
@@ -99,25 +100,25 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
+def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
     norm = {n: 1.0 + t.float() for n, t in w.items() if n.endswith("norm.weight")}  # Gemma's x * (1 + w)
-    w = {**w, **{n: t.to(dtype) for n, t in norm.items()}}
+    w = {**w, **{n: t.to(spec.dtype) for n, t in norm.items()}}
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         sliding = c.layer_types[i] == "sliding_attention"
-        attn = llama.attention(c, w, i, scale=c.query_pre_attn_scalar ** -0.5, window=c.sliding_window if sliding else None,
-                               rope=1 if sliding and c.rope_local_theta is not None else 0, softcap=c.attn_logit_softcap)
-        mlp = MLP(linear(fused(w, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                  linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
+        attn = hf.attention(c, w, i, spec.matmuls, scale=c.query_pre_attn_scalar ** -0.5,
+                            window=c.sliding_window if sliding else None,
+                            rope=1 if sliding and c.rope_local_theta is not None else 0, softcap=c.attn_logit_softcap)
+        mlp = hf.mlp(c, w, i, spec.matmuls)
         layers.append(DecoderLayer(attn, mlp, attn_norm=w.pop(p + "input_layernorm.weight"),
                                    post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
                                    mlp_norm=w.pop(p + "pre_feedforward_layernorm.weight"),
                                    post_mlp_norm=w.pop(p + "post_feedforward_layernorm.weight")))
-    ropes = [RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)]
+    ropes = [RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, spec.dtype)]
     if c.rope_local_theta is not None:
-        ropes.append(RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_local_theta, None, dtype))
-    return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), ropes)
+        ropes.append(RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_local_theta, None, spec.dtype))
+    return ModelParts(layers, w[hf.EMBED], w[hf.FINAL_NORM], hf.lm_head(c, w), ropes)
 
 
 FAMILY = Family(

@@ -9,10 +9,12 @@ from collections.abc import Collection
 import torch
 
 from batchjob.kernels import Linear, RotaryEmbedding
-from batchjob.kernels.quantization import linear
+from batchjob.kernels.quantization import MatmulFormat, linear
 from batchjob.models.config import ModelConfig
-from batchjob.models.family import Family, ModelParts
+from batchjob.models import hf_layout as hf
+from batchjob.models.family import BuildSpec, Family, ModelParts
 from batchjob.models.families import llama
+from batchjob.models.gguf_fields import gguf_fields, gguf_value
 from batchjob.models.hf_config import common_fields
 from batchjob.models.layers import MLP, DecoderLayer, MoE, fused
 
@@ -37,8 +39,8 @@ def parse_gguf(meta: dict, tensor_names: Collection[str], arch: str, source: str
     softmax routing, the top k renormalised for Mixtral and Qwen3-MoE but not for Qwen2-MoE (fixed there, not
     read from the file), Qwen2-MoE's shared expert behind a sigmoid gate. Mixtral is a `llama` file with
     experts (llama.parse_gguf leaves it to us)."""
-    key = functools.partial(llama.gguf_value, meta, source)
-    fields = llama.gguf_fields(meta, tensor_names, arch, source)
+    key = functools.partial(gguf_value, meta, source)
+    fields = gguf_fields(meta, tensor_names, arch, source)
     shared = int(key("expert_shared_feed_forward_length", 0)) if arch == "qwen2_moe" else 0
     return ModelConfig(
         **fields, qk_norm=arch == "qwen3_moe",
@@ -52,7 +54,7 @@ def parse_gguf(meta: dict, tensor_names: Collection[str], arch: str, source: str
 # llama.cpp's tensor names -> ours: llama's attention and norms; the router, and the experts stacked into one 3-D
 # tensor each ({xid}: the expert), instead of the dense MLP
 QWEN_GGUF_NAMES = {
-    **{g: hf for g, hf in llama.GGUF_NAMES.items() if ".ffn_" not in g or g.endswith("ffn_norm")},
+    **{g: ours for g, ours in llama.GGUF_NAMES.items() if ".ffn_" not in g or g.endswith("ffn_norm")},
     "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.gate",
     "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
     "blk.{bid}.ffn_up_exps": "model.layers.{bid}.mlp.experts.{xid}.up_proj",
@@ -63,7 +65,7 @@ QWEN_GGUF_NAMES = {
     "blk.{bid}.ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj",
 }
 MIXTRAL_GGUF_NAMES = {
-    **{g: hf for g, hf in llama.GGUF_NAMES.items() if ".ffn_" not in g or g.endswith("ffn_norm")},
+    **{g: ours for g, ours in llama.GGUF_NAMES.items() if ".ffn_" not in g or g.endswith("ffn_norm")},
     "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.gate",
     "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w1",
     "blk.{bid}.ffn_up_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w3",
@@ -93,7 +95,7 @@ def _router_name(c: ModelConfig, i: int) -> str:
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     x, h = c.extra, c.hidden_size
-    shapes = llama.weight_shapes(c)
+    shapes = hf.weight_shapes(c)
     for i in x["moe_layers"]:
         p = f"model.layers.{i}.mlp."
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -110,27 +112,30 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _moe(c: ModelConfig, w: dict[str, torch.Tensor], i: int) -> MoE:
+def _moe(c: ModelConfig, w: dict[str, torch.Tensor], i: int, matmuls: MatmulFormat) -> MoE:
     x = c.extra
     experts = []
     for j in range(x["num_experts"]):
         gate, up, down = _expert_names(c, i, j)
-        experts.append(MLP(linear(fused(w, gate, up)), linear(w.pop(down)), c.hidden_act))
+        experts.append(MLP(linear(matmuls, fused(w, gate, up)), linear(matmuls, w.pop(down)), c.hidden_act))
     shared = gate = None
     if x["shared_expert_intermediate_size"]:
-        p = f"model.layers.{i}.mlp.shared_expert."
-        shared = MLP(linear(fused(w, p + "gate_proj.weight", p + "up_proj.weight")), linear(w.pop(p + "down_proj.weight")))
+        shared = hf.mlp(c, w, i, matmuls, prefix=hf.MLP_ + "shared_expert.")
         gate = Linear(w.pop(f"model.layers.{i}.mlp.shared_expert_gate.weight"))
     return MoE(Linear(w.pop(_router_name(c, i))), experts, x["top_k"], x["renormalize"], shared, gate)
 
 
-def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
+def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
     moe_layers = set(c.extra["moe_layers"])
-    layers = [DecoderLayer(llama.attention(c, w, i), _moe(c, w, i) if i in moe_layers else llama.mlp(c, w, i),
+
+    def mlp(i: int) -> MoE | MLP:
+        return _moe(c, w, i, spec.matmuls) if i in moe_layers else hf.mlp(c, w, i, spec.matmuls)
+
+    layers = [DecoderLayer(hf.attention(c, w, i, spec.matmuls), mlp(i),
                            attn_norm=w.pop(f"model.layers.{i}.input_layernorm.weight"),
                            mlp_norm=w.pop(f"model.layers.{i}.post_attention_layernorm.weight")) for i in range(c.num_layers)]
-    rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
-    return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), [rope])
+    rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, spec.dtype)
+    return ModelParts(layers, w[hf.EMBED], w[hf.FINAL_NORM], hf.lm_head(c, w), [rope])
 
 
 FAMILY = Family(

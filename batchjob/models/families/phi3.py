@@ -11,8 +11,9 @@ import torch
 from batchjob.kernels import RotaryEmbedding
 from batchjob.kernels.quantization import linear
 from batchjob.models.config import LongRope, ModelConfig, UnsupportedModelError
-from batchjob.models.family import Family, ModelParts
-from batchjob.models.families import llama
+from batchjob.models import hf_layout as hf
+from batchjob.models.family import BuildSpec, Family, ModelParts
+from batchjob.models.gguf_fields import gguf_fields, gguf_value
 from batchjob.models.hf_config import common_fields
 from batchjob.models.layers import MLP, Attention, DecoderLayer
 
@@ -60,9 +61,9 @@ def parse_gguf(meta: dict, tensor_names: Collection[str], arch: str, source: str
     if "rope_factors_long.weight" in tensor_names:
         raise UnsupportedModelError(f"{source}: Phi-3 longrope in GGUF (rope_factors_long/short tensors) is not "
                                     "supported yet; load the HF folder instead")
-    fields = llama.gguf_fields(meta, tensor_names, arch, source, partial_rotary=True)
-    rotary = int(llama.gguf_value(meta, source, "rope.dimension_count", fields["head_dim"]))
-    window = int(llama.gguf_value(meta, source, "attention.sliding_window", 0))
+    fields = gguf_fields(meta, tensor_names, arch, source, partial_rotary=True)
+    rotary = int(gguf_value(meta, source, "rope.dimension_count", fields["head_dim"]))
+    window = int(gguf_value(meta, source, "attention.sliding_window", 0))
     return ModelConfig(**fields, partial_rotary_factor=rotary / fields["head_dim"], sliding_window=window or None)
 
 
@@ -80,7 +81,7 @@ GGUF_NAMES = {
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = llama.outer_shapes(c)
+    shapes = hf.outer_shapes(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, c.hidden_size), p + "self_attn.o_proj.weight": (c.hidden_size, q),
@@ -90,18 +91,18 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build(c: ModelConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelParts:
+def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
     rotary_dim = int(c.head_dim * c.partial_rotary_factor)
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        attn = Attention(linear(w.pop(p + "self_attn.qkv_proj.weight")), linear(w.pop(p + "self_attn.o_proj.weight")), c.num_heads,
+        attn = Attention(linear(spec.matmuls, w.pop(p + "self_attn.qkv_proj.weight")), linear(spec.matmuls, w.pop(p + "self_attn.o_proj.weight")), c.num_heads,
                          c.num_kv_heads, c.head_dim, c.head_dim ** -0.5, window=c.sliding_window, rotary_dim=rotary_dim)
-        mlp = MLP(linear(w.pop(p + "mlp.gate_up_proj.weight")), linear(w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
+        mlp = MLP(linear(spec.matmuls, w.pop(p + "mlp.gate_up_proj.weight")), linear(spec.matmuls, w.pop(p + "mlp.down_proj.weight")), c.hidden_act)
         layers.append(DecoderLayer(attn, mlp, attn_norm=w.pop(p + "input_layernorm.weight"),
                                    mlp_norm=w.pop(p + "post_attention_layernorm.weight")))
-    rope = RotaryEmbedding(rotary_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype)
-    return ModelParts(layers, w["model.embed_tokens.weight"], w["model.norm.weight"], llama.lm_head(c, w), [rope])
+    rope = RotaryEmbedding(rotary_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, spec.dtype)
+    return ModelParts(layers, w[hf.EMBED], w[hf.FINAL_NORM], hf.lm_head(c, w), [rope])
 
 
 FAMILY = Family(name="Phi-3, Phi-4-mini", hf_architectures={"Phi3ForCausalLM": "phi3"}, model_types={"phi3": "phi3"},

@@ -1,8 +1,10 @@
-"""Rows inside the engine: a row enters as its n EngineRequests (one per completion, each with its own random
-stream; engine/requests.py) and leaves once its last request finishes, as one PendingRow with all n. The
-job's RowFeed and the Python API's LLM both run their rows through this."""
+"""The one row loop that drives the engine, for the job (RowFeed) and the Python API (api.py) alike: a row enters
+as its n EngineRequests (one per completion, each with its own random stream; engine/requests.py), the engine
+steps while it has work, and a row leaves once its last request finishes, as one PendingRow with all n. The
+caller says how rows come in (`refill`, called before each step) and what becomes of finished ones."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -20,7 +22,14 @@ class DoneRow(Generic[Key]):
     outputs: list[RequestOutput]  # its n completions, in order
 
 
-class RowsInFlight(Generic[Key]):
+@dataclass(slots=True)
+class StepDone(Generic[Key]):
+    """What one engine step finished: its requests (for the job's statistics) and the rows they completed."""
+    outputs: list[RequestOutput]
+    rows: list[DoneRow[Key]]
+
+
+class RowDriver(Generic[Key]):
     def __init__(self, engine: Engine, tokenizer, truncate: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -54,6 +63,17 @@ class RowsInFlight(Generic[Key]):
             self._by_id[got] = (key, row, outputs, c)
         self.num_rows += 1
         return None
+
+    def steps(self, refill: Callable[[], None], proceed: Callable[[], bool] = lambda: True) -> Iterator[StepDone[Key]]:
+        """The row loop: `refill()` (queue rows up to the caller's read-ahead), then one engine step, while the
+        engine has work and `proceed()` (a stopping job's drain time is not over); yields each step's finished
+        requests and rows."""
+        while True:
+            refill()
+            if not self.engine.has_work or not proceed():
+                return
+            outputs = self.engine.run_step()
+            yield StepDone(outputs, [done for output in outputs if (done := self.finished(output)) is not None])
 
     def finished(self, output: RequestOutput) -> DoneRow[Key] | None:
         """Record a finished request; the row once its last completion is in."""

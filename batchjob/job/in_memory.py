@@ -1,0 +1,110 @@
+"""A job's rows in memory, for the Python API (api.py): records (what `generate()`, `chat()`, `embed()` and
+`score()` accept, job/prompt_records.py) through the same prompt building, sampling and row loop as a job's rows
+(job/row_driver.py), one `Result` each, in input order."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchjob.engine.engine import Engine
+from batchjob.engine.requests import RequestOutput
+from batchjob.job.config import JobConfig
+from batchjob.job.modes import Task
+from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
+from batchjob.job.prompt_records import is_token_ids, prompt_records
+from batchjob.job.results import Completion, OutputColumns, PendingRow
+from batchjob.job.row_driver import RowDriver
+
+ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
+EMBED_COLUMNS = OutputColumns(embedding=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One prompt's result: the fields of an output row (docs/guide/output-and-resume.md); `text` is `generated_text`."""
+    text: str
+    finish_reason: str  # stop | length | error
+    prompt_tokens: int
+    completion_tokens: int  # of all n completions
+    error: str | None = None  # why the prompt failed (finish_reason "error")
+    logprobs: list[dict] | None = None  # the first completion's, when logprobs was asked for
+    completions: tuple[Completion, ...] | None = None  # n > 1: all n, in order (the first is also `text`)
+    token_ids: tuple[int, ...] = ()  # the first completion's generated token ids
+    embedding: list[float] | None = None  # embed(): the prompt's pooled (and normalised) final hidden states
+    # score(): each prompt token's logprob (None for the first) and their sum; with a continuation its summed
+    # logprob, its token count and whether each of its tokens is the argmax; generate(prompt_logprobs=k): the
+    # entries {token_id, token, logprob, top_logprobs} (None first)
+    prompt_logprobs: list | None = None
+    prompt_logprob_sum: float | None = None
+    continuation_logprob: float | None = None
+    continuation_tokens: int | None = None
+    is_greedy: bool | None = None
+    prompt_top_logprobs: list | None = None  # score(prompt_logprobs=k > 0): the top k per position (None first)
+
+
+RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_logprob", "continuation_tokens",
+                       "is_greedy", "prompt_top_logprobs")  # the output columns of the same names
+
+
+def failed(error: str, prompt_tokens: int = 0) -> Result:
+    return Result(text="", finish_reason="error", prompt_tokens=prompt_tokens, completion_tokens=0, error=error)
+
+
+def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
+    fields = row.fields()
+    return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
+                  completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
+                  completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
+                  embedding=fields["extra"].get("embedding"),
+                  **{name: fields["extra"].get(name) for name in RESULT_SCORE_FIELDS})
+
+
+def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
+    """The job's row loop in memory: rows enter the engine with the read-ahead a job uses, their random streams
+    from (seed, row), and leave through the same RowDriver as a job's rows. A record that is a string is not a
+    prompt: the string says why."""
+    base = cfg.sampling_defaults()
+    results: list[Result | None] = [None] * len(records)
+    driver: RowDriver[int] = RowDriver(engine, tokenizer, truncate=cfg.truncate)
+    columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
+               }.get(cfg.task, ALL_COLUMNS)
+    read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
+    todo = iter(enumerate(records))
+
+    def refill() -> None:
+        while engine.num_waiting() < read_ahead and (item := next(todo, None)) is not None:
+            index, record = item
+            if isinstance(record, str):
+                results[index] = failed(record)
+                continue
+            try:
+                ids = builder.token_ids(record)
+                start = builder.continuation_starts([record], [ids])[0] if cfg.task == Task.SCORE else None
+                if isinstance(start, RowError):
+                    raise start
+                params = row_sampling(record, base, in_memory=True)
+            except RowError as e:
+                results[index] = failed(str(e))
+                continue
+            err = driver.add(index, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start)
+            if err:
+                results[index] = failed(err, prompt_tokens=len(ids))
+
+    for step in driver.steps(refill):
+        for done in step.rows:
+            results[done.key] = result_of(done.row, done.outputs)
+    return results  # every row has its Result once the engine is idle
+
+
+def score_records(prompts: Any, continuations: Any) -> list[dict | str]:
+    """score()'s prompts (a string or token ids, or a list of them) and optional continuations, one per
+    prompt, as the input records of a score job."""
+    records = prompt_records(prompts)
+    if continuations is None:
+        return records
+    if isinstance(continuations, str) or is_token_ids(continuations):
+        continuations = [continuations]
+    if not isinstance(continuations, (list, tuple)) or len(continuations) != len(records):
+        raise ValueError(f"continuations: expected one per prompt ({len(records)}), got "
+                         f"{len(continuations) if isinstance(continuations, (list, tuple)) else type(continuations).__name__}")
+    return [{**r, "continuation": c} if isinstance(r, dict) else r for r, c in zip(records, continuations)]
