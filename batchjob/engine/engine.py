@@ -13,6 +13,7 @@ from batchjob.engine.core.detokenizer import IncrementalDetokenizer
 from batchjob.engine.core.cost_model import CostModel
 from batchjob.engine.worker.kv_budget import gpu_kv_blocks
 from batchjob.engine.worker.kv_cache import KVCache
+from batchjob.engine.worker.executor import Executor
 from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
 from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.config import EngineConfig
@@ -100,8 +101,9 @@ class Engine:
             else:
                 graphs = (self.scheduler.config.max_num_seqs, self.max_model_len)
         self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host, structured=self.structured,
-                                  graphs=graphs)
+        # the executor of the steps: in process, the ModelRunner (engine/worker/executor.py)
+        self.runner: Executor = ModelRunner(model, num_blocks, config.block_size, num_host, structured=self.structured,
+                                            graphs=graphs)
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
         self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
@@ -243,7 +245,7 @@ class Engine:
             self.proposer.fill(step)  # a draft model proposes into what the scheduler granted
         if step.swap_out or step.swap_in:
             ts = time.perf_counter()
-            moved = self.runner.kv.swap(step.swap_out, step.swap_in)
+            moved = self.runner.swap(step.swap_out, step.swap_in)
             self.cost.observe_swap(moved, time.perf_counter() - ts)
         launched = None
         if step:
@@ -280,6 +282,7 @@ class Engine:
         forward_s = pending.launch_s + time.perf_counter() - tw
         self.cost.observe_forward(step.num_tokens, forward_s)
         applied = self.outputs.apply(step, tokens, embeddings, scored)
+        self.runner.release(s.seq_id for s in applied.finished)
         self._record(step, applied.finished, applied.num_sampled, time.perf_counter() - pending.t0, forward_s,
                      pending.model_s, applied.num_proposed, applied.num_accepted)
         return applied.finished

@@ -213,12 +213,10 @@ class Sequence:
     logprobs: list | None = None  # params.logprobs set: one (token id, logprob, top [(id, logprob)]) per output token
     # params.prompt_logprobs set: one PromptLogprob per prompt position from the second, as its chunks compute
     prompt_logprobs: list | None = None
-    sampler_state: object | None = None  # the sampler's per-row cache (penalty token counts)
     draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
     spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)
     matcher: object | None = None  # structured rows: the grammar's Matcher (engine/structured/matcher.py)
     error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
-    pooled: object | None = None  # embed rows: the runner's pooling state over the chunks computed so far
     embedding: list[float] | None = None  # embed rows, once finished: the pooled (and normalised) vector
 
     def __post_init__(self) -> None:

@@ -19,17 +19,19 @@ from batchjob.engine.sample.row_keys import uniform
 from batchjob.engine.structured.mask import apply_token_bitmask_
 from batchjob.kernels.reference.elementwise import argmax_rows
 from batchjob.engine.core.sequence import Sequence
+from batchjob.engine.worker.row_state import RowState, RowStates
 
 
 def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list[int] | None = None,
-           mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
+           mask: tuple[torch.Tensor, torch.Tensor] | None = None, states: RowStates | None = None) -> SampledTokens:
     """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
     token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows with
     `params.logprobs` set get an entry appended to `seq.logprobs` then. `argmax`: a kernel equal to
     `argmax_rows` (the model's kernel set may have a faster one). Greedy rows never wait for the device
     here; top-p rows whose nucleus may pass the window read one flag back. `offsets`: a row of logits
     for output position `seq.num_output + offset` (speculative verification: one row of `seqs` per
-    proposed position; such rows use no penalties, logprobs or unmet min_tokens)."""
+    proposed position; such rows use no penalties, logprobs or unmet min_tokens). `states`: the worker's per-row
+    state, where penalty counts are kept between steps (None: counted afresh for this call)."""
     argmax = argmax or argmax_rows
     params = [s.params for s in seqs]
     vocab = logits.shape[-1]
@@ -56,7 +58,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list
         rows, toks = zip(*banned)
         logits[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = float("-inf")
     if penalized:
-        apply_penalties(logits, penalized, seqs)
+        apply_penalties(logits, penalized, seqs, states)
 
     if len(sampled) < len(params):
         out = argmax(logits)
@@ -189,7 +191,7 @@ def sampleable(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: 
     return kept
 
 
-class _PenaltyState:
+class PenaltyState:
     """A row's token counts for the penalties: the prompt's distinct ids (once) and output counts, caught
     up with the row's tokens at each call, so nothing is recounted."""
 
@@ -208,7 +210,7 @@ class _PenaltyState:
         return counts
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence], states: RowStates | None = None) -> None:
     """In place on logits [B, V], as vLLM: the repetition penalty over every token id seen in the prompt or
     the output (positive logits divided by it, negative multiplied), then logit -= frequency * count +
     presence * (count > 0) over the output tokens. Touches only the (row, token) pairs that occur."""
@@ -222,9 +224,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) 
     for r in rows:
         seq = seqs[r]
         p = seq.params
-        state = seq.sampler_state
-        if not isinstance(state, _PenaltyState):
-            state = seq.sampler_state = _PenaltyState(seq, device)
+        row = states.of(seq.seq_id) if states is not None else RowState()
+        state = row.penalties
+        if state is None:
+            state = row.penalties = PenaltyState(seq, device)
         counts = state.catch_up(seq)
         if counts:
             out_rows.extend([r] * len(counts))

@@ -1,6 +1,7 @@
-"""ModelRunner: runs one scheduled step, eagerly or as a replayed CUDA graph: its flat inputs (input_batch.py)
-through the staging buffers onto the device, one forward over the KV cache (kv_cache.py), the logits of
-the rows whose tokens are all computed, and one sampling pass over them."""
+"""ModelRunner: the in-process Executor (executor.py). Runs one scheduled step, eagerly or as a replayed CUDA graph:
+its flat inputs (input_batch.py) through the staging buffers onto the device, one forward over the KV cache
+(kv_cache.py) with the step's context, the logits of the rows whose tokens are all computed, and one sampling
+pass over them; keeps each row's worker-side state between steps (row_state.py) until the engine releases it."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from batchjob.engine.worker.cuda_graphs import DecodeGraphs
 from batchjob.engine.worker.input_batch import step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
+from batchjob.engine.worker.row_state import RowStates
 from batchjob.engine.worker.prompt_logprobs import PromptLogprobChunk, score_step
 from batchjob.engine.worker.staging import StagingBuffers
 from batchjob.engine.structured.rows import StructuredRows
@@ -34,6 +36,15 @@ class ModelRunner:
         self.decode_graphs = None if graphs is None else DecodeGraphs(model, self.kv.layers, block_size, *graphs)
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
         self.structured = structured
+        self.rows = RowStates()  # per-row state kept between steps (penalty counts, pooling sums)
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+        """Copy KV blocks to the host pool and back (preemption by swap); returns the blocks moved."""
+        return self.kv.swap(swap_out, swap_in)
+
+    def release(self, seq_ids) -> None:
+        """Rows that finished: their worker-side state goes."""
+        self.rows.release(seq_ids)
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """A step's inputs and metadata (in place) through the staging buffers onto the model's device."""
@@ -78,7 +89,7 @@ class ModelRunner:
             self.model_s += time.perf_counter() - t0
             rows = list(range(len(step.seqs)))
             with scope("sampler"):
-                sampled = sampler.sample(logits, step.seqs, argmax=argmax, mask=self._staged(mask))
+                sampled = sampler.sample(logits, step.seqs, argmax=argmax, mask=self._staged(mask), states=self.rows)
             return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
@@ -99,14 +110,14 @@ class ModelRunner:
         hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, input_ids=input_ids))
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
-        pooled = pool_step(hidden, step, last) if embeds else []
+        pooled = pool_step(hidden, step, last, self.rows) if embeds else []
         scored = score_step(self.model, hidden, step, last) if scores else []
         self.model_s += time.perf_counter() - t0
         if not rows:
             return StepTokens(len(step.seqs), rows, None, seqs=step.seqs, pooled=pooled, scored=scored)
         offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
         with scope("sampler"):
-            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=self._staged(mask))
+            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=self._staged(mask), states=self.rows)
         return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs, pooled=pooled,
                           scored=scored)
 

@@ -7,10 +7,11 @@ import torch.nn.functional as F
 
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.sequence import Pooling
+from batchjob.engine.worker.row_state import RowStates
 
 
-def pool_step(hidden: torch.Tensor, step: Step, last: list[int]) -> list[tuple[int, torch.Tensor]]:
-    """Fold this step's chunk of each embed row into its pooling state (`seq.pooled`); returns (step row,
+def pool_step(hidden: torch.Tensor, step: Step, last: list[int], states: RowStates) -> list[tuple[int, torch.Tensor]]:
+    """Fold this step's chunk of each embed row into its pooling state (the worker's RowState); returns (step row,
     vector) for the rows whose last prompt chunk this step computes. Before `Scheduler.advance`: a row's
     `num_computed` is where its chunk starts; a chunk at 0 starts the pooling afresh (a recomputed row)."""
     done = []
@@ -19,22 +20,23 @@ def pool_step(hidden: torch.Tensor, step: Step, last: list[int]) -> list[tuple[i
         if p is None:
             continue
         start, first = seq.num_computed, last[i] - n + 1
+        row = states.of(seq.seq_id)
         if start == 0:
-            seq.pooled = None
+            row.pooled = None
         if p.pooling == Pooling.MEAN:
             part = hidden[first:last[i] + 1].float().sum(0)
-            seq.pooled = part if seq.pooled is None else seq.pooled + part
+            row.pooled = part if row.pooled is None else row.pooled + part
         elif p.pooling == Pooling.CLS and start == 0:
-            seq.pooled = hidden[first].float().clone()
+            row.pooled = hidden[first].float().clone()
         if start + n < seq.num_tokens:
             continue
         if p.pooling == Pooling.MEAN:
-            vec = seq.pooled / seq.num_prompt
+            vec = row.pooled / seq.num_prompt
         elif p.pooling == Pooling.CLS:
-            vec = seq.pooled
+            vec = row.pooled
         else:
             vec = hidden[last[i]].float()
-        seq.pooled = None
+        row.pooled = None
         if p.dimensions is not None:
             vec = vec[:p.dimensions]
         if p.normalize:
