@@ -18,7 +18,7 @@ from batchjob.kernels.interface import KernelSet
 from batchjob.kernels.native.build import BuildError
 from batchjob.kernels.notices import notice
 from batchjob.kernels.reference.kernel_set import TorchKernels
-from batchjob.kernels.modes import KernelChoice
+from batchjob.kernels.modes import KernelChoice, KvCacheDtype
 
 CHOICES = tuple(KernelChoice)
 
@@ -59,38 +59,38 @@ def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_di
     device = torch.device(device)
     if choice not in CHOICES:
         raise KernelError(f"kernels: {choice!r} is not one of {', '.join(CHOICES)}")
-    if choice == "torch":
+    if choice == KernelChoice.TORCH:
         return TorchKernels(per_row=device.type == "cpu")
     # a quantized cache: the references, the native kernels (every path) and the Triton ones read int8 and
     # int4; Triton's int4 store needs head_dim / 2 a power of two (its ranges)
     half = head_dim // 2
-    if kv_cache_dtype == "int4" and choice == "triton" and half & (half - 1):
+    if kv_cache_dtype == KvCacheDtype.INT4 and choice == KernelChoice.TRITON and half & (half - 1):
         raise KernelError(f"kernels: 'triton' does not read a int4 KV cache with head_dim {head_dim} yet (the torch "
                           "references and native do); use --kernels auto or torch, or --kv-cache-dtype int8")
-    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+    if choice == KernelChoice.TRITON or (choice == KernelChoice.AUTO and device.type == "cuda"):
         from batchjob.kernels.triton import ops as triton_ops
 
         why = triton_ops.available(device)
         if why is None:
             try:
-                if kv_cache_dtype == "int4" and half & (half - 1):
+                if kv_cache_dtype == KvCacheDtype.INT4 and half & (half - 1):
                     raise ValueError(f"the Triton int4 KV store needs head_dim / 2 a power of two, not {half}")
                 kern = triton_ops.TritonKernels(head_dim, gqa, dtype, block_size)
-                if choice == "auto":  # on trust only after agreeing with the references on this GPU
+                if choice == KernelChoice.AUTO:  # on trust only after agreeing with the references on this GPU
                     from batchjob.kernels.triton.check import check
 
                     why = check(kern, device, softcap=softcap)
                 if why is None:
                     return kern
             except Exception as e:  # noqa: BLE001 - a kernel that cannot compile here: say why, run the references
-                if choice == "triton" and not isinstance(e, ValueError):
+                if choice == KernelChoice.TRITON and not isinstance(e, ValueError):
                     raise
                 why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        if choice == "triton":
+        if choice == KernelChoice.TRITON:
             raise KernelError(f"kernels: 'triton' cannot run here: {why}; use --kernels auto or torch")
         log(f"Triton kernels unavailable ({why}); using the torch reference kernels")
         return TorchKernels()
-    if choice == "auto" and device.type != "cpu":
+    if choice == KernelChoice.AUTO and device.type != "cpu":
         return TorchKernels()
     if device.type != "cpu":
         raise KernelError(f"kernels: 'native' runs on the CPU, not on {device.type}; use --kernels auto or torch")
@@ -99,7 +99,7 @@ def _select(choice: str, device: torch.device | str, dtype: torch.dtype, head_di
     try:
         return NativeKernels(head_dim, gqa, dtype, block_size, log=log, kv_cache_dtype=kv_cache_dtype)
     except BuildError as e:
-        if choice == "native":
+        if choice == KernelChoice.NATIVE:
             raise KernelError(f"kernels: 'native' cannot run here: {e}; use --kernels auto or torch") from None
         log(f"native kernels unavailable ({e}); using the torch reference kernels (several times slower)")
         return TorchKernels(per_row=True)

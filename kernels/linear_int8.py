@@ -39,6 +39,7 @@ import logging
 import torch
 
 from batchjob.kernels.dispatch import KernelError
+from batchjob.kernels.modes import Quantization
 from batchjob.kernels.native.scaled_mm import PackedInt8, native_scaled_mm
 from batchjob.kernels.reference import scaled_mm as reference_scaled_mm
 from batchjob.kernels.reference.scaled_mm import int8_matmul_int32, int8_scaled_mm, quantize_rows_int8, quantize_weight_int8
@@ -70,9 +71,9 @@ def scaled_mm_backend(device: torch.device, quantization: str):
         from batchjob.kernels.triton import scaled_mm as triton_scaled_mm
         from batchjob.kernels.triton.check import check_scaled_mm, check_scaled_mm_fp8
     except ImportError:
-        raise QuantizationError(f"quantization: {quantization!r} compute on {device.type} needs triton; use "
+        raise QuantizationError(f"quantization: {str(quantization)!r} compute on {device.type} needs triton; use "
                                 f"--quantization none") from None
-    problem = (check_scaled_mm if quantization == "int8" else check_scaled_mm_fp8)(device)
+    problem = (check_scaled_mm if quantization == Quantization.INT8 else check_scaled_mm_fp8)(device)
     if problem is None:
         return triton_scaled_mm
     logging.getLogger(__name__).warning("%s on %s: %s; running the torch references instead", quantization, device,

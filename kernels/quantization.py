@@ -112,7 +112,7 @@ def keeps_fp8_codes(requested: str, device: torch.device | str) -> bool:
     the compute dtype). Kept where `device` computes fp8, unless --quantization none asks for the compute dtype
     (a way around the fp8 kernels, which have not run on a GPU yet); so `--quantization int8` on such a
     checkpoint is refused everywhere (resolved_quantization), naming what it runs as there."""
-    return requested != "none" and fp8_capable(device)
+    return requested != Quantization.NONE and fp8_capable(device)
 
 
 def resolved_quantization(requested: str, checkpoint: str | None, scheme: str, source: str) -> str:
@@ -121,13 +121,13 @@ def resolved_quantization(requested: str, checkpoint: str | None, scheme: str, s
     "int8" runs int8, "fp8" fp8, "dequantized" the compute dtype). As vLLM decides: the checkpoint's
     quantization wins, and an explicit option that conflicts with it is an error, not silently overridden."""
     if checkpoint is None:
-        return "none" if requested == "auto" else requested
-    runs = checkpoint if checkpoint in ("int8", "fp8") else "none"
-    if requested not in ("auto", runs):
-        why = ("" if runs != "none" else " here, its weights dequantized at load (fp8 compute needs a CUDA GPU with "
+        return Quantization.NONE if requested == Quantization.AUTO else Quantization(requested)
+    runs = Quantization(checkpoint) if checkpoint in (Quantization.INT8, Quantization.FP8) else Quantization.NONE
+    if requested not in (Quantization.AUTO, runs):
+        why = ("" if runs != Quantization.NONE else " here, its weights dequantized at load (fp8 compute needs a CUDA GPU with "
                "compute capability >= 8.9; weight-only compute is not written)")
         raise QuantizationError(f"quantization: {source} is a pre-quantized checkpoint ({scheme}) that runs as "
-                                f"{runs!r}{why}; --quantization {requested} conflicts with it: use auto (or {runs})")
+                                f"{runs.value!r}{why}; --quantization {requested} conflicts with it: use auto (or {runs})")
     return runs
 
 

@@ -22,7 +22,7 @@ from batchjob.engine.core.output import OutputProcessor
 from batchjob.engine.requests import EngineRequest, RequestOutput
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
-from batchjob.engine.spec_decode.config import SpeculativeError
+from batchjob.engine.spec_decode.config import SpeculativeError, SpeculativeMethod
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.engine.structured.grammar import GrammarState
 from batchjob.engine.structured.rows import StructuredRows
@@ -113,9 +113,9 @@ class Engine:
         if spec is not None:
             spec.check()
         self.proposer = None
-        if spec is not None and spec.method == "ngram":
+        if spec is not None and spec.method == SpeculativeMethod.NGRAM:
             self.proposer = NgramProposer(spec)
-        elif spec is not None and spec.method == "draft":
+        elif spec is not None and spec.method == SpeculativeMethod.DRAFT:
             if draft_model is None:
                 raise SpeculativeError("speculative 'draft': no draft model was given to the engine")
             self.proposer = DraftProposer(spec, draft_model, model, num_blocks, config.block_size)

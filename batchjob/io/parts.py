@@ -38,7 +38,7 @@ def part_name(number: int, fmt: str) -> str:
 def encode_part(table: pa.Table, fmt: str) -> bytes:
     """The bytes of a part: an Arrow IPC file (readable by pyarrow, pandas.read_feather, polars), or a
     Parquet file (zstd; readable by DuckDB, Spark, BigQuery with no extension)."""
-    if fmt == "parquet":
+    if fmt == PartFormat.PARQUET:
         sink = io.BytesIO()
         pq.write_table(table, sink, compression="zstd")
         return sink.getvalue()

@@ -35,7 +35,7 @@ class RowFeed:
         self.params = {lane["name"]: cfg.sampling_defaults(lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = cfg.sampling_defaults()
         # rows in the engine, known by (stream, row index, kept columns), and the loop that runs them
-        self.rows: RowDriver[tuple[Stream, int, dict]] = RowDriver(engine, loaded.tokenizer, truncate=cfg.truncate)
+        self.driver: RowDriver[tuple[Stream, int, dict]] = RowDriver(engine, loaded.tokenizer, truncate=cfg.truncate)
         self.dropped = 0  # rows read but put back by a stop
         self.draining = False  # stopping: no more rows are read, the running ones finish
         self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
@@ -120,7 +120,7 @@ class RowFeed:
                  params: SamplingParams, continuation_start: int | None = None, where: str | None = None) -> None:
         """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each); `where`:
         the row's place as its source names it, said in its error."""
-        err = self.rows.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
+        err = self.driver.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
                             row_index=row_index, lane=lane, continuation_start=continuation_start)
         if err:
             self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=sum(map(len, prompts)))
@@ -128,11 +128,11 @@ class RowFeed:
     @property
     def rows_in_flight(self) -> int:
         """Rows in the engine (a row with n > 1 completions counts once)."""
-        return self.rows.num_rows
+        return self.driver.num_rows
 
     def drop_waiting(self) -> None:
         """Stopping: rows that have not started go back to the input (rerun on resume)."""
-        self.dropped += self.rows.drop_waiting()
+        self.dropped += self.driver.drop_waiting()
 
     # rows out
 

@@ -68,11 +68,10 @@ def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuil
     driver: RowDriver[int] = RowDriver(engine, tokenizer, truncate=cfg.truncate)
     columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
                }.get(cfg.task, ALL_COLUMNS)
-    read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
     todo = iter(enumerate(records))
 
     def refill() -> None:
-        while engine.num_waiting() < read_ahead and (item := next(todo, None)) is not None:
+        while engine.num_waiting() < cfg.read_ahead_rows and (item := next(todo, None)) is not None:
             index, record = item
             if isinstance(record, str):
                 results[index] = failed(record)

@@ -350,6 +350,11 @@ class JobConfig:
         return {"json" if name == "json_schema" else name: value}
 
     @property
+    def read_ahead_rows(self) -> int:
+        """Rows queued in the engine (per lane) beyond the running ones: read_ahead, or 2 x max_num_seqs."""
+        return self.read_ahead or 2 * self.max_num_seqs
+
+    @property
     def per_lane_inputs(self) -> bool:
         return bool(self.lanes) and all(isinstance(lane, dict) and lane.get("input") for lane in self.lanes)
 

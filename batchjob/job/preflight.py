@@ -17,6 +17,7 @@ from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.error_budget import job_failure
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
+from batchjob.job.modes import Quantization
 from batchjob.job.summary import JobSummary
 from batchjob.models.identity import model_identity
 from batchjob.models.location import model_source, resolve_model_path
@@ -55,7 +56,7 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
         if identity is None:
             identity = model_identity(model, recorded_model.get("architecture", ""))
         quantization = cfg.quantization
-        if quantization == "auto":  # a float checkpoint: none; a pre-quantized one: its own, as it ran
+        if quantization == Quantization.AUTO:  # a float checkpoint: none; a pre-quantized one: its own, as it ran
             quantization = params.get("quantization", "none") if _prequantized(model) else "none"
         facts = ModelFacts(identity, cfg.dtype or params.get("dtype", ""), quantization)
         if not same_job(recorded, fingerprint(cfg, source, path, facts)):

@@ -145,7 +145,7 @@ class Job:
         for stream in self.streams:
             stream.rows = uncommitted_rows(stream, cfg.limit)
         feed.budget = ErrorBudget(cfg.max_errors, total)
-        read_ahead = cfg.read_ahead or 2 * cfg.max_num_seqs
+        read_ahead = cfg.read_ahead_rows
         engine = self.engine
         stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation,
                                        bar_shown=lambda: self.progress.bar is not None)
@@ -156,7 +156,7 @@ class Job:
             self._mark_run("running")
             try:
                 feed.check_errors()  # the rows committed before may be over the limit already
-                steps = feed.rows.steps(lambda: feed.refill(self.streams, read_ahead, stop.stopping),
+                steps = feed.driver.steps(lambda: feed.refill(self.streams, read_ahead, stop.stopping),
                                         proceed=lambda: not (feed.draining and stop.drain_over()))
                 for step in steps:
                     feed.finished(step)

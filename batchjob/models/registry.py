@@ -8,6 +8,7 @@ from collections.abc import Collection
 import torch
 
 from batchjob.kernels.quantization import MatmulFormat, QuantizedWeight, check_quantization, lm_head_linear
+from batchjob.kernels.modes import Quantization
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
@@ -83,13 +84,13 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
                          "more than one model from a load)")
     dev = torch.device(device)
     check_quantization(quantization, dev)
-    if prequantized and quantization not in ("int8", "fp8"):
+    if prequantized and quantization not in (Quantization.INT8, Quantization.FP8):
         raise ValueError(f"build_model: a pre-quantized checkpoint runs with its own quantization (int8 or fp8), "
-                         f"not {quantization!r}")
+                         f"not {str(quantization)!r}")
     w = {}
     for name in list(weights):
         t = weights.pop(name)
-        if isinstance(t, QuantizedWeight) and (quantization not in ("int8", "fp8") or name.endswith(_FLOAT_MATMULS)):
+        if isinstance(t, QuantizedWeight) and (quantization not in (Quantization.INT8, Quantization.FP8) or name.endswith(_FLOAT_MATMULS)):
             t = t.dequantized(dtype)
         w[name] = t.to(device=dev, dtype=dtype)
     family = family_of(config)

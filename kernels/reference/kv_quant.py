@@ -113,8 +113,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int, head_dim: int, d
 
 def bytes_per_token_head(kv_dtype: str, head_dim: int, dtype: torch.dtype) -> int:
     """K (or V) bytes per token and KV head in the cache, scales included."""
-    if kv_dtype == "int8":
+    if kv_dtype == KvCacheDtype.INT8:
         return head_dim + 2
-    if kv_dtype == "int4":
+    if kv_dtype == KvCacheDtype.INT4:
         return head_dim // 2 + 2 * math.ceil(head_dim / group4(head_dim))
     return head_dim * dtype.itemsize

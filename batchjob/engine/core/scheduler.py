@@ -275,7 +275,7 @@ class Scheduler:
         mode = self.config.preemption
         if mode == Preemption.RECOMPUTE or self.host_pool is None or not self.host_pool.can_allocate(len(seq.block_table)):
             return False
-        if mode == "auto":
+        if mode == Preemption.AUTO:
             return self.prefer_swap is not None and self.prefer_swap(seq)
         return True
 

@@ -5,8 +5,13 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from batchjob.engine.core.detokenizer import IncrementalDetokenizer
 from batchjob.engine.structured.spec import StructuredOutputs, parse_structured_outputs
+
+if TYPE_CHECKING:  # a matcher holds torch tensors; this module stays torch-free
+    from batchjob.engine.structured.matcher import Matcher
 
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
 MAX_N = 128  # completions per row, as the OpenAI API
@@ -209,13 +214,13 @@ class Sequence:
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
     stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids; set by Engine.add
-    detokenizer: object | None = None  # rows with stop strings: an IncrementalDetokenizer (engine/core/detokenizer.py)
+    detokenizer: IncrementalDetokenizer | None = None  # rows with stop strings (engine/core/detokenizer.py)
     logprobs: list | None = None  # params.logprobs set: one (token id, logprob, top [(id, logprob)]) per output token
     # params.prompt_logprobs set: one PromptLogprob per prompt position from the second, as its chunks compute
     prompt_logprobs: list | None = None
     draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
-    spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)
-    matcher: object | None = None  # structured rows: the grammar's Matcher (engine/structured/matcher.py)
+    spec_state: object | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py, which imports this module)
+    matcher: Matcher | None = None  # structured rows: the grammar's matcher (engine/structured/matcher.py)
     error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
     embedding: list[float] | None = None  # embed rows, once finished: the pooled (and normalised) vector
 

@@ -32,7 +32,7 @@ class SpeculativeConfig:
     def check(self) -> None:
         if self.method not in METHODS:
             raise SpeculativeError(f"speculative: {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.method == "draft" and not self.draft_model:
+        if self.method == SpeculativeMethod.DRAFT and not self.draft_model:
             raise SpeculativeError("speculative: 'draft' needs a draft model: --draft-model PATH (a smaller model "
                                    "with the target's tokenizer)")
         if not 1 <= self.num_tokens <= 16:
@@ -43,7 +43,7 @@ class SpeculativeConfig:
 
 def speculative_config(method: str, num_tokens: int, max_rows: int, draft_model: str | None = None) -> SpeculativeConfig | None:
     """The engine's config for a job's speculative fields (None: off); raises SpeculativeError when invalid."""
-    if method == "none":
+    if method == SpeculativeMethod.NONE:
         return None
     spec = SpeculativeConfig(method, num_tokens=num_tokens, max_rows=max_rows, draft_model=draft_model)
     spec.check()

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import torch
 
+from batchjob.kernels.modes import KvCacheDtype
 from batchjob.kernels.reference.kv_quant import bytes_per_token_head, quantized_kv_caches
 
 
@@ -18,7 +19,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         kv = model.kv_cache_dtype
-        if kv == "auto":
+        if kv == KvCacheDtype.AUTO:
             k_shape, v_shape = model.kernels.kv_cache_shapes(num_blocks, block_size, c.num_kv_heads, c.head_dim)
             self.layers = [(_zeros(k_shape, model.dtype, model.device), _zeros(v_shape, model.dtype, model.device))
                            for _ in range(c.num_layers)]
