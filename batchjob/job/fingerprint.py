@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from batchjob.job.config import FIELDS, JobConfig
+from batchjob.job.config import JobConfig
 from batchjob.job.modes import Quantization, Task
-from batchjob.job.options import OPTIONS, Identity
+from batchjob.job.options import DEFAULTS, OPTIONS, Identity
 from batchjob.cluster.shards import ShardSource
 from batchjob.io.sources import Source
 from batchjob.version import __version__
@@ -39,7 +39,7 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, model: ModelFac
     """Plain data, no torch: a rerun can be told from another job before torch is imported (job/preflight.py)."""
     params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
     params["dtype"] = model.dtype
-    params.update({name: getattr(cfg, name) for name in WHEN_SET_FIELDS if getattr(cfg, name) != FIELDS[name].default})
+    params.update({name: getattr(cfg, name) for name in WHEN_SET_FIELDS if getattr(cfg, name) != DEFAULTS[name]})
     if model.quantization != Quantization.NONE:  # int8 compute changes the text (absent: the compute dtype, as before)
         params["quantization"] = model.quantization
     structured = cfg.structured_outputs()

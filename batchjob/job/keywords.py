@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.job.config import FIELDS, ConfigError, JobConfig, load_job
+from batchjob.job.options import DEFAULTS
 
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 
@@ -33,7 +34,7 @@ def api_message(text: str) -> str:
         name = m["name"].replace("-", "_")
         if name not in _KEYWORDS:
             return m[0]
-        if name == "restart" or isinstance(FIELDS[name].default, bool):
+        if name == "restart" or isinstance(DEFAULTS[name], bool):
             return f"{name}={not m['no']}{m['value'] or ''}"
         if m["no"] or not m["value"]:
             return m[0] if m["no"] else name

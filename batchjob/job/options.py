@@ -361,6 +361,9 @@ class JobConfig:
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.fields(JobConfig) if f.metadata}
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig) if f.name in OPTIONS}
+# each option's default value (a list option's too: its field has a factory, not a default)
+DEFAULTS: dict[str, Any] = {name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                            for name, f in FIELDS.items()}
 TYPES: dict[str, Any] = {name: t for name, t in typing.get_type_hints(JobConfig).items() if name in OPTIONS}
 # the options that are SamplingParams fields of the same name (the job's `seed` is the job's, not a row's)
 SAMPLING_PARAMS = tuple(name for name, o in OPTIONS.items() if o.table is Table.SAMPLING and name != "seed")

@@ -41,3 +41,21 @@ def test_modes_are_enums_read_once_and_the_config_is_frozen():
         load_job(None, {"input": "x", "task": "embedding"})
     with pytest.raises(ConfigError, match=r"stop_token_ids: expected a list of integers"):
         load_job(None, {"input": "x", "stop_token_ids": "5, x"})
+
+
+def test_an_option_added_later_leaves_an_older_jobs_fingerprint_as_it_was(tmp_path):
+    # WHEN_SET options (allowed_token_ids, a list: its default is a factory's) enter the fingerprint only when set,
+    # so a job written before they existed still resumes
+    from batchjob.io.sources import open_source
+    from batchjob.job.fingerprint import ModelFacts, fingerprint
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    facts = ModelFacts({"name": "m"}, "float32", "none")
+
+    def params(**values):
+        return fingerprint(load_job(None, {"input": str(src), **values}), open_source(src), str(src), facts)["params"]
+
+    assert not set(WHEN_SET_FIELDS) & set(params())
+    assert params(allowed_token_ids="5,7")["allowed_token_ids"] == [5, 7]
+    assert params(kv_cache_dtype="int8")["kv_cache_dtype"] == "int8"
