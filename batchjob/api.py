@@ -21,7 +21,8 @@ from batchjob.job.config import ConfigError, JobConfig, job_values, load_job
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.engine_setup import build_models, engine_for
 from batchjob.job.in_memory import Result, run_in_memory, score_records
-from batchjob.job.keywords import api_words, chat_template_text, check_names, check_template, job_config
+from batchjob.job.chat_templates import check_chat_template, template_text
+from batchjob.job.keywords import api_words, check_names, job_config
 from batchjob.job.modes import Quantization, Task
 from batchjob.job.options import Api, api_keywords
 from batchjob.job.prompt_builder import PromptBuilder
@@ -138,7 +139,7 @@ class LLM:
                 raise
 
     def _run(self, records: list[dict | str], options: dict) -> list[Result]:
-        template = chat_template_text(options.pop("chat_template", None))
+        template = template_text(options.pop("chat_template", None))
         structured = options.pop("structured_outputs", None)
         if structured is not None:  # vLLM's dict, for every prompt (a prompt's own `structured_outputs` wins)
             if not isinstance(structured, dict) or len(structured) != 1 or next(iter(structured)) not in STRUCTURED_KEYS:
@@ -154,7 +155,7 @@ class LLM:
         with api_words():
             cfg = job_config({"model": self.config.model, **self.options, **options})
         if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
-            check_template(template or self.tokenizer.chat_template)
+            check_chat_template(template or self.tokenizer.chat_template)
         builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True)
         with self._lock:
             try:

@@ -2,11 +2,10 @@
 finished requests assembled back into result rows, written to their stream's sink and counted."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from batchjob.engine.requests import SamplingParams
 from batchjob.engine.engine import Engine
-from batchjob.job.config import ConfigError, JobConfig
+from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.job.engine_setup import lanes_of
 from batchjob.job.error_budget import ErrorBudget
@@ -165,21 +164,3 @@ class RowFeed:
         """max_errors, over this run's rows and those committed before it."""
         rows, errors = self.before
         self.budget.check(errors + self.summary.errors, rows + self.summary.rows, final)
-
-
-def read_template(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"chat_template: cannot read {path}: {e.strerror or e}") from None
-
-
-def check_chat_template(template: str | None, name: str) -> None:
-    from batchjob.models.chat import ChatTemplateError, compile_template
-
-    if template is None:
-        return  # rows say that the model has no template, one by one
-    try:
-        compile_template(template)
-    except ChatTemplateError as e:
-        raise ConfigError(f"chat_template: {name}: {e}") from None

@@ -1,13 +1,12 @@
 """The Python API's arguments (api.py): its keyword arguments checked against the options table, in-memory values
-validated as a job file's are, a chat template given as a file or as its text, and the errors written for
-`batchjob run` said in the API's words (`--kernels torch` -> `kernels='torch'`)."""
+validated as a job file's are, and the errors written for `batchjob run` said in the API's words (`--kernels
+torch` -> `kernels='torch'`)."""
 from __future__ import annotations
 
 import contextlib
 import difflib
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from batchjob.job.config import FIELDS, ConfigError, JobConfig, load_job
@@ -61,28 +60,3 @@ def check_names(given: Mapping[str, Any], allowed: tuple[str, ...], where: str) 
         close = difflib.get_close_matches(unknown[0], allowed, n=1)
         meant = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{unknown[0]}: unknown keyword argument to {where}{meant}; known: {', '.join(allowed)}")
-
-
-def chat_template_text(value: str | None) -> str | None:
-    """A template file, as a job's chat_template, or (as vLLM also takes) the Jinja text itself."""
-    if value is None:
-        return None
-    if not isinstance(value, (str, Path)):
-        raise ValueError(f"chat_template: expected a file path or the template text, got {value!r}")
-    if isinstance(value, str) and "{" in value:  # Jinja needs {{ or {%; a path rarely has a brace
-        return value
-    try:
-        return Path(value).read_text()
-    except OSError as e:
-        raise ValueError(f"chat_template: cannot read {value}: {e.strerror or e}") from None
-
-
-def check_template(template: str | None) -> None:
-    from batchjob.models.chat import ChatTemplateError, compile_template
-
-    if template is None:
-        return  # rows say that the model has no template, one by one (as in a job)
-    try:
-        compile_template(template)
-    except ChatTemplateError as e:
-        raise ValueError(f"chat_template: {e}") from None

@@ -20,7 +20,8 @@ import torch
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import OutputFormat, Quantization, Task
 from batchjob.device import choose_device, choose_dtype, dtype_name
-from batchjob.job.feed import RowFeed, check_chat_template, read_template
+from batchjob.job.chat_templates import check_chat_template, read_template
+from batchjob.job.feed import RowFeed
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
