@@ -3,7 +3,8 @@
 optional final logit soft-cap).
 
 `forward(step)` reads one StepContext (models/step_context.py): flat tensors, no request objects, no padding of
-the batch, no per-row loops; a step that uses a feature the family does not declare is refused by name. The KV store and paged attention run on the kernel set chosen at load
+the batch, no per-row loops; a step that uses a feature the family does not declare is refused by name. The KV
+store and paged attention run on the kernel set chosen at load
 (kernels/dispatch.py: torch, native or triton); residual adds are fused into the next norm where a block
 has one (`add_rms_norm`).
 """
@@ -18,14 +19,14 @@ from batchjob.kernels.profiling import scope
 from batchjob.kernels.quantization import WeightMatmul
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import DecoderLayer
-from batchjob.models.step_context import ModelFeature, StepContext
+from batchjob.models.step_context import DECODER_FEATURES, ModelFeature, StepContext
 
 
 class DecoderLM:
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor, final_norm: torch.Tensor,
                  lm_head: WeightMatmul, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
                  kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
-                 features: frozenset[ModelFeature] = frozenset({ModelFeature.INPUT_EMBEDS})):
+                 features: frozenset[ModelFeature] = DECODER_FEATURES):
         """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
         tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
         that cannot run here."""

@@ -11,7 +11,7 @@ from batchjob.kernels import RotaryEmbedding
 from batchjob.kernels.quantization import MatmulFormat
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import DecoderLayer
-from batchjob.models.step_context import ModelFeature
+from batchjob.models.step_context import DECODER_FEATURES, ModelFeature
 
 
 @dataclass(slots=True)
@@ -41,9 +41,8 @@ class Family:
     parse_hf: Callable[[dict, str, str], ModelConfig]  # (config.json, variant, source) -> ModelConfig
     weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # every HF weight name the config implies
     build: Callable[[ModelConfig, dict[str, torch.Tensor], BuildSpec], ModelParts]
-    # what a step may carry into this family's forward besides token ids (models/step_context.py); every
-    # DecoderLM takes input embeddings
-    features: frozenset[ModelFeature] = frozenset({ModelFeature.INPUT_EMBEDS})
+    # what a step may carry into this family's forward besides token ids (models/step_context.py)
+    features: frozenset[ModelFeature] = DECODER_FEATURES
     # GGUF (llama.cpp's format): what its convert_hf_to_gguf.py wrote for this family, and how to read it back
     gguf_architectures: dict[str, str] = field(default_factory=dict)  # GGUF general.architecture -> the variant
     # (metadata, tensor names, variant, source); None: a file of that GGUF architecture that is another family's

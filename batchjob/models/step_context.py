@@ -20,6 +20,10 @@ class ModelFeature(enum.StrEnum):
     LORA = "LoRA adapters"  # per-token adapter slots, added beside the base weight matmuls
 
 
+# what every DecoderLM's forward takes besides token ids (models/decoder.py): a family declares more
+DECODER_FEATURES = frozenset({ModelFeature.INPUT_EMBEDS})
+
+
 @dataclass(slots=True)
 class StepContext:
     positions: torch.Tensor  # int64 [T], or [3, T] for a family with MROPE
