@@ -30,7 +30,7 @@ CHUNK = 64
 
 def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids) - 1, vocab] (fp32) of every next token, the text fed in chunks through the paged cache."""
-    from batchjob.engine.worker.input_batch import step_inputs
+    from batchjob.engine.worker.input_batch import rows_of, step_inputs
     from batchjob.engine.worker.model_runner import ModelRunner
     from batchjob.engine.core.scheduler import Step
     from batchjob.models.step_context import StepContext
@@ -43,7 +43,7 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     out = []
     for start in range(0, len(ids) - 1, CHUNK):
         n = min(CHUNK, len(ids) - 1 - start)
-        inputs = step_inputs(Step([seq], [n]), bs, False)
+        inputs = step_inputs(rows_of(Step([seq], [n])), bs, False)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         hidden = model.forward(StepContext(positions, meta, runner.kv.layers, input_ids=input_ids))
         out.append(model.logits(hidden).float())

@@ -18,6 +18,7 @@ from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
 from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
+from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
 from batchjob.engine.core.output import OutputProcessor
 from batchjob.engine.requests import EngineRequest, RequestOutput
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
@@ -102,8 +103,8 @@ class Engine:
                 graphs = (self.scheduler.config.max_num_seqs, self.max_model_len)
         self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
         # the executor of the steps: in process, the ModelRunner (engine/worker/executor.py)
-        self.runner: Executor = ModelRunner(model, num_blocks, config.block_size, num_host, structured=self.structured,
-                                            graphs=graphs)
+        self.runner: Executor = ModelRunner(model, num_blocks, config.block_size, num_host, graphs=graphs)
+        self.view = WorkerView()  # what the executor was sent of each row: each step sends it the difference
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
         self._stop_sets: dict[int, tuple[SamplingParams, frozenset[int]]] = {}
@@ -220,7 +221,13 @@ class Engine:
     def drop_waiting(self) -> list[Sequence]:
         """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""
         compiling, self._compiling = self._compiling, []
-        return self.scheduler.drop_waiting() + compiling
+        dropped = self.scheduler.drop_waiting() + compiling
+        self._release([s.seq_id for s in dropped])  # a row preempted before it is dropped was sent to the executor
+        return dropped
+
+    def _release(self, seq_ids: list[int]) -> None:
+        self.view.release(seq_ids)
+        self.runner.release(seq_ids)
 
     def step(self) -> list[Sequence]:
         """Run one iteration; returns the rows that finished in it. With `async_scheduling` (on CUDA) step N+1
@@ -251,7 +258,8 @@ class Engine:
         if step:
             tf = time.perf_counter()
             model_before = self.runner.model_s
-            tokens = self.runner.run(step) if prev is None else self.runner.run(step, prev.tokens)
+            out = self._output(step)
+            tokens = self.runner.run(out) if prev is None else self.runner.run(out, prev.tokens)
             launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before)
             add_placeholders(step, tokens)
             sched.advance(step)
@@ -267,6 +275,14 @@ class Engine:
             self._record(step, [], 0, time.perf_counter() - t_step, 0.0, 0.0)
         return finished
 
+    def _output(self, step: Step) -> SchedulerOutput:
+        """The step as the executor is sent it, with the structured rows' mask started for its sampled positions."""
+        out = self.view.output(step)
+        sampling = [(seq, r.num_sampled) for seq, r in zip(step.seqs, out.rows) if r.num_sampled]
+        if sampling:
+            out.grammar = self.structured.start_mask([seq for seq, _ in sampling], [n for _, n in sampling])
+        return out
+
     def _can_overlap(self, pending: _Pending) -> bool:
         # penalties count the tokens before each position, and a grammar's mask needs the row's last token
         return self.async_scheduling and self.proposer is None and not any(
@@ -279,10 +295,11 @@ class Engine:
         tokens = pending.tokens.tolist()
         embeddings = pending.tokens.embeddings()
         scored = pending.tokens.prompt_logprobs()
+        logprobs = pending.tokens.logprobs()
         forward_s = pending.launch_s + time.perf_counter() - tw
         self.cost.observe_forward(step.num_tokens, forward_s)
-        applied = self.outputs.apply(step, tokens, embeddings, scored)
-        self.runner.release(s.seq_id for s in applied.finished)
+        applied = self.outputs.apply(step, tokens, embeddings, scored, logprobs)
+        self._release([s.seq_id for s in applied.finished])
         self._record(step, applied.finished, applied.num_sampled, time.perf_counter() - pending.t0, forward_s,
                      pending.model_s, applied.num_proposed, applied.num_accepted)
         return applied.finished

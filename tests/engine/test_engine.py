@@ -10,7 +10,7 @@ from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import Lane, SchedulerConfig
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.sample.row_keys import row_key
-from batchjob.engine.worker.input_batch import step_inputs
+from batchjob.engine.worker.input_batch import rows_of, step_inputs
 from tests.builders import make_engine, prompts
 
 def run(engine: Engine, ps, params, seed=0, first_index=0):
@@ -240,7 +240,7 @@ def test_torch_reference_attends_decodes_in_groups_of_similar_length(tiny_model)
     for i, p in enumerate(prompts(40, seed=3)):
         engine.add(Sequence(i, p, SamplingParams(max_tokens=3), rng_key=row_key(0, i)))
     engine.step()  # the prompts
-    meta = step_inputs(engine.scheduler.schedule(), engine.runner.block_size, False).meta
+    meta = step_inputs(rows_of(engine.scheduler.schedule()), engine.runner.block_size, False).meta
     nd = meta.num_decodes  # decodes come first, one query token each
     assert nd >= 32 and meta.query_start_loc[:nd + 1].tolist() == list(range(nd + 1))
     plan = _TorchPlan(meta, engine.runner.block_size, None, torch.device("cpu"))

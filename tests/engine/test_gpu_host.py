@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from batchjob.job.config import ConfigError, load_job
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.worker.kv_budget import GIB, DeviceMemory, KvBudgetError, blocks_for, kv_cache_bytes, profile_step
-from batchjob.engine.worker.input_batch import step_inputs
+from batchjob.engine.core.scheduler_output import WorkerView
+from batchjob.engine.worker.input_batch import rows_of, step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.model_runner import ModelRunner
 from batchjob.engine.worker.staging import MIN_CAPACITY, StagingBuffers
@@ -46,7 +47,7 @@ def test_the_profiling_step_is_the_largest_the_scheduler_builds_and_runs_through
     small, _ = profile_step(10, 64, 16)  # fewer tokens than rows: one token a row
     assert len(small.seqs) == 10 and small.num_new == [1] * 10
     runner = ModelRunner(tiny_model, used, 16)
-    tokens = runner.run(step).tolist()  # a real forward, logits and sampling on the model's device (here the CPU)
+    tokens = runner.run(WorkerView().output(step)).tolist()  # a real forward, logits and sampling on the model's device (here the CPU)
     assert len(tokens) == 64 and all(isinstance(t, int) for t in tokens)
 
 
@@ -108,7 +109,7 @@ def test_the_torch_kernels_plan_from_the_runners_host_copies_with_the_same_resul
 
     step, used = profile_step(40, 5, 16)
     runner = ModelRunner(tiny_model, used, 16)
-    inputs = step_inputs(step, 16, runner.model.device.type != "cpu")
+    inputs = step_inputs(rows_of(step), 16, runner.model.device.type != "cpu")
     ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
     assert meta.host is None  # the CPU needs no copies
     g = torch.Generator().manual_seed(0)

@@ -116,7 +116,7 @@ def test_penalties_and_logprobs_keep_a_row_the_same_alone_and_batched(tiny):
                             presence_penalty=0.5, frequency_penalty=0.3, logprobs=2)
     engine = engine_of(ours, max_num_seqs=4)  # rows come and go: the worker keeps penalty counts per row
     batched = run_rows(engine, ps, params, seed=11)
-    assert len(engine.runner.rows) == 0  # released as each row finished
+    assert len(engine.runner.batch) == 0  # released as each row finished
     for i in (0, 5, 11):
         alone = Sequence(0, ps[i], params, rng_key=sequence_key(params, 11, i))
         engine = engine_of(ours)

@@ -71,10 +71,10 @@ def test_resume_of_100000_committed_rows_reads_none_of_them(tmp_path, model_dir,
                swap_space_gb=0.01, max_num_seqs=1024, max_num_batched_tokens=16384, part_rows=1000, part_seconds=1e9)
     sampled = [0]
 
-    def fixed_token(self, step):
-        rows = [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new)) if s.num_computed + n == s.num_tokens]
+    def fixed_token(self, out):
+        rows = [i for i, r in enumerate(out.rows) if r.num_sampled]
         sampled[0] += len(rows)
-        return StepTokens(len(step.seqs), rows, SampledTokens(torch.full((len(rows),), 5)))
+        return StepTokens(len(out.rows), rows, SampledTokens(torch.full((len(rows),), 5)))
 
     sinks = set()
     write = ArrowSink.write

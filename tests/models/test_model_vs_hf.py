@@ -12,7 +12,7 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
 from batchjob.engine.core.sequence import SamplingParams, Sequence
-from batchjob.engine.worker.input_batch import step_inputs
+from batchjob.engine.worker.input_batch import rows_of, step_inputs
 from batchjob.models.registry import build_model
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.loader import load_model
@@ -41,7 +41,7 @@ def all_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 8) -
         step.seqs.append(s)
         step.num_new.append(s.num_tokens)
     runner = engine.runner
-    inputs = step_inputs(step, runner.block_size, False)
+    inputs = step_inputs(rows_of(step), runner.block_size, False)
     ids, pos, meta = inputs.input_ids, inputs.positions, inputs.meta
     hidden = model.forward(StepContext(pos, meta, runner.kv.layers, input_ids=ids))
     # prepare() puts 1-token rows (decodes) first; map each row back to its tokens
@@ -143,7 +143,7 @@ def test_input_embeddings_match_transformers_and_undeclared_features_are_refused
     seq = Sequence(0, list(range(3, 14)), SamplingParams())
     seq.block_table = engine.pool.allocate(engine.pool.blocks_for(seq.num_tokens))
     step = Step(seqs=[seq], num_new=[seq.num_tokens])
-    inputs = step_inputs(step, engine.runner.block_size, False)
+    inputs = step_inputs(rows_of(step), engine.runner.block_size, False)
     ctx = StepContext(inputs.positions, inputs.meta, engine.runner.kv.layers, inputs_embeds=embeds)
     got = model.logits(model.forward(ctx))
     with torch.no_grad():

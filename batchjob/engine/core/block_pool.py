@@ -65,12 +65,14 @@ class BlockPool:
             out.append(b)
         return out
 
-    def shrink(self, table: list[int], num_tokens: int) -> None:
-        """Release the blocks of `table` past the ones `num_tokens` tokens need (rejected proposals' KV)."""
+    def shrink(self, table: list[int], num_tokens: int) -> list[int]:
+        """Release the blocks of `table` past the ones `num_tokens` tokens need (rejected proposals' KV); returns
+        the table that remains, a new list if it shrank (a row's block table list otherwise only grows)."""
         keep = self.blocks_for(num_tokens)
         if len(table) > keep:
             self.release(table[keep:])
-            del table[keep:]
+            return table[:keep]
+        return table
 
     def release(self, blocks: list[int]) -> None:
         # freed in reverse so a row's tail blocks are evicted before its shared head blocks

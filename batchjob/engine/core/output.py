@@ -36,12 +36,14 @@ class OutputProcessor:
 
     def apply(self, step: Step, tokens: list[int | list[int] | None],
               embeddings: dict[int, list[float]] | None = None,
-              scored: dict[int, tuple[int, list]] | None = None) -> AppliedStep:
+              scored: dict[int, tuple[int, list]] | None = None,
+              logprobs: dict[int, list] | None = None) -> AppliedStep:
         """`tokens[i]`: what row i of the step sampled (None for a mid-prompt chunk, a list for a speculating
         row). Rows finished since the launch (async scheduling) drop theirs; rows preempted since keep it
         (it was computed from their context). `embeddings[i]`: embed row i's vector, its last chunk computed:
         it ends ("stop") now. `scored[i]`: (first position, entries) of row i's prompt logprobs from this
-        step; a scoring row (max_tokens 0) ends ("stop") once its whole prompt is computed."""
+        step; a scoring row (max_tokens 0) ends ("stop") once its whole prompt is computed. `logprobs[i]`: the
+        logprob entries of the tokens row i sampled (rows with `params.logprobs`), kept with the tokens it keeps."""
         out = AppliedStep()
         ending: list[tuple[Sequence, str]] = []
         for i, vec in (embeddings or {}).items():
@@ -64,11 +66,16 @@ class OutputProcessor:
         for i, (seq, sampled) in enumerate(zip(step.seqs, tokens)):
             if seq.status is SeqStatus.FINISHED or sampled is None:
                 continue
+            known = len(seq.token_ids)
             if isinstance(sampled, int):
                 out.num_sampled += 1
                 reason = self._append(seq, sampled)
             else:
                 reason = self._accept(step, i, seq, sampled, out)
+            if logprobs and i in logprobs:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.extend(logprobs[i][:len(seq.token_ids) - known])
             if reason:
                 ending.append((seq, reason))
         self.scheduler.publish(step)
@@ -100,7 +107,7 @@ class OutputProcessor:
         out.num_sampled += kept
         seq.num_computed -= step.num_new[i] - kept  # what holds: its last token and the kept proposals
         step.num_new[i] = kept
-        self.pool.shrink(seq.block_table, seq.num_tokens)  # blocks that held only rejected ones
+        seq.block_table = self.pool.shrink(seq.block_table, seq.num_tokens)  # blocks that held only rejected ones
         accepted = kept if kept <= len(draft) and sampled[kept - 1] == draft[kept - 1] else kept - 1
         if self.proposer is not None:
             self.proposer.observe(seq, len(draft), accepted)

@@ -15,23 +15,26 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from batchjob.engine.sample.penalties import apply_penalties
 from batchjob.engine.sample.row_keys import uniform
 from batchjob.engine.structured.mask import apply_token_bitmask_
+from batchjob.engine.worker.input_batch import CachedRow
 from batchjob.kernels.reference.elementwise import argmax_rows
-from batchjob.engine.core.sequence import Sequence
-from batchjob.engine.worker.row_state import RowState, RowStates
+
+# a generated token's logprobs: (token id, its logprob, the top alternatives [(id, logprob)])
+LogprobEntry = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list[int] | None = None,
-           mask: tuple[torch.Tensor, torch.Tensor] | None = None, states: RowStates | None = None) -> SampledTokens:
-    """logits: [B, V] for the rows `seqs` (the sampled token is at position `seq.num_output`). Returns one
-    token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows with
-    `params.logprobs` set get an entry appended to `seq.logprobs` then. `argmax`: a kernel equal to
+def sample(logits: torch.Tensor, seqs: Seq[CachedRow], argmax=None, offsets: list[int] | None = None,
+           mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
+    """logits: [B, V] for the worker's rows `seqs` (the sampled token is at output position `row.num_output`).
+    Returns one token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows
+    with `params.logprobs` set get an entry in `SampledTokens.logprobs()` then. `argmax`: a kernel equal to
     `argmax_rows` (the model's kernel set may have a faster one). Greedy rows never wait for the device
     here; top-p rows whose nucleus may pass the window read one flag back. `offsets`: a row of logits
     for output position `seq.num_output + offset` (speculative verification: one row of `seqs` per
-    proposed position; such rows use no penalties, logprobs or unmet min_tokens). `states`: the worker's per-row
-    state, where penalty counts are kept between steps (None: counted afresh for this call)."""
+    proposed position; such rows use no penalties, logprobs or unmet min_tokens). Penalty counts are kept on the
+    rows between steps (CachedRow.penalties)."""
     argmax = argmax or argmax_rows
     params = [s.params for s in seqs]
     vocab = logits.shape[-1]
@@ -58,7 +61,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list
         rows, toks = zip(*banned)
         logits[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = float("-inf")
     if penalized:
-        apply_penalties(logits, penalized, seqs, states)
+        apply_penalties(logits, penalized, seqs)
 
     if len(sampled) < len(params):
         out = argmax(logits)
@@ -78,7 +81,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], argmax=None, offsets: list
             pick = torch.searchsorted(cdf, u[rows_of][:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
             choice[rows_of] = pick.squeeze(1) if ids is None else ids.gather(1, pick).squeeze(1)
         out[idx] = choice
-    return SampledTokens(out, raw_lp, [seqs[i] for i in want_lp], want_lp)
+    return SampledTokens(out, raw_lp, [params[i].logprobs for i in want_lp], want_lp)
 
 
 def keep_allowed(logits: torch.Tensor, rows: list[int], params: list) -> None:
@@ -95,13 +98,15 @@ class SampledTokens:
     """A step's sampled token ids on their way back from the device. On CUDA they are copied into pinned
     host memory behind the step's kernels (non_blocking) and an event marks the copy, so the host can
     prepare the next step while the GPU finishes this one; `tolist()` waits for the event. The logprobs
-    of the rows that asked are recorded then, from the tokens that came back."""
+    of the rows that asked are read then, from the tokens that came back (`logprobs()`)."""
 
-    __slots__ = ("ids", "host", "event", "raw_lp", "lp_seqs", "lp_rows", "_tokens")
+    __slots__ = ("ids", "host", "event", "raw_lp", "lp_top", "lp_rows", "_tokens", "_logprobs")
 
-    def __init__(self, ids: torch.Tensor, raw_lp: torch.Tensor | None = None, lp_seqs=(), lp_rows=()):
-        self.ids, self.raw_lp, self.lp_seqs, self.lp_rows = ids, raw_lp, list(lp_seqs), list(lp_rows)
+    def __init__(self, ids: torch.Tensor, raw_lp: torch.Tensor | None = None, lp_top=(), lp_rows=()):
+        """`lp_rows`: the rows (of `ids`) whose logprobs `raw_lp` holds, `lp_top` how many alternatives each wants."""
+        self.ids, self.raw_lp, self.lp_top, self.lp_rows = ids, raw_lp, list(lp_top), list(lp_rows)
         self.host = self.event = self._tokens = None
+        self._logprobs: dict[int, LogprobEntry] = {}
         if ids.device.type == "cuda":
             self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             self.host.copy_(ids, non_blocking=True)
@@ -116,10 +121,15 @@ class SampledTokens:
             if self.event is not None:
                 self.event.synchronize()
             tokens = (self.host if self.host is not None else self.ids).tolist()
-            if self.lp_seqs:
-                _record_logprobs(self.raw_lp, self.lp_seqs, [tokens[i] for i in self.lp_rows])
+            if self.lp_rows:
+                self._logprobs = _logprob_entries(self.raw_lp, self.lp_top, self.lp_rows, tokens)
             self._tokens = tokens
         return self._tokens
+
+    def logprobs(self) -> dict[int, LogprobEntry]:
+        """Sampled row -> its token's logprob entry, for the rows that asked (waits for the tokens)."""
+        self.tolist()
+        return self._logprobs
 
 
 NUCLEUS_WINDOW = 1024  # top-p without top-k looks at the 1024 most likely tokens; the whole vocabulary only if needed
@@ -191,73 +201,12 @@ def sampleable(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: 
     return kept
 
 
-class PenaltyState:
-    """A row's token counts for the penalties: the prompt's distinct ids (once) and output counts, caught
-    up with the row's tokens at each call, so nothing is recounted."""
-
-    __slots__ = ("prompt_ids", "counts", "counted")
-
-    def __init__(self, seq: Sequence, device: torch.device):
-        self.prompt_ids = torch.tensor(sorted(set(seq.prompt_ids)), dtype=torch.long, device=device)
-        self.counts: dict[int, int] = {}
-        self.counted = 0
-
-    def catch_up(self, seq: Sequence) -> dict[int, int]:
-        counts = self.counts
-        for t in seq.token_ids[seq.num_prompt + self.counted:]:
-            counts[t] = counts.get(t, 0) + 1
-        self.counted = seq.num_output
-        return counts
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: Seq[Sequence], states: RowStates | None = None) -> None:
-    """In place on logits [B, V], as vLLM: the repetition penalty over every token id seen in the prompt or
-    the output (positive logits divided by it, negative multiplied), then logit -= frequency * count +
-    presence * (count > 0) over the output tokens. Touches only the (row, token) pairs that occur."""
-    vocab, device = logits.shape[-1], logits.device
-    flat = logits.view(-1)
-    seen: list[torch.Tensor] = []  # linear indices row * V + token
-    out_rows: list[int] = []
-    out_tokens: list[int] = []
-    out_counts: list[int] = []
-    rep_of, freq_of, pres_of = [1.0] * logits.shape[0], [0.0] * logits.shape[0], [0.0] * logits.shape[0]
-    for r in rows:
-        seq = seqs[r]
-        p = seq.params
-        row = states.of(seq.seq_id) if states is not None else RowState()
-        state = row.penalties
-        if state is None:
-            state = row.penalties = PenaltyState(seq, device)
-        counts = state.catch_up(seq)
-        if counts:
-            out_rows.extend([r] * len(counts))
-            out_tokens.extend(counts)
-            out_counts.extend(counts.values())
-        if p.repetition_penalty != 1.0:
-            seen.append(state.prompt_ids + r * vocab)
-        rep_of[r], freq_of[r], pres_of[r] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-    rep, freq, pres = (torch.tensor(x, dtype=logits.dtype, device=device) for x in (rep_of, freq_of, pres_of))
-    out_row = torch.tensor(out_rows, dtype=torch.long, device=device)
-    out_lin = out_row * vocab + torch.tensor(out_tokens, dtype=torch.long, device=device)
-    if seen:
-        lin = torch.unique(torch.cat([*seen, out_lin[rep[out_row] != 1.0]]))
-        rp = rep[lin // vocab]
-        v = flat[lin]
-        flat[lin] = torch.where(v > 0, v / rp, v * rp)
-    if out_rows:
-        cnt = torch.tensor(out_counts, dtype=logits.dtype, device=device)
-        flat[out_lin] -= freq[out_row] * cnt + pres[out_row]
-
-
-def _record_logprobs(raw_lp: torch.Tensor, seqs: list[Sequence], chosen: list[int]) -> None:
-    top_n = max(s.params.logprobs for s in seqs)
+def _logprob_entries(raw_lp: torch.Tensor, tops: list[int], rows: list[int], tokens: list[int]) -> dict[int, LogprobEntry]:
+    chosen = [tokens[i] for i in rows]
+    top_n = max(tops)
     chosen_lp = raw_lp.gather(1, torch.tensor(chosen, device=raw_lp.device)[:, None]).squeeze(1).tolist()
     if top_n:
         top_v, top_i = raw_lp.topk(top_n, dim=-1)
         top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, seq in enumerate(seqs):
-        n = seq.params.logprobs
-        top = tuple(zip(top_i[j][:n], top_v[j][:n])) if n else ()
-        if seq.logprobs is None:
-            seq.logprobs = []
-        seq.logprobs.append((chosen[j], chosen_lp[j], top))
+    return {i: (chosen[j], chosen_lp[j], tuple(zip(top_i[j][:n], top_v[j][:n])) if n else ())
+            for j, (i, n) in enumerate(zip(rows, tops))}

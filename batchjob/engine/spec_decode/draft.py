@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchjob.engine.sample import sampler
-from batchjob.engine.worker.input_batch import flatten
+from batchjob.engine.worker.input_batch import CachedRow, flatten
 from batchjob.engine.worker.model_runner import ModelRunner
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.sequence import Sequence
@@ -45,7 +45,7 @@ class DraftProposer(NgramProposer):
             return
         for seq in rows:
             state = seq.spec_state
-            if getattr(state, "preemptions", None) != seq.num_preemptions:
+            if state.preemptions != seq.num_preemptions:
                 state.computed, state.preemptions = 0, seq.num_preemptions  # its blocks are new: nothing held
         behind = [s for s in rows if s.spec_state.computed < s.num_tokens - 1]
         if behind:  # catch up: the tokens it has not seen, but the last (the first draft step reads it)
@@ -57,7 +57,7 @@ class DraftProposer(NgramProposer):
             active = [s for s in rows if len(s.draft) > j]
             inputs = [(s.token_ids[-1] if j == 0 else s.draft[j - 1], s.num_tokens - 1 + j) for s in active]
             logits = self._forward([([tok], at, s.block_table) for (tok, at), s in zip(inputs, active)], sample=True)
-            tokens = sampler.sample(logits, active, offsets=[j] * len(active)).tolist()
+            tokens = sampler.sample(logits, [_sampling_row(s) for s in active], offsets=[j] * len(active)).tolist()
             for s, tok in zip(active, tokens):
                 s.draft[j] = tok
                 s.spec_state.computed = s.num_tokens + j
@@ -74,3 +74,10 @@ class DraftProposer(NgramProposer):
         super().observe(seq, proposed, accepted)
         state = seq.spec_state
         state.computed = min(state.computed, seq.num_computed)  # past the verified tokens it holds rejected ones
+
+
+def _sampling_row(seq: Sequence) -> CachedRow:
+    """The row as the sampler reads it: sampling its next token (output position `seq.num_output`), a proposal
+    drawn with the row's own key at the position it proposes for (offsets add the proposal's index)."""
+    return CachedRow(seq.seq_id, seq.num_prompt, seq.token_ids, seq.block_table, seq.params, seq.rng_key,
+                     seq.stop_token_set, num_computed=seq.num_tokens - 1, num_new=1, num_sampled=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.spec_decode.config import SpeculativeConfig
 
-class _RowIndex:
+class RowIndex:
     """Per row: the latest end of each n-gram seen so far (n in ngram_min..ngram_max), kept up to date as
     tokens arrive, so a lookup is a few dict reads whatever the row's length; and the back-off state."""
 
@@ -55,7 +55,7 @@ class NgramProposer:
                 continue
             state = seq.spec_state
             if state is None:
-                state = seq.spec_state = _RowIndex()
+                state = seq.spec_state = RowIndex()
             if state.skip:
                 state.skip -= 1
                 continue
@@ -66,7 +66,7 @@ class NgramProposer:
     def fill(self, step) -> None:
         """After scheduling: proposals that need the step (a draft model's) are made here; lookups need none."""
 
-    def _lookup(self, tokens: list[int], state: _RowIndex, k: int) -> list[int]:
+    def _lookup(self, tokens: list[int], state: RowIndex, k: int) -> list[int]:
         cfg, ends, n_tokens = self.config, state.ends, len(tokens)
         # index every n-gram that ends before the current suffix's end (the suffix must match an earlier one)
         for end in range(max(state.indexed, cfg.ngram_min), n_tokens):

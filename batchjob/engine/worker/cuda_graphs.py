@@ -67,7 +67,7 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             fill: tuple | None = None) -> torch.Tensor:
-        """Logits [n, vocab] of a decode-only step; inputs are ModelRunner.prepare's, already on the device
+        """Logits [n, vocab] of a decode-only step; inputs are step_inputs', already on the device
         (copied into the static buffers device to device), and `fill` (batch positions, ids on the device)
         the ids of placeholders (async scheduling)."""
         n = input_ids.shape[0]

@@ -1,16 +1,93 @@
-"""A scheduled step as the model's flat inputs: token ids, positions and the paged-attention metadata
-(block tables, context lengths, query offsets, slot mapping), built with numpy over whole arrays (a
-Python loop per row, never per token)."""
+"""The worker's rows and a step's flat inputs. InputBatch is the worker's persistent batch (vLLM v1's InputBatch, in
+its small form): every row it has been sent, with its token ids, block table, sampling parameters and what the
+sampler and the pooler keep between steps, updated from each SchedulerOutput by difference and dropped when the
+engine releases the row. `step_inputs` lays a step's rows out as the model's flat inputs: token ids, positions and
+the paged-attention metadata (block tables, context lengths, query offsets, slot mapping), built with numpy over
+whole arrays (a Python loop per row, never per token)."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from batchjob.engine.core.scheduler import Step
+from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
+from batchjob.engine.core.sequence import SamplingParams
 from batchjob.kernels import AttentionMetadata
+
+if TYPE_CHECKING:
+    from batchjob.engine.sample.penalties import PenaltyState
+
+
+@dataclass(slots=True, eq=False)
+class CachedRow:
+    """What the worker keeps of a row between steps, and (set by InputBatch.update) its part of the current step."""
+    seq_id: int
+    num_prompt: int
+    token_ids: list[int]  # the known ids: prompt, then output (the worker's copy)
+    block_table: list[int]
+    params: SamplingParams
+    rng_key: int
+    stop_token_set: frozenset[int]
+    penalties: PenaltyState | None = None  # the sampler's token counts (engine/sample/penalties.py)
+    pooled: torch.Tensor | None = None  # embed rows: the pooling over the chunks computed so far (pooler.py)
+    num_computed: int = 0  # this step: tokens cached before it
+    num_new: int = 0  # this step: tokens it computes
+    num_sampled: int = 0  # this step: positions sampled (0, 1, or 1 + proposals)
+    draft: tuple[int, ...] = ()  # this step: the proposals it verifies
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt]
+
+    @property
+    def num_output(self) -> int:
+        """The output position of the first token this step samples (the sampler's row key reads it)."""
+        return self.num_computed + self.num_new - max(self.num_sampled, 1) + 1 - self.num_prompt
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self._rows: dict[int, CachedRow] = {}
+
+    def update(self, out: SchedulerOutput) -> list[CachedRow]:
+        """Apply a step's differences; returns its rows in the step's order, each with its part of the step."""
+        rows = self._rows
+        for seq_id in out.preempted_ids:
+            rows[seq_id].block_table.clear()  # the blocks went back to the pool: a resumed row is sent its new table
+        for new in out.new_rows:
+            rows[new.seq_id] = CachedRow(new.seq_id, new.num_prompt, list(new.token_ids), list(new.block_table),
+                                         new.params, new.rng_key, new.stop_token_set)
+        for u in out.updates:
+            row = rows[u.seq_id]
+            row.token_ids.extend(u.new_token_ids)
+            assert u.kept_blocks <= len(row.block_table), f"row {u.seq_id}: keeps blocks it was never sent"
+            del row.block_table[u.kept_blocks:]
+            row.block_table.extend(u.new_blocks)
+        step = []
+        for s in out.rows:
+            row = rows[s.seq_id]
+            row.num_computed, row.num_new, row.num_sampled, row.draft = s.num_computed, s.num_new, s.num_sampled, s.draft
+            step.append(row)
+        return step
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self._rows.pop(seq_id, None)
+
+    def row(self, seq_id: int) -> CachedRow | None:
+        return self._rows.get(seq_id)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def rows_of(step: Step) -> list[CachedRow]:
+    """A scheduled step's rows as a worker that has not seen them holds them (the KV profile, benchmarks, tests)."""
+    return InputBatch().update(WorkerView().output(step))
 
 
 @dataclass(slots=True)
@@ -19,28 +96,28 @@ class StepInputs:
     positions: torch.Tensor  # int64 [tokens]
     meta: AttentionMetadata
     last: list[int]  # batch index of each step row's last token, in the step's row order
-    placeholder_rows: list[int]  # step rows whose last input token is a placeholder (its id is still in flight)
+    placeholder_rows: list[int] = field(default_factory=list)  # step rows whose last input is a placeholder
 
 
-def step_inputs(step: Step, block_size: int, host_copies: bool) -> StepInputs:
+def step_inputs(rows: list[CachedRow], block_size: int, host_copies: bool) -> StepInputs:
     """Rows are laid out decodes first (one token each), then prompt chunks, as the kernels expect. A row
     whose input runs past its known tokens reads its speculative proposals there, or (async scheduling) the
     placeholder of its token in flight, written as 0 here and filled on the device (ModelRunner)."""
-    order = sorted(range(len(step.seqs)), key=lambda i: step.num_new[i] != 1)
-    rows, waiting = [], []
+    order = sorted(range(len(rows)), key=lambda i: rows[i].num_new != 1)
+    flat, waiting = [], []
     for i in order:
-        seq, n = step.seqs[i], step.num_new[i]
-        start = seq.num_computed
-        chunk = seq.token_ids[start:start + n]
+        row = rows[i]
+        start, n = row.num_computed, row.num_new
+        chunk = row.token_ids[start:start + n]
         if len(chunk) < n:
-            if seq.draft:  # speculative: the row's last token, then its proposals
-                chunk = chunk + seq.draft[:n - len(chunk)]
+            if row.draft:  # speculative: the row's last token, then its proposals
+                chunk = chunk + list(row.draft[:n - len(chunk)])
             else:
                 waiting.append(i)
                 chunk = chunk + [0] * (n - len(chunk))
-        rows.append((chunk, start, seq.block_table))
-    input_ids, positions, meta, ends = flatten(rows, block_size, host_copies)
-    last = [0] * len(step.seqs)
+        flat.append((chunk, start, row.block_table))
+    input_ids, positions, meta, ends = flatten(flat, block_size, host_copies)
+    last = [0] * len(rows)
     for i, end in zip(order, ends):
         last[i] = end
     return StepInputs(input_ids, positions, meta, last, waiting)

@@ -12,6 +12,7 @@ import torch
 
 from batchjob.engine.worker.model_runner import ModelRunner
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
+from batchjob.engine.core.scheduler_output import WorkerView
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
 from batchjob.errors import KvBudgetError  # noqa: F401 - raised here, defined with the other errors
 
@@ -92,7 +93,7 @@ def gpu_kv_blocks(model, config, per_block: int) -> int:
     tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
     step, used = profile_step(tokens, sched.max_num_seqs, config.block_size)
     runner = ModelRunner(model, used, config.block_size)  # a KV cache just large enough for the profile
-    mem = measure_cuda(lambda: runner.run(step), model.device)
+    mem = measure_cuda(lambda: runner.run(WorkerView().output(step)), model.device)
     del runner  # its KV cache was counted in the peak: it is free again
     nbytes = kv_cache_bytes(mem, config.gpu_memory_utilization) + used * per_block
     return blocks_for(nbytes, per_block, min_blocks=-(-max_len // config.block_size))

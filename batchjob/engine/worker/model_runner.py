@@ -1,23 +1,22 @@
-"""ModelRunner: the in-process Executor (executor.py). Runs one scheduled step, eagerly or as a replayed CUDA graph:
-its flat inputs (input_batch.py) through the staging buffers onto the device, one forward over the KV cache
-(kv_cache.py) with the step's context, the logits of the rows whose tokens are all computed, and one sampling
-pass over them; keeps each row's worker-side state between steps (row_state.py) until the engine releases it."""
+"""ModelRunner: the in-process Executor (executor.py). Runs one scheduled step (a SchedulerOutput), eagerly or as a
+replayed CUDA graph: the step's differences into its persistent batch of rows (input_batch.py InputBatch), their
+flat inputs through the staging buffers onto the device, one forward over the KV cache (kv_cache.py) with the
+step's context, the logits of the rows that sample, and one sampling pass over them. It reads no engine Sequence:
+what it knows of a row is what the scheduler outputs sent it."""
 from __future__ import annotations
 
 import time
 
 import torch
 
+from batchjob.engine.core.scheduler_output import SchedulerOutput
 from batchjob.engine.sample import sampler
-from batchjob.engine.core.scheduler import Step
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs
-from batchjob.engine.worker.input_batch import step_inputs
+from batchjob.engine.worker.input_batch import CachedRow, InputBatch, step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
-from batchjob.engine.worker.row_state import RowStates
 from batchjob.engine.worker.prompt_logprobs import PromptLogprobChunk, score_step
 from batchjob.engine.worker.staging import StagingBuffers
-from batchjob.engine.structured.rows import StructuredRows
 from batchjob.kernels import AttentionMetadata
 from batchjob.kernels.profiling import scope
 from batchjob.models.step_context import StepContext
@@ -25,9 +24,9 @@ from batchjob.models.step_context import StepContext
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 structured: StructuredRows | None = None, graphs: tuple[int, int] | None = None):
-        """`structured`: the engine's structured rows (their masks, per step); `graphs`: (most rows in a step, the
-        longest row) to replay decode steps as CUDA graphs (the model's kernels must capture them)."""
+                 graphs: tuple[int, int] | None = None):
+        """`graphs`: (most rows in a step, the longest row) to replay decode steps as CUDA graphs (the model's
+        kernels must capture them)."""
         model.fit_kernels(block_size)
         self.model = model
         self.block_size = block_size
@@ -35,16 +34,15 @@ class ModelRunner:
         self.staging = StagingBuffers(model.device)
         self.decode_graphs = None if graphs is None else DecodeGraphs(model, self.kv.layers, block_size, *graphs)
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
-        self.structured = structured
-        self.rows = RowStates()  # per-row state kept between steps (penalty counts, pooling sums)
+        self.batch = InputBatch()  # the rows the engine sent, kept between steps until it releases them
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
         """Copy KV blocks to the host pool and back (preemption by swap); returns the blocks moved."""
         return self.kv.swap(swap_out, swap_in)
 
     def release(self, seq_ids) -> None:
-        """Rows that finished: their worker-side state goes."""
-        self.rows.release(seq_ids)
+        """Rows the engine is done with: what the worker kept of them goes."""
+        self.batch.release(seq_ids)
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """A step's inputs and metadata (in place) through the staging buffers onto the model's device."""
@@ -62,13 +60,14 @@ class ModelRunner:
         bitmask, rows = mask.wait()
         return self.staging.to_device("grammar_bitmask", bitmask), self.staging.to_device("grammar_rows", rows)
 
-    def run(self, step: Step, in_flight: StepTokens | None = None) -> StepTokens:
+    def run(self, out: SchedulerOutput, in_flight: StepTokens | None = None) -> StepTokens:
         """One forward over the step, launched; returns its sampled tokens (None for mid-prompt chunks) as a
         handle whose `tolist()` waits for them. On a GPU the host is free until then; on the CPU the forward
         has run by the time this returns. `in_flight`: the step launched before this one, whose tokens are
         not back yet (async scheduling): a row whose last input is its placeholder reads the id that step
         sampled, on the device."""
         self.staging.next_step()
+        step = self.batch.update(out)
         with scope("prepare"):
             inputs = step_inputs(step, self.block_size, self.model.device.type != "cpu")
         input_ids, positions = self.to_device(inputs.input_ids, inputs.positions, inputs.meta)
@@ -79,56 +78,52 @@ class ModelRunner:
             fill = _placeholder_fill(step, inputs.placeholder_rows, last, in_flight, self.staging)
         argmax = self.model.kernels.argmax
         graphs = self.decode_graphs
-        embeds = any(s.params.pooling is not None for s in step.seqs)
+        ids = [r.seq_id for r in step]
+        embeds = any(r.params.pooling is not None for r in step)
         # rows scoring prompt positions in this step (a decode-only step has none)
-        scores = any(s.params.prompt_logprobs is not None and s.num_computed < s.num_prompt - 1 for s in step.seqs)
-        if graphs is not None and not embeds and not scores and graphs.fits(step.num_new):  # every row decodes: all of them sample
-            mask = self.structured.start_mask(step.seqs, None) if self.structured is not None else None
+        scores = any(r.params.prompt_logprobs is not None and r.num_computed < r.num_prompt - 1 for r in step)
+        if graphs is not None and not embeds and not scores and graphs.fits(out.num_new) and all(r.num_sampled == 1 for r in step):
+            # every row decodes and samples one token
             t0 = time.perf_counter()
             logits = graphs.run(input_ids, positions, meta, fill)
             self.model_s += time.perf_counter() - t0
-            rows = list(range(len(step.seqs)))
             with scope("sampler"):
-                sampled = sampler.sample(logits, step.seqs, argmax=argmax, mask=self._staged(mask), states=self.rows)
-            return StepTokens(len(rows), rows, sampled, seqs=step.seqs)
+                sampled = sampler.sample(logits, step, argmax=argmax, mask=self._staged(out.grammar))
+            return StepTokens(len(step), list(range(len(step))), sampled, seq_ids=ids)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
         # rows whose tokens are all computed sample one token; a speculating row samples at its last token
         # and at each of its k proposals (it computes k tokens past its own)
-        rows, spans, at, seqs = [], [], [], []
-        for i, (s, n) in enumerate(zip(step.seqs, step.num_new)):
-            k = s.num_computed + n - s.num_tokens
-            if k >= 0 and not s.params.prefill_only:  # embed rows are pooled, scoring rows sample nothing
+        rows, spans, at, sampling = [], [], [], []
+        for i, r in enumerate(step):
+            if r.num_sampled:
                 rows.append(i)
-                spans.append(k + 1)
-                at.extend(range(last[i] - k, last[i] + 1))
-                seqs.extend([s] * (k + 1))
-        # structured rows: their next-token masks fill on a helper thread while the forward runs
-        sampling = [step.seqs[i] for i in rows]
-        mask = self.structured.start_mask(sampling, spans) if self.structured is not None and rows else None
+                spans.append(r.num_sampled)
+                at.extend(range(last[i] - r.num_sampled + 1, last[i] + 1))
+                sampling.extend([r] * r.num_sampled)
         t0 = time.perf_counter()
         hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, input_ids=input_ids))
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
-        pooled = pool_step(hidden, step, last, self.rows) if embeds else []
+        pooled = pool_step(hidden, step, last) if embeds else []
         scored = score_step(self.model, hidden, step, last) if scores else []
         self.model_s += time.perf_counter() - t0
         if not rows:
-            return StepTokens(len(step.seqs), rows, None, seqs=step.seqs, pooled=pooled, scored=scored)
-        offsets = [j for span in spans for j in range(span)] if len(seqs) > len(rows) else None
+            return StepTokens(len(step), rows, None, seq_ids=ids, pooled=pooled, scored=scored)
+        offsets = [j for span in spans for j in range(span)] if len(sampling) > len(rows) else None
         with scope("sampler"):
-            sampled = sampler.sample(logits, seqs, argmax=argmax, offsets=offsets, mask=self._staged(mask), states=self.rows)
-        return StepTokens(len(step.seqs), rows, sampled, spans if offsets else None, seqs=step.seqs, pooled=pooled,
+            sampled = sampler.sample(logits, sampling, argmax=argmax, offsets=offsets, mask=self._staged(out.grammar))
+        return StepTokens(len(step), rows, sampled, spans if offsets else None, seq_ids=ids, pooled=pooled,
                           scored=scored)
 
 
-def _placeholder_fill(step: Step, waiting: list[int], last: list[int], in_flight: StepTokens,
+def _placeholder_fill(step: list[CachedRow], waiting: list[int], last: list[int], in_flight: StepTokens,
                       staging: StagingBuffers) -> tuple:
     """(batch positions, ids) for the step rows in `waiting`, whose last input is a placeholder: the ids
     `in_flight` sampled for them, still on the device."""
-    index = {id(s): j for j, s in enumerate(in_flight.sampled_seqs())}
+    index = {seq_id: j for j, seq_id in enumerate(in_flight.sampled_ids())}
     at = [last[i] for i in waiting]
-    src = [index[id(step.seqs[i])] for i in waiting]
+    src = [index[step[i].seq_id] for i in waiting]
     ids = in_flight.sampled.ids
     return staging.to_device("fill_at", torch.tensor(at)), ids[staging.to_device("fill_src", torch.tensor(src))]
 
@@ -137,14 +132,14 @@ class StepTokens:
     """A launched step's sampled tokens per row: `tolist()` waits for them. None for mid-prompt chunks, an
     int for a row that sampled one token, a list for a speculating row (one token per verified position)."""
 
-    __slots__ = ("num_rows", "rows", "sampled", "spans", "seqs", "pooled", "scored")
+    __slots__ = ("num_rows", "rows", "sampled", "spans", "seq_ids", "pooled", "scored")
 
     def __init__(self, num_rows: int, rows: list[int], sampled: sampler.SampledTokens | None,
-                 spans: list[int] | None = None, seqs: list | None = None,
+                 spans: list[int] | None = None, seq_ids: list[int] | None = None,
                  pooled: list[tuple[int, torch.Tensor]] | None = None,
                  scored: list[PromptLogprobChunk] | None = None):
         self.num_rows, self.rows, self.sampled, self.spans = num_rows, rows, sampled, spans
-        self.seqs = seqs  # the step's rows (Sequence objects), in step order
+        self.seq_ids = seq_ids or []  # the step's rows, in step order
         self.pooled = pooled or []  # (step row, vector on the device): embed rows whose last chunk ran
         self.scored = scored or []  # the prompt positions this step scored, per row asking for prompt logprobs
 
@@ -156,10 +151,27 @@ class StepTokens:
         """Step row -> (first position scored, its entries: PromptLogprobChunk.tolist()); waits for them."""
         return {c.row: (c.start, c.tolist()) for c in self.scored}
 
-    def sampled_seqs(self) -> list:
-        """The row of each sampled id, in the order of `sampled.ids` (rows of one token only)."""
+    def sampled_ids(self) -> list[int]:
+        """The row (its seq id) of each sampled token, in the order of `sampled.ids` (rows of one token only)."""
         assert self.spans is None, "a speculating step is never in flight"
-        return [self.seqs[i] for i in self.rows]
+        return [self.seq_ids[i] for i in self.rows]
+
+    def logprobs(self) -> dict[int, list]:
+        """Step row -> the logprob entries of the tokens it sampled (engine/sample/sampler.py LogprobEntry), for
+        the rows that asked; waits for the tokens."""
+        if self.sampled is None:
+            return {}
+        entries = self.sampled.logprobs()
+        if not entries:
+            return {}
+        out: dict[int, list] = {}
+        j = 0
+        for i, span in zip(self.rows, self.spans or [1] * len(self.rows)):
+            got = [entries[k] for k in range(j, j + span) if k in entries]
+            if got:
+                out[i] = got
+            j += span
+        return out
 
     def __len__(self) -> int:
         return self.num_rows

@@ -5,22 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.sequence import Pooling
-from batchjob.engine.worker.row_state import RowStates
+from batchjob.engine.worker.input_batch import CachedRow
 
 
-def pool_step(hidden: torch.Tensor, step: Step, last: list[int], states: RowStates) -> list[tuple[int, torch.Tensor]]:
-    """Fold this step's chunk of each embed row into its pooling state (the worker's RowState); returns (step row,
-    vector) for the rows whose last prompt chunk this step computes. Before `Scheduler.advance`: a row's
-    `num_computed` is where its chunk starts; a chunk at 0 starts the pooling afresh (a recomputed row)."""
+def pool_step(hidden: torch.Tensor, rows: list[CachedRow], last: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """Fold this step's chunk of each embed row into its pooling state (CachedRow.pooled); returns (step row,
+    vector) for the rows whose last prompt chunk this step computes. A row's `num_computed` is where its chunk
+    starts; a chunk at 0 starts the pooling afresh (a recomputed row)."""
     done = []
-    for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
-        p = seq.params.pooling
+    for i, row in enumerate(rows):
+        p = row.params.pooling
         if p is None:
             continue
-        start, first = seq.num_computed, last[i] - n + 1
-        row = states.of(seq.seq_id)
+        start, n = row.num_computed, row.num_new
+        first = last[i] - n + 1
         if start == 0:
             row.pooled = None
         if p.pooling == Pooling.MEAN:
@@ -28,10 +27,10 @@ def pool_step(hidden: torch.Tensor, step: Step, last: list[int], states: RowStat
             row.pooled = part if row.pooled is None else row.pooled + part
         elif p.pooling == Pooling.CLS and start == 0:
             row.pooled = hidden[first].float().clone()
-        if start + n < seq.num_tokens:
+        if start + n < row.num_prompt:  # an embed row's tokens are its prompt
             continue
         if p.pooling == Pooling.MEAN:
-            vec = row.pooled / seq.num_prompt
+            vec = row.pooled / row.num_prompt
         elif p.pooling == Pooling.CLS:
             vec = row.pooled
         else:

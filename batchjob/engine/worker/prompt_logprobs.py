@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.engine.core.scheduler import Step
+from batchjob.engine.worker.input_batch import CachedRow
 
 SLICE_ROWS = 512  # positions per LM-head call: bounds the fp32 logits to SLICE_ROWS x vocab
 
@@ -31,15 +31,15 @@ class PromptLogprobChunk:
         return list(zip(lps, am, tops))
 
 
-def score_step(model, hidden: torch.Tensor, step: Step, last: list[int]) -> list[PromptLogprobChunk]:
-    """The prompt positions this step computes for rows asking for prompt logprobs (before
-    `Scheduler.advance`: a row's `num_computed` is where its chunk starts). The last prompt position
+def score_step(model, hidden: torch.Tensor, step_rows: list[CachedRow], last: list[int]) -> list[PromptLogprobChunk]:
+    """The prompt positions this step computes for rows asking for prompt logprobs (a row's `num_computed` is
+    where its chunk starts). The last prompt position
     predicts the first generated token: it is not a prompt logprob. All rows' positions go through the
     LM head together, SLICE_ROWS at a time (a row's values do not depend on its neighbours: the LM head is
     batch invariant and the rest is per position)."""
     rows, at, targets = [], [], []  # (step row, start, count, k); hidden rows; the scored tokens
-    for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
-        k = seq.params.prompt_logprobs
+    for i, seq in enumerate(step_rows):
+        k, n = seq.params.prompt_logprobs, seq.num_new
         if k is None:
             continue
         start = seq.num_computed
