@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from batchjob.device import choose_device, choose_dtype
 from batchjob.engine.engine import Engine
 from batchjob.errors import ChatHintWarning
 from batchjob.job.config import ConfigError, JobConfig, job_values, load_job
@@ -23,16 +22,15 @@ from batchjob.job.engine_setup import build_models, engine_for
 from batchjob.job.in_memory import Result, run_in_memory, score_records
 from batchjob.job.chat_templates import check_chat_template, template_text
 from batchjob.job.keywords import api_words, check_names, job_config
-from batchjob.job.modes import Quantization, Task
+from batchjob.job.modes import Task
 from batchjob.job.options import Api, api_keywords
 from batchjob.job.prompt_builder import PromptBuilder
 from batchjob.job.prompt_records import conversation_records, prompt_records
+from batchjob.job.resolved import ResolvedJob
 from batchjob.job.results import Completion
 from batchjob.job.run import run_job
 from batchjob.job.summary import JobSummary
-from batchjob.job.threads import job_threads
-from batchjob.kernels.quantization import keeps_fp8_codes
-from batchjob.models.loader import load_model, resolve_model_path
+from batchjob.models.loader import resolve_model_path
 
 __all__ = ["LLM", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run", "score"]
 
@@ -62,13 +60,11 @@ class LLM:
         with api_words():
             self.options = {k: v for k, v in engine.items() if v is not None}
             self.config = job_config({"model": model, **self.options})
-            self.device = choose_device(self.config.device)
-            self.dtype = choose_dtype(self.config.dtype, self.device)
-            torch.set_num_threads(job_threads(self.config.threads))
-            self.loaded = load_model(model, dtype=self.dtype, int8_codes=self.config.quantization == Quantization.INT8,
-                                     fp8_codes=keeps_fp8_codes(self.config.quantization, self.device))
+            self.resolved = job = ResolvedJob.of(self.config)  # device, dtype and threads: "auto" decided once
+            torch.set_num_threads(job.threads)
+            self.loaded = job.load(model)
             self.tokenizer = self.loaded.tokenizer
-            self._models = build_models(self.config, self.loaded, self.device, self.dtype)  # they take the weights
+            self._models = build_models(job, self.loaded)  # they take the weights
             self._engine: Engine | None = engine_for(self.config, self.loaded, *self._models)
         self._lock = threading.Lock()
 
@@ -198,10 +194,10 @@ def cached_llm(model: str = "smollm2", **engine: Any) -> LLM:
     threads = engine.pop("threads", None)
     with api_words():
         cfg = job_config({"model": model, "threads": threads, **engine})
-        device = choose_device(cfg.device)
-        key = (str(resolve_model_path(model)), device, str(choose_dtype(cfg.dtype, device)),
+        job = ResolvedJob.of(cfg)
+        key = (str(resolve_model_path(model)), job.device, str(job.dtype),
                *((name, getattr(cfg, name)) for name in ENGINE_OPTIONS if name not in ("dtype", "device", "threads")))
-    torch.set_num_threads(job_threads(cfg.threads))
+    torch.set_num_threads(job.threads)
     with _cache_lock:
         llm = _cache.get(key)
         if llm is None:

@@ -20,6 +20,7 @@ from batchjob.cli.main import main
 from batchjob.job.config import ConfigError, load_job
 from batchjob.engine.core.sequence import SamplingParams
 from batchjob.job.engine_setup import build_engine
+from batchjob.job.resolved import ResolvedJob
 from batchjob.job.keywords import api_message
 from batchjob.models.loader import load_model
 
@@ -63,7 +64,7 @@ def test_plain_prompts_give_one_result_each_in_input_order(llm):
 
 def test_greedy_text_is_the_engines(llm, model_dir):
     loaded = load_model(str(model_dir), dtype=torch.float32)
-    engine = build_engine(load_job(None, {"input": "x", **SMALL}), loaded, "cpu", torch.float32)
+    engine = build_engine(ResolvedJob.of(load_job(None, {"input": "x", "device": "cpu", **SMALL})), loaded)
     ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
     seqs = engine.generate(ids, SamplingParams(max_tokens=7))
     results = llm.generate(PROMPTS, max_tokens=7)
@@ -201,8 +202,10 @@ def test_run_a_dict_and_a_file_return_the_summary(tmp_path, model_dir):
 def test_a_second_generate_with_the_same_model_does_not_load_it_again(model_dir, monkeypatch):
     api.clear_cache()
     loads = []
-    real = api.load_model
-    monkeypatch.setattr(api, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    from batchjob.job import resolved  # the one place a job or an LLM loads its model
+
+    real = resolved.load_model
+    monkeypatch.setattr(resolved, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     first = batchjob.generate(PROMPTS[:2], model=str(model_dir), max_tokens=3, **SMALL)
     llm = api.cached_llm(str(model_dir), **SMALL)
     second = batchjob.generate(PROMPTS[:2], model=str(model_dir), max_tokens=3, temperature=0.5, **SMALL)

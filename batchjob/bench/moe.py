@@ -65,6 +65,7 @@ def run_one(system: str, folder: Path, n: int, prompt: int, max_tokens: int) -> 
         from batchjob.engine.core.sequence import SamplingParams
         from batchjob.job.config import load_job
         from batchjob.job.engine_setup import build_engine
+        from batchjob.job.resolved import ResolvedJob
         from batchjob.models.loader import load_model
     else:
         import transformers
@@ -72,8 +73,9 @@ def run_one(system: str, folder: Path, n: int, prompt: int, max_tokens: int) -> 
     t0 = time.perf_counter()
     if system == "batchjob":
         loaded = load_model(str(folder), dtype=torch.bfloat16)
-        cfg = load_job(None, {"model": str(folder), "input": "-", "output": "-", "max_num_seqs": 64})
-        engine = build_engine(cfg, loaded, "cpu", torch.bfloat16)
+        cfg = load_job(None, {"model": str(folder), "input": "-", "output": "-", "max_num_seqs": 64, "device": "cpu",
+                              "dtype": "bfloat16"})
+        engine = build_engine(ResolvedJob.of(cfg), loaded)
         load_s, rss = time.perf_counter() - t0, _rss()
         engine.generate(ps[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm
         t1 = time.perf_counter()

@@ -2,16 +2,14 @@
 cache), built the same way for `batchjob run` and for the Python API."""
 from __future__ import annotations
 
-import torch
-
 from batchjob.job.config import JobConfig
-from batchjob.job.modes import AsyncScheduling, Preemption, Quantization, Scheduling, SpeculativeMethod
+from batchjob.job.modes import AsyncScheduling, Preemption, Scheduling, SpeculativeMethod
+from batchjob.job.resolved import ResolvedJob
 from batchjob.engine.config import EngineConfig, Lane, SchedulerConfig, speculative_config
 from batchjob.engine.engine import Engine
 from batchjob.models.causal_lm import CausalLM
-from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
 from batchjob.models.registry import build_model
-from batchjob.models.loader import LoadedModel, ModelDescription, ModelLoadError, load_model
+from batchjob.models.loader import LoadedModel, ModelLoadError
 
 
 def lanes_of(cfg: JobConfig) -> list[Lane]:
@@ -20,26 +18,21 @@ def lanes_of(cfg: JobConfig) -> list[Lane]:
     return [Lane(lane["name"], lane.get("priority", 0), float(lane.get("weight", 1.0))) for lane in cfg.lanes]
 
 
-def build_engine(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> Engine:
+def build_engine(job: ResolvedJob, loaded: LoadedModel) -> Engine:
     """The model (which takes the loaded weights: loaded.weights is empty after) and its engine."""
-    return engine_for(cfg, loaded, *build_models(cfg, loaded, device, dtype))
+    return engine_for(job.config, loaded, *build_models(job, loaded))
 
 
-def model_quantization(cfg: JobConfig, loaded: LoadedModel | ModelDescription) -> str:
-    """The format the model's weight matmuls run in: --quantization against a pre-quantized checkpoint's own."""
-    return resolved_quantization(cfg.quantization, loaded.quantization, loaded.quantization_scheme, loaded.name)
-
-
-def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.dtype) -> tuple[CausalLM, CausalLM | None]:
+def build_models(job: ResolvedJob, loaded: LoadedModel) -> tuple[CausalLM, CausalLM | None]:
     """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
+    cfg, dtype, device = job.config, job.dtype, job.device
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
-                        kv_cache_dtype=cfg.kv_cache_dtype, quantization=model_quantization(cfg, loaded),
+                        kv_cache_dtype=cfg.kv_cache_dtype, quantization=job.quantization(loaded),
                         prequantized=loaded.prequantized)
     draft = None
     if cfg.speculative == SpeculativeMethod.DRAFT:
         try:
-            proposer = load_model(cfg.draft_model, dtype=dtype, int8_codes=cfg.quantization == Quantization.INT8,
-                                  fp8_codes=keeps_fp8_codes(cfg.quantization, device))
+            proposer = job.load(cfg.draft_model)
         except ModelLoadError as e:
             raise ModelLoadError(f"--draft-model: {e}") from None
         if proposer.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
@@ -48,7 +41,7 @@ def build_models(cfg: JobConfig, loaded: LoadedModel, device: str, dtype: torch.
                                  "target's tokenizer (e.g. a smaller model of the same family)")
         draft = build_model(proposer.config, proposer.weights, dtype, device, kernels=cfg.kernels,
                             block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
-                            quantization=model_quantization(cfg, proposer), prequantized=proposer.prequantized)
+                            quantization=job.quantization(proposer), prequantized=proposer.prequantized)
     return model, draft
 
 

@@ -29,7 +29,7 @@ WHEN_SET_FIELDS = tuple(name for name, o in OPTIONS.items() if o.identity is Ide
 class ModelFacts:
     """What a fingerprint knows of the model that runs: its identity (models/identity.py), the compute dtype's
     name ("bfloat16") and the format its weight matmuls run in (none | int8 | fp8: a pre-quantized checkpoint's
-    own under --quantization auto; job/engine_setup.py model_quantization)."""
+    own under --quantization auto; job/resolved.py ResolvedJob.quantization)."""
     identity: dict
     dtype: str
     quantization: str

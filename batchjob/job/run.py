@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 from batchjob.job.config import JobConfig
-from batchjob.job.modes import OutputFormat, Quantization, Task
-from batchjob.device import choose_device, choose_dtype, dtype_name
+from batchjob.job.modes import OutputFormat, Task
 from batchjob.job.chat_templates import check_chat_template, read_template
 from batchjob.job.feed import RowFeed
 from batchjob.job.embed_task import resolve_pooling
@@ -31,14 +30,13 @@ from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import JsonlSource, OpenAIBatchSource, Source
-from batchjob.job.engine_setup import build_engine, model_quantization
-from batchjob.kernels.quantization import keeps_fp8_codes
-from batchjob.models.loader import describe_model, load_model, resolve_model_path
+from batchjob.job.engine_setup import build_engine
+from batchjob.job.resolved import ResolvedJob
+from batchjob.models.loader import resolve_model_path
 from batchjob.job.progress import Progress, Snapshot
 from batchjob.job.stats import StatsRecorder
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
-from batchjob.job.threads import job_threads
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
 from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
 from batchjob.job.summary import ChatHint, JobSummary, start_line
@@ -53,42 +51,40 @@ class Job:
         # a mistyped model fails here, before an output folder is created; an embed job's default pooling is the
         # model folder's
         self.cfg = cfg = resolve_pooling(cfg, resolve_model_path(cfg.model))
-        torch.set_num_threads(job_threads(cfg.threads))
+        self.resolved = job = ResolvedJob.of(cfg)  # device, dtype and threads: "auto" decided once
+        torch.set_num_threads(job.threads)
         out, self.shard = output_folder(cfg)
         sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
         # an unsharded job of empty inputs computes nothing: its folder records 0 rows, and no model loads
         self.nothing_to_compute = self.shard is None and len(self.empty_inputs) == len(sources)
         template = read_template(cfg.chat_template) if cfg.chat_template else None
-        device = choose_device(cfg.device)
-        dtype = choose_dtype(cfg.dtype, device)
         # one writer per output folder (a shard's own folder) from before anything in it is touched
         created = [p for p in (out, *(folder for *_, folder, _ in sources)) if not p.exists()]
         self.lock = OutputLock(out)
         if resources is not None:
             resources.enter_context(self.lock)
         try:
-            self._open(cfg, out, sources, restart, device, dtype, template)
+            self._open(cfg, out, sources, restart, job, template)
         except BaseException:
             # nothing was committed: take back the folders this run created (they hold only the lock)
             self.lock.release()
             remove_bare_folders(created)
             raise
 
-    def _open(self, cfg: JobConfig, out: Path, sources: list[OpenedInput], restart: bool, device: str,
-              dtype: torch.dtype, template: str | None) -> None:
+    def _open(self, cfg: JobConfig, out: Path, sources: list[OpenedInput], restart: bool, job: ResolvedJob,
+              template: str | None) -> None:
         if restart:
             clear_for_restart(out, [folder for _, _, folder, _ in sources])
         lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         if self.nothing_to_compute:  # every input is empty: the model is described from its files, not loaded
-            described = describe_model(cfg.model, fp8_codes=keeps_fp8_codes(cfg.quantization, device))
-            self.model_facts = ModelFacts(described.identity, dtype_name(dtype), model_quantization(cfg, described))
+            described = job.describe(cfg.model)
+            self.model_facts = ModelFacts(described.identity, job.dtype_name, job.quantization(described))
             self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
             self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != Task.GENERATE)
             return
-        self.loaded = load_model(cfg.model, dtype=dtype, int8_codes=cfg.quantization == Quantization.INT8,
-                                 fp8_codes=keeps_fp8_codes(cfg.quantization, device))
-        self.engine = build_engine(cfg, self.loaded, device, dtype)  # kernels chosen before any file is written
-        self.model_facts = ModelFacts(self.loaded.identity, dtype_name(dtype), model_quantization(cfg, self.loaded))
+        self.loaded = job.load(cfg.model)
+        self.engine = build_engine(job, self.loaded)  # kernels chosen before any file is written
+        self.model_facts = ModelFacts(self.loaded.identity, job.dtype_name, job.quantization(self.loaded))
         if self.shard is not None:
             sources = [self._claim_shard(*sources[0])]
         if any(self.use_messages.values()) or cfg.chat:  # a broken template fails the job once, not every row

@@ -64,7 +64,7 @@ def test_a_finished_job_run_again_is_said_before_torch_is_imported(tmp_path, tin
 
 
 def test_an_empty_input_loads_no_model(tmp_path, tiny_model_dir, monkeypatch):
-    import batchjob.job.run as job_run
+    import batchjob.job.resolved as job_run  # where a job loads its model
 
     def refuse(*_, **__):
         raise AssertionError("an empty input loaded the model")

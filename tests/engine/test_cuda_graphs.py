@@ -9,6 +9,7 @@ from batchjob.job.config import load_job
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_size
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.job.engine_setup import build_engine
+from batchjob.job.resolved import ResolvedJob
 
 
 def test_graph_sizes_cover_every_batch_up_to_max_num_seqs_with_little_padding():
@@ -57,8 +58,8 @@ def test_the_cuda_graphs_flag_reaches_the_engine(tmp_path, tiny_model_dir):
     import torch
 
     for flag in (True, False):
-        cfg = load_job(None, {"model": "m", "input": "x.jsonl", "cuda_graphs": flag})
+        cfg = load_job(None, {"model": "m", "input": "x.jsonl", "cuda_graphs": flag, "device": "cpu", "dtype": "float32"})
         assert cfg.cuda_graphs is flag
         loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.float32)  # an engine takes its weights
-        engine = build_engine(cfg, loaded, "cpu", torch.float32)
+        engine = build_engine(ResolvedJob.of(cfg), loaded)
         assert engine.config.cuda_graphs is flag and engine.runner.decode_graphs is None

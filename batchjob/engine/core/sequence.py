@@ -11,7 +11,7 @@ from batchjob.engine.core.detokenizer import IncrementalDetokenizer
 from batchjob.engine.structured.spec import StructuredOutputs, parse_structured_outputs
 
 if TYPE_CHECKING:  # a matcher holds torch tensors; this module stays torch-free
-    from batchjob.engine.spec_decode.ngram import RowIndex
+    from batchjob.engine.spec_decode.row_index import RowIndex
     from batchjob.engine.structured.matcher import Matcher
 
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
@@ -220,7 +220,7 @@ class Sequence:
     # params.prompt_logprobs set: one PromptLogprob per prompt position from the second, as its chunks compute
     prompt_logprobs: list | None = None
     draft: list[int] | None = None  # tokens proposed for this step (speculative decoding), verified by the next forward
-    spec_state: RowIndex | None = None  # the proposer's per-row state (engine/spec_decode/ngram.py)
+    spec_state: RowIndex | None = None  # the proposer's per-row state (engine/spec_decode/row_index.py)
     matcher: Matcher | None = None  # structured rows: the grammar's matcher (engine/structured/matcher.py)
     error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
     embedding: list[float] | None = None  # embed rows, once finished: the pooled (and normalised) vector

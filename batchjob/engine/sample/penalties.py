@@ -3,12 +3,19 @@ token counts are kept on the worker's row between steps (CachedRow.penalties) an
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from batchjob.engine.worker.input_batch import CachedRow
+from batchjob.engine.core.sequence import SamplingParams
+
+
+class PenalizedRow(Protocol):
+    """What the penalties read of a row (the worker's CachedRow)."""
+    params: SamplingParams
+    num_prompt: int
+    token_ids: list[int]  # prompt, then output
+    penalties: PenaltyState | None  # kept on the row between steps
 
 
 class PenaltyState:
@@ -17,12 +24,12 @@ class PenaltyState:
 
     __slots__ = ("prompt_ids", "counts", "counted")
 
-    def __init__(self, row: CachedRow, device: torch.device):
-        self.prompt_ids = torch.tensor(sorted(set(row.prompt_ids)), dtype=torch.long, device=device)
+    def __init__(self, row: PenalizedRow, device: torch.device):
+        self.prompt_ids = torch.tensor(sorted(set(row.token_ids[:row.num_prompt])), dtype=torch.long, device=device)
         self.counts: dict[int, int] = {}
         self.counted = 0
 
-    def catch_up(self, row: CachedRow) -> dict[int, int]:
+    def catch_up(self, row: PenalizedRow) -> dict[int, int]:
         """The output tokens counted so far (a penalized row's steps run one after another: its tokens are known)."""
         counts = self.counts
         for t in row.token_ids[row.num_prompt + self.counted:]:
@@ -31,7 +38,7 @@ class PenaltyState:
         return counts
 
 
-def apply_penalties(logits: torch.Tensor, penalized: list[int], rows: Seq[CachedRow]) -> None:
+def apply_penalties(logits: torch.Tensor, penalized: list[int], rows: Seq[PenalizedRow]) -> None:
     """In place on logits [B, V], as vLLM: the repetition penalty over every token id seen in the prompt or
     the output (positive logits divided by it, negative multiplied), then logit -= frequency * count +
     presence * (count > 0) over the output tokens. Touches only the (row, token) pairs that occur. `penalized`: the

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
 from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.sample.penalties import PenaltyState
 from batchjob.kernels import AttentionMetadata
-
-if TYPE_CHECKING:
-    from batchjob.engine.sample.penalties import PenaltyState
 
 
 @dataclass(slots=True, eq=False)
@@ -38,10 +34,6 @@ class CachedRow:
     num_new: int = 0  # this step: tokens it computes
     num_sampled: int = 0  # this step: positions sampled (0, 1, or 1 + proposals)
     draft: tuple[int, ...] = ()  # this step: the proposals it verifies
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt]
 
     @property
     def num_output(self) -> int:

@@ -1,0 +1,51 @@
+"""A job's "auto" choices made once, into a frozen ResolvedJob: the device, the compute dtype and the threads before
+the model loads, and from the model's files the format its weight matmuls run in. `batchjob run` (job/run.py) and
+the Python API (api.py) each build one and read these from it; nothing after them reads cfg.device, cfg.dtype or
+cfg.threads again, or decides a model's quantization a second way."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchjob.device import choose_device, choose_dtype, dtype_name
+from batchjob.job.modes import Quantization
+from batchjob.job.options import JobConfig
+from batchjob.job.threads import job_threads
+from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
+from batchjob.models.loader import LoadedModel, ModelDescription, describe_model, load_model
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedJob:
+    config: JobConfig
+    device: str  # "cpu" or "cuda": --device auto picks CUDA when torch sees a GPU
+    dtype: torch.dtype  # --dtype auto: bf16 where the CPU computes in it natively (device.py), else fp32
+    threads: int  # --threads 0: the CPUs this process may use (affinity, cgroup quota)
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> ResolvedJob:
+        device = choose_device(cfg.device)
+        return cls(cfg, device, choose_dtype(cfg.dtype, device), job_threads(cfg.threads))
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def keeps_fp8_codes(self) -> bool:
+        """An fp8 checkpoint's weights stay fp8 codes (the device runs fp8 matmuls) instead of being widened at load."""
+        return keeps_fp8_codes(self.config.quantization, self.device)
+
+    def load(self, source: str) -> LoadedModel:
+        """A model's weights and tokenizer as this job computes with them (int8 codes kept for --quantization int8)."""
+        return load_model(source, dtype=self.dtype, int8_codes=self.config.quantization == Quantization.INT8,
+                          fp8_codes=self.keeps_fp8_codes)
+
+    def describe(self, source: str) -> ModelDescription:
+        """The model's facts from its config and headers only (a job with nothing to compute loads no weights)."""
+        return describe_model(source, fp8_codes=self.keeps_fp8_codes)
+
+    def quantization(self, model: LoadedModel | ModelDescription) -> str:
+        """The format a model's weight matmuls run in: --quantization against a pre-quantized checkpoint's own."""
+        return resolved_quantization(self.config.quantization, model.quantization, model.quantization_scheme, model.name)
