@@ -14,8 +14,8 @@ TOP_LEVEL: dict[str, tuple[str, ...]] = {
     "batchjob.version": (),
     "batchjob.errors": (),
     "batchjob.device": ("batchjob.errors",),
-    "batchjob.api": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.device",
-                     "batchjob.errors", "batchjob.version"),
+    "batchjob.api": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.images",
+                     "batchjob.device", "batchjob.errors", "batchjob.version"),
     "batchjob": ("batchjob.api", "batchjob.errors", "batchjob.version"),
     "batchjob.__main__": ("batchjob.cli",),
 }
@@ -26,13 +26,15 @@ LAYERS = {
     "batchjob.models": ("batchjob.kernels", "batchjob.errors"),
     "batchjob.engine": ("batchjob.models", "batchjob.kernels", "batchjob.errors"),
     "batchjob.io": ("batchjob.errors", "batchjob.version"),
+    "batchjob.images": ("batchjob.errors",),  # reading and decoding a row's images, pixel values
     "batchjob.cluster": ("batchjob.io", "batchjob.errors"),
     "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
-                     "batchjob.device", "batchjob.errors", "batchjob.version"),
+                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.version"),
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
-                     "batchjob.cluster", "batchjob.errors", "batchjob.version", "batchjob.bench"),
+                     "batchjob.cluster", "batchjob.images", "batchjob.errors", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
-                       "batchjob.io", "batchjob.cluster", "batchjob.device", "batchjob.errors", "batchjob.version"),
+                       "batchjob.io", "batchjob.cluster", "batchjob.images", "batchjob.device", "batchjob.errors",
+                       "batchjob.version"),
 }
 # what the job, the API, the command line and the cluster code may import of the engine: its surface (requests in,
 # outputs out, the Engine, and the config it is built with); never engine/core, worker, sample, spec_decode, structured

@@ -143,6 +143,10 @@ def _messages(value) -> list[dict]:
         m = dict(m)
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only, joined as vLLM does
+            for k, p in enumerate(content):
+                if isinstance(p, dict) and p.get("type") in ("image_url", "input_image"):
+                    raise ValueError(f"body.messages[{i}].content[{k}]: an image part: images are not supported yet "
+                                     "(no vision-language model runs here yet); send text parts only")
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ValueError(f"body.messages[{i}].content: only text parts are supported")
             m["content"] = "\n".join(p["text"] for p in content)

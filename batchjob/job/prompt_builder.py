@@ -216,6 +216,9 @@ def named(key: str, in_memory: bool = False) -> str:
     return key if in_memory else f"column {key!r}"
 
 
+IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI's chat and Responses names, and transformers'
+
+
 def chat_message(message, index: int, where: str) -> dict:
     """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
     accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
@@ -228,6 +231,9 @@ def chat_message(message, index: int, where: str) -> dict:
     if isinstance(content, list):
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PARTS:
+                raise RowError(f"{where}: content part {k} is an image ({kind}): images are not supported yet (no "
+                               "vision-language model runs here yet); send text parts only")
             if kind != "text" or not isinstance(part.get("text"), str):
                 got = f"type {kind!r}" if isinstance(kind, str) else "no text"
                 raise RowError(f"{where}: content part {k} has {got}; only text parts are supported")

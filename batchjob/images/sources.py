@@ -1,0 +1,147 @@
+"""A row's images, read from where the row names them: an OpenAI `image_url` part's url (a `data:` URI, a local path or
+`file://` URL, an `http(s)://` URL), an image column's value (bytes, a path, or the `{bytes, path}` struct that Hugging
+Face `datasets` writes for its Image feature), or a PIL image given to the Python API. Each becomes an ImageInput: the
+decoded RGB picture's source bytes and their SHA-256 (what prefix-cache keys and the job's fingerprint use: the
+same image by any route is the same image). Anything that cannot be read or decoded is an ImageError naming the part
+and why; the job fails that row alone."""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+MAX_IMAGE_BYTES = 20 << 20  # an http(s) image larger than this fails its row (vLLM's media connector has no cap)
+HTTP_TIMEOUT_S = 10.0
+MAX_PIXELS = 64 << 20  # a decoded image of more pixels fails its row (Pillow's decompression-bomb guard is 89M)
+
+
+class ImageError(ValueError):
+    """A row's image that cannot be used; the message names the part and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    image: Image.Image  # decoded, RGB (transparency composited onto white later, by the processor as transformers does)
+    digest: str  # SHA-256 hex of the source bytes (of the pixels, for a PIL image given in memory)
+    origin: str  # where it came from, for messages: "data: URI", a path, a url, "bytes", "PIL image"
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+
+def from_bytes(data: bytes, origin: str) -> ImageInput:
+    """Decode an encoded image (PNG, JPEG, WebP, GIF: its first frame, ...)."""
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > MAX_PIXELS:
+            raise ImageError(f"{origin}: {img.width} x {img.height} pixels is more than {MAX_PIXELS:,}")
+        img.seek(0)  # an animation's first frame
+        img.load()
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"{origin}: does not decode as an image ({type(e).__name__}: {e})") from None
+    return ImageInput(img, hashlib.sha256(data).hexdigest(), origin)
+
+
+def from_pil(img: Image.Image) -> ImageInput:
+    """A PIL image given in memory (the Python API): its digest is over its mode, size and pixels."""
+    img.load()
+    h = hashlib.sha256(f"{img.mode} {img.width}x{img.height}\0".encode())
+    h.update(img.tobytes())
+    return ImageInput(img, h.hexdigest(), "PIL image")
+
+
+def from_path(path: str | Path, base: Path | None) -> ImageInput:
+    """A local file; a relative path resolves against `base` (the input file's folder)."""
+    p = Path(path).expanduser()
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        hint = f" (a relative path resolves against {base})" if base is not None and not Path(path).is_absolute() else ""
+        raise ImageError(f"{path}: cannot read the image file: {e.strerror or e}{hint}") from None
+    return from_bytes(data, str(p))
+
+
+def from_url(url: str, base: Path | None = None, timeout: float = HTTP_TIMEOUT_S,
+             max_bytes: int = MAX_IMAGE_BYTES) -> ImageInput:
+    """An OpenAI `image_url` url: `data:image/...;base64,...`, `file://...`, `http(s)://...`, or a plain path."""
+    if not isinstance(url, str) or not url:
+        raise ImageError(f"image_url.url: expected a non-empty string, got {url!r:.60}")
+    scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
+    if scheme == "data":
+        return from_bytes(_data_uri(url), "data: URI")
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(url)
+        return from_path(urllib.parse.unquote(parsed.path), base)
+    if scheme in ("http", "https"):
+        return from_bytes(_fetch(url, timeout, max_bytes), url)
+    if scheme and len(scheme) > 1:  # "c:" is a Windows drive, not a scheme
+        raise ImageError(f"{url:.80}: unsupported url scheme {scheme!r}; use a data: URI, a path, file:// or http(s)://")
+    return from_path(url, base)
+
+
+def from_column(value, base: Path | None) -> list[ImageInput]:
+    """An image column's value: bytes, a path, the `{bytes, path}` struct of a `datasets` Image feature, or a list
+    of any of them (None: no image)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [img for v in value for img in from_column(v, base)]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return [from_bytes(bytes(value), "bytes")]
+    if isinstance(value, str):
+        return [from_url(value, base)]
+    if isinstance(value, dict) and set(value) <= {"bytes", "path"}:
+        if value.get("bytes") is not None:
+            return [from_bytes(bytes(value["bytes"]), value.get("path") or "bytes")]
+        if value.get("path"):
+            return [from_path(value["path"], base)]
+        return []
+    if isinstance(value, Image.Image):
+        return [from_pil(value)]
+    raise ImageError(f"expected bytes, a path or url, a {{bytes, path}} struct or a list of them, got "
+                     f"{type(value).__name__}")
+
+
+def _data_uri(url: str) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep:
+        raise ImageError("data: URI: no ',' before the data")
+    if not head.lower().endswith(";base64"):
+        raise ImageError(f"data: URI: only base64 data is supported ({head[:40]!r}); write data:image/png;base64,...")
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"data: URI: not valid base64 ({e})") from None
+
+
+def _fetch(url: str, timeout: float, max_bytes: int) -> bytes:
+    req = urllib.request.Request(url, headers={"User-Agent": "batchjob"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            length = r.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > max_bytes:
+                raise ImageError(f"{url}: {int(length):,} bytes is more than the {max_bytes:,} bytes an image may have")
+            data = r.read(max_bytes + 1)
+    except ImageError:
+        raise
+    except urllib.error.HTTPError as e:
+        raise ImageError(f"{url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ImageError(f"{url}: unreachable ({reason})") from None
+    if len(data) > max_bytes:
+        raise ImageError(f"{url}: more than the {max_bytes:,} bytes an image may have")
+    return data

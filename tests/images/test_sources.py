@@ -1,0 +1,85 @@
+"""A row's images from every route a user names them by (data: URIs, paths relative to the input file, file://,
+http(s) from a local server, bytes, the `datasets` Image struct, PIL images), and each bad case a clear error
+naming the part."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import threading
+from functools import partial
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from batchjob.images.sources import ImageError, from_column, from_pil, from_url
+
+
+def png(w=20, h=12, seed=0) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture()
+def server(tmp_path):
+    """A local http.server on 127.0.0.1 serving tmp_path."""
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_every_route_gives_the_same_image_and_digest(tmp_path, server):
+    data = png()
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics/a.png").write_bytes(data)
+    routes = [from_url(data_uri(data)), from_url("pics/a.png", base=tmp_path), from_url(f"file://{tmp_path}/pics/a.png"),
+              from_url(str(tmp_path / "pics/a.png")), from_url(f"{server}/pics/a.png"),
+              *from_column(data, None), *from_column({"bytes": data, "path": "a.png"}, None),
+              *from_column({"bytes": None, "path": "pics/a.png"}, tmp_path), *from_column("pics/a.png", tmp_path)]
+    want = hashlib.sha256(data).hexdigest()
+    assert all(r.digest == want and r.size == (20, 12) for r in routes)
+    assert all(np.array_equal(np.array(r.image), np.array(routes[0].image)) for r in routes)
+    assert [r.digest for r in from_column([data, png(seed=1)], None)] == [want, hashlib.sha256(png(seed=1)).hexdigest()]
+    assert from_column(None, None) == []
+
+
+def test_a_gif_gives_its_first_frame_and_pil_images_hash_their_pixels():
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 255, 0))]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    got = from_url(data_uri(buf.getvalue(), "image/gif"))
+    assert got.image.convert("RGB").getpixel((0, 0)) == (255, 0, 0)
+    a, b = from_pil(frames[0]), from_pil(frames[0].copy())
+    assert a.digest == b.digest != from_pil(frames[1]).digest
+    assert from_column(frames[1], None)[0].digest == from_pil(frames[1]).digest
+
+
+def test_each_bad_image_is_an_error_naming_it(tmp_path, server):
+    (tmp_path / "junk.png").write_bytes(b"not an image at all")
+    (tmp_path / "big.png").write_bytes(png(400, 400))
+    cases = [
+        (lambda: from_url("data:image/png;base64,%%%"), "does not decode"),
+        (lambda: from_url("data:image/png,rawbytes"), "only base64"),
+        (lambda: from_url("missing.png", base=tmp_path), "missing.png: cannot read the image file"),
+        (lambda: from_url("junk.png", base=tmp_path), "does not decode as an image"),
+        (lambda: from_url(f"{server}/nothing.png"), "HTTP 404"),
+        (lambda: from_url("http://127.0.0.1:9/x.png", timeout=2), "unreachable"),
+        (lambda: from_url(f"{server}/big.png", max_bytes=1000), "more than the 1,000 bytes"),
+        (lambda: from_url("ftp://host/x.png"), "unsupported url scheme 'ftp'"),
+        (lambda: from_url(""), "non-empty string"),
+        (lambda: from_column(3.5, None), "got float"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ImageError) as e:
+            call()
+        assert words in str(e.value), (words, str(e.value))
