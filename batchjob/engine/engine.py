@@ -278,9 +278,10 @@ class Engine:
     def _output(self, step: Step) -> SchedulerOutput:
         """The step as the executor is sent it, with the structured rows' mask started for its sampled positions."""
         out = self.view.output(step)
-        sampling = [(seq, r.num_sampled) for seq, r in zip(step.seqs, out.rows) if r.num_sampled]
-        if sampling:
-            out.grammar = self.structured.start_mask([seq for seq, _ in sampling], [n for _, n in sampling])
+        if self.structured.stats.rows:  # a row with a grammar was admitted
+            sampling = [(seq, r.num_sampled) for seq, r in zip(step.seqs, out.rows) if r.num_sampled]
+            if sampling:
+                out.grammar = self.structured.start_mask([seq for seq, _ in sampling], [n for _, n in sampling])
         return out
 
     def _can_overlap(self, pending: _Pending) -> bool:

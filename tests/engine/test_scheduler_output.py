@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.scheduler_output import NewRow, RowUpdate, ScheduledRow, SchedulerOutput
+from batchjob.engine.core.scheduler_output import SchedulerOutput
 from batchjob.engine.core.sequence import SamplingParams, Sequence
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.sample.row_keys import row_key
@@ -21,10 +21,8 @@ def _plain(value) -> bool:
     """Plain data only: numbers, tuples, frozensets and the row's (frozen) SamplingParams; no engine object."""
     if isinstance(value, PLAIN) or isinstance(value, SamplingParams):
         return True
-    if isinstance(value, (tuple, frozenset, list)):
+    if isinstance(value, (tuple, frozenset, list)):  # NewRow, RowUpdate and ScheduledRow are NamedTuples
         return all(_plain(v) for v in value)
-    if isinstance(value, (NewRow, RowUpdate, ScheduledRow)):
-        return all(_plain(getattr(value, f)) for f in value.__slots__)
     return False
 
 

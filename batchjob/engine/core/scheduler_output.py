@@ -8,7 +8,7 @@ them (Executor.release)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.sequence import SamplingParams, Sequence
@@ -17,8 +17,7 @@ if TYPE_CHECKING:  # a step mask holds torch tensors; this module stays torch-fr
     from batchjob.engine.structured.rows import StepMask
 
 
-@dataclass(frozen=True, slots=True)
-class NewRow:
+class NewRow(NamedTuple):  # NamedTuples: immutable, and made at C speed (a step makes one per row)
     """A row the worker has not seen: what it keeps of it between steps."""
     seq_id: int
     num_prompt: int
@@ -29,8 +28,7 @@ class NewRow:
     stop_token_set: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: masked until min_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class RowUpdate:
+class RowUpdate(NamedTuple):
     """A row the worker holds, changed since it last saw it."""
     seq_id: int
     new_token_ids: tuple[int, ...]  # known tokens it has not been sent, in order
@@ -38,8 +36,7 @@ class RowUpdate:
     new_blocks: tuple[int, ...]  # ... followed by these
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRow:
+class ScheduledRow(NamedTuple):
     """One row of the step, in the step's order."""
     seq_id: int
     num_computed: int  # tokens whose K/V are cached before this step
@@ -65,25 +62,20 @@ class SchedulerOutput:
 def num_sampled(seq: Sequence, num_new: int) -> int:
     """Positions a row samples in a step that computes `num_new` of its tokens: none while its prompt is still
     being read (or for an embed or scoring row), one at its last token, plus one per proposal it verifies."""
-    k = seq.num_computed + num_new - seq.num_tokens  # proposals past its known tokens (and placeholders)
+    k = seq.num_computed + num_new - len(seq.token_ids) - seq.num_placeholders  # proposals past its known tokens
     return k + 1 if k >= 0 and not seq.params.prefill_only else 0
-
-
-@dataclass(slots=True)
-class _Sent:
-    num_tokens: int  # leading token ids the worker holds
-    table: list[int]  # the Sequence's block table list it was sent from (a new list means a new table)
-    blocks: list[int]  # the worker's copy of that table
 
 
 class WorkerView:
     """What the worker was sent of each row, so the next SchedulerOutput carries the difference. A row's block
-    table list only grows (blocks appended); anything else gives the row a new list (BlockPool.shrink after
-    rejected proposals, a preemption, a swap): the worker then keeps the prefix its copy shares with the new table
-    (none after a preemption) and is sent the rest."""
+    table list only grows (blocks appended) and is never changed otherwise: anything else gives the row a new list
+    (BlockPool.shrink after rejected proposals, a preemption, a swap) and leaves the old one as it was. So the
+    view keeps, per row, the list it last sent from and how many of its blocks the worker holds: the same list,
+    the worker keeps them all; a new one, it keeps the prefix the two share (none after a preemption)."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, _Sent] = {}
+        # seq id -> [tokens the worker holds, the block table list sent from, blocks of it the worker holds]
+        self._sent: dict[int, list] = {}
 
     def output(self, step: Step) -> SchedulerOutput:
         """The step as the worker needs it (before `Scheduler.advance`)."""
@@ -91,23 +83,24 @@ class WorkerView:
         for seq in step.preempted:
             sent = self._sent.get(seq.seq_id)
             if sent is not None:
-                sent.blocks.clear()
+                sent[2] = 0
                 out.preempted_ids.append(seq.seq_id)
+        rows, new_rows, sent_of = out.rows, out.new_rows, self._sent
         for seq, n in zip(step.seqs, step.num_new):
-            table, sent = seq.block_table, self._sent.get(seq.seq_id)
+            seq_id, table, tokens = seq.seq_id, seq.block_table, seq.token_ids
+            sent = sent_of.get(seq_id)
             if sent is None:
-                out.new_rows.append(NewRow(seq.seq_id, seq.num_prompt, tuple(seq.token_ids), tuple(table), seq.params,
-                                           seq.rng_key, seq.stop_token_set))
-                self._sent[seq.seq_id] = _Sent(len(seq.token_ids), table, list(table))
+                new_rows.append(NewRow(seq_id, len(seq.prompt_ids), tuple(tokens), tuple(table), seq.params, seq.rng_key,
+                                       seq.stop_token_set))
+                sent_of[seq_id] = [len(tokens), table, len(table)]
             else:
-                kept = len(sent.blocks) if sent.table is table else _shared_prefix(sent.blocks, table)
-                if len(seq.token_ids) > sent.num_tokens or kept != len(sent.blocks) or kept < len(table):
-                    out.updates.append(RowUpdate(seq.seq_id, tuple(seq.token_ids[sent.num_tokens:]), kept,
-                                                 tuple(table[kept:])))
-                    sent.num_tokens, sent.table = len(seq.token_ids), table
-                    del sent.blocks[kept:]
-                    sent.blocks.extend(table[kept:])
-            out.rows.append(ScheduledRow(seq.seq_id, seq.num_computed, n, num_sampled(seq, n), tuple(seq.draft or ())))
+                held, old, blocks = sent
+                kept = blocks if old is table else _shared_prefix(old, blocks, table)
+                if len(tokens) > held or kept != blocks or kept < len(table):
+                    out.updates.append(RowUpdate(seq_id, tuple(tokens[held:]), kept, tuple(table[kept:])))
+                    sent[0], sent[1], sent[2] = len(tokens), table, len(table)
+            draft = seq.draft
+            rows.append(ScheduledRow(seq_id, seq.num_computed, n, num_sampled(seq, n), tuple(draft) if draft else ()))
         return out
 
     def release(self, seq_ids) -> None:
@@ -119,10 +112,10 @@ class WorkerView:
         return len(self._sent)
 
 
-def _shared_prefix(sent: list[int], table: list[int]) -> int:
-    """How many leading blocks two tables share."""
-    n = min(len(sent), len(table))
+def _shared_prefix(old: list[int], held: int, table: list[int]) -> int:
+    """How many leading blocks a table shares with the first `held` of an old one."""
+    n = min(held, len(table))
     i = 0
-    while i < n and sent[i] == table[i]:
+    while i < n and old[i] == table[i]:
         i += 1
     return i
