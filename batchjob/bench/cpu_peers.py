@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,9 @@ def run_llama_cpp(binary: Path, gguf: str, threads: int, timeout: float) -> dict
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     process_s = time.perf_counter() - t0
+    if out.returncode < 0:  # seen on an AVX-512 VM with AMX flags: its AMX matmul segfaults (-DGGML_AMX_*=OFF avoids it)
+        raise RuntimeError(f"llama-batched-bench was killed by {signal.Signals(-out.returncode).name} "
+                           f"({(out.stderr.strip().splitlines() or ['no output'])[-1]!r:.120})")
     if out.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
     rows = [ln for ln in out.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", ln)]
@@ -112,20 +116,25 @@ def worker(quantization: str, threads: int) -> dict:
 
 
 def ceilings(threads: int) -> dict:
-    """This machine's weight-matmul rate on SmolLM2's shapes (fp32 oneDNN-packed, as the engine runs it; the native
-    int8 kernel) at 64 and 512 rows, and its read bandwidth (a 1 GiB sum)."""
+    """This machine's weight-matmul rate on SmolLM2's shapes (oneDNN-packed, as the engine runs them: fp32, and bf16
+    where the default dtype is bf16; the native int8 kernel) at 64 and 512 rows, and its read bandwidth (a 1 GiB
+    sum)."""
     import torch
 
     from batchjob.bench import roofline
     from batchjob.bench.models import ModelSpec
+    from batchjob.device import choose_dtype, dtype_name
 
     if threads:
         torch.set_num_threads(threads)
     spec = ModelSpec("smollm2", "", 576, 1536, 30, 576, 192, 49152)
-    out = {"matmul_params": spec.matmul_params, "matmul_params_no_head": spec.matmul_params_no_head}
-    for rows in (64, 512):
-        s = roofline.time_matmuls(spec, rows, torch.float32, min_s=0.5, reps=2)
-        out[f"fp32_gflops_{rows}"] = 2 * spec.matmul_params * rows / s / 1e9
+    default = choose_dtype(None, "cpu")
+    out = {"matmul_params": spec.matmul_params, "matmul_params_no_head": spec.matmul_params_no_head,
+           "default_dtype": dtype_name(default)}
+    for dtype in sorted({torch.float32, default}, key=str):
+        for rows in (64, 512):
+            s = roofline.time_matmuls(spec, rows, dtype, min_s=0.5, reps=2)
+            out[f"{dtype_name(dtype)}_gflops_{rows}"] = 2 * spec.matmul_params * rows / s / 1e9
     try:
         from batchjob.kernels.linear_int8 import Int8Linear
 
@@ -167,13 +176,13 @@ def shares(r: dict, c: dict) -> dict:
     if r.get("prefill_tok_s_mixed"):
         flops = 2 * c["matmul_params_no_head"] * r["prefill_tok_s_mixed"]
         out["prefill_gflops"] = flops / 1e9
-        out["prefill_share_of_gemm"] = flops / 1e9 / c["fp32_gflops_512"] if "int8" not in r["system"] else \
+        out["prefill_share_of_gemm"] = flops / 1e9 / c[f"{r['dtype']}_gflops_512"] if "int8" not in r["system"] else \
             flops / 1e9 / c.get("int8_gops_512", float("nan"))
     if r.get("decode_step_ms_64"):
         step = r["decode_step_ms_64"] / 1e3
         flops = 2 * c["matmul_params"] * ROWS
         out["decode_gflops"] = flops / step / 1e9
-        key = "int8_gops_64" if "int8" in r["system"] else "fp32_gflops_64"
+        key = "int8_gops_64" if "int8" in r["system"] else f"{r['dtype']}_gflops_64"
         out["decode_share_of_gemm"] = flops / step / 1e9 / c.get(key, float("nan"))
         weight_bytes = c["matmul_params"] * (1 if "int8" in r["system"] else {"float32": 4, "bfloat16": 2}[r["dtype"]])
         ctx = PROMPT + GEN // 2  # the mean context of the decode steps
@@ -234,7 +243,8 @@ def line(r: dict) -> str:
 def text(report: dict) -> str:
     c, m = report["ceilings"], report["machine"]
     lines = [f"{m['cpu']} ({' '.join(m['flags'])}; native path {m['native_path']}); {report['workload']}",
-             f"ceilings: fp32 matmuls {c['fp32_gflops_64']:.0f} / {c['fp32_gflops_512']:.0f} GFLOP/s at 64 / 512 rows; "
+             f"ceilings: fp32 matmuls {c['float32_gflops_64']:.0f} / {c['float32_gflops_512']:.0f} GFLOP/s at 64 / 512 rows; "
+             + (f"bf16 {c['bfloat16_gflops_64']:.0f} / {c['bfloat16_gflops_512']:.0f}; " if "bfloat16_gflops_64" in c else "")
              + (f"int8 {c['int8_gops_64']:.0f} / {c['int8_gops_512']:.0f} GOP/s; " if "int8_gops_64" in c else "")
              + f"read {c['read_gb_s']:.1f} GB/s"]
     for r in report["runs"]:
