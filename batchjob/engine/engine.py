@@ -146,13 +146,16 @@ class Engine:
                                            include_stop_str_in_output=p.include_stop_str_in_output)
         self._next_id += 1
         return Sequence(self._next_id, list(request.prompt_ids), p, lane=request.lane, detokenizer=detok,
-                        rng_key=sequence_key(p, request.seed, request.row_index, request.completion))
+                        rng_key=sequence_key(p, request.seed, request.row_index, request.completion),
+                        images=request.images)
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run. A
         structured row waits outside the scheduler while its grammar compiles; one whose grammar fails
         to compile then finishes with reason "error" (`seq.error`) from `step`."""
         err = self.scheduler.never_fits(seq)
+        if err is None and seq.images:
+            err = self._images_error(seq)
         if err is None and seq.params.prefill_only and self.proposer is not None:
             err = "an embed or scoring row cannot run with speculative decoding (it generates nothing)"
         if err is None and seq.params.structured_outputs is not None:
@@ -165,6 +168,19 @@ class Engine:
         if err is None:
             self._queue(seq)
         return err
+
+    def _images_error(self, seq: Sequence) -> str | None:
+        """Why a row's images cannot run here: a text-only model, or placeholder runs outside the prompt or
+        overlapping."""
+        if self.model.image_encoder is None:
+            return "images: this model is a text-only model; images need a vision-language model"
+        end = 0
+        for k, img in enumerate(seq.images):
+            if img.offset < end or img.length < 1 or img.offset + img.length > seq.num_prompt:
+                return (f"images: image {k}'s placeholders ({img.offset}..{img.offset + img.length}) overlap another's or "
+                        f"run past the prompt ({seq.num_prompt} tokens)")
+            end = img.offset + img.length
+        return None
 
     def _queue(self, seq: Sequence) -> None:
         p = seq.params

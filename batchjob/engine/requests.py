@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchjob.engine.core.sequence import Pooling, PoolingParams, SamplingParams, Sequence
+from batchjob.engine.core.sequence import ImageSlot, Pooling, PoolingParams, SamplingParams, Sequence
 from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
 
-__all__ = ["EngineRequest", "Pooling", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputsError",
+__all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputsError",
            "from_response_format"]
 
 
@@ -24,6 +24,7 @@ class EngineRequest:
     row_index: int
     completion: int = 0  # which of the row's n completions (or of an embeddings line's inputs)
     lane: str = "default"
+    images: tuple[ImageSlot, ...] = ()  # the prompt's images: their placeholder runs, digests and pixel values
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """CausalLM: what the engine, the runner, the job and the bench use of a model, whatever its family."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,5 +30,11 @@ class CausalLM(Protocol):
         """The final hidden states [T, hidden] of the step's tokens (models/step_context.py)."""
 
     def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    # a vision-language family's image encoder: pixel values [B, 3, S, S] -> [B, tokens per image, hidden]; else None
+    image_encoder: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids' input embeddings, as the forward looks them up (a step's inputs_embeds start from these)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -26,7 +26,7 @@ class DecoderLM:
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor, final_norm: torch.Tensor,
                  lm_head: WeightMatmul, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
                  kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
-                 features: frozenset[ModelFeature] = DECODER_FEATURES):
+                 features: frozenset[ModelFeature] = DECODER_FEATURES, image_encoder=None):
         """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
         tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
         that cannot run here."""
@@ -37,6 +37,8 @@ class DecoderLM:
         self.kv_cache_dtype = kv_cache_dtype  # auto (the compute dtype) | int8 | int4 (kernels/reference/kv_quant.py)
         self.quantization = quantization  # the weight matmuls' format (none | int8 | fp8), as build_model built them
         self.features = features  # what a step may carry (the family's declaration)
+        # a vision-language family's: pixel values [B, 3, S, S] -> [B, tokens per image, hidden] (models/vision/)
+        self.image_encoder = image_encoder
         self.layers = layers
         self.embed = embed
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
@@ -93,13 +95,17 @@ class DecoderLM:
                 x = _add_norm(ops, x, h, after, eps)
         return x
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids' input embeddings (scaled as the family does): what a step's inputs_embeds start from."""
+        h = F.embedding(ids, self.embed)
+        return h if self.embed_scale is None else h * self.embed_scale
+
     def embeddings(self, step: StepContext) -> torch.Tensor:
         """The step's input embeddings: given (a copy: the residual stream is written in place), or looked up and
         scaled where the family scales them (Gemma)."""
         if step.inputs_embeds is not None:
             return step.inputs_embeds.to(self.dtype, copy=True)
-        h = F.embedding(step.input_ids, self.embed)
-        return h if self.embed_scale is None else h * self.embed_scale
+        return self.embed_tokens(step.input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.raw_logits(hidden).float()

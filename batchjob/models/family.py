@@ -22,6 +22,8 @@ class ModelParts:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
     rotaries: list[RotaryEmbedding]
+    # a vision-language family's image encoder: pixel values [B, 3, S, S] -> [B, tokens per image, hidden]
+    image_encoder: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +56,6 @@ class Family:
     # undoes what the converter did to one tensor's values, given its HF name (llama's Q/K row permute, Gemma's
     # norms stored as 1 + w); vectors (norms, biases) arrive in float32, matrices in the load dtype
     gguf_tensor: Callable[[ModelConfig, str, torch.Tensor], torch.Tensor] | None = None
+    # a checkpoint's weight name -> the one weight_shapes uses, where checkpoints of the family name weights
+    # several ways (LLaVA: llava-hf's on the Hub, transformers 4's and 5's saves); None: as stored
+    canonical_name: Callable[[str], str] | None = None

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from batchjob.models.compressed_tensors import CompressedTensors, compressed_tensors
 from batchjob.models.config import ModelConfig
-from batchjob.models.registry import config_from_hf
+from batchjob.models.registry import canonical_weights, config_from_hf
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.identity import hf_identity, safetensors_files
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
@@ -52,7 +52,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) ->
                                  f"({shard.stat().st_size:,} bytes; {e}); copy or download it again") from None
     if quant is not None:
         weights = quant.weights(weights, dtype)
-    weights = checked_weights(config, weights, source=str(folder))
+    weights = checked_weights(config, canonical_weights(config, weights), source=str(folder))
     try:
         tokenizer = Tokenizer.from_hf_dir(folder)
     except FileNotFoundError as e:

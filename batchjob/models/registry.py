@@ -13,10 +13,10 @@ from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
 from batchjob.models.family import BuildSpec, Family
-from batchjob.models.families import gemma, llama, moe, olmo2, phi3
+from batchjob.models.families import gemma, llama, llava, moe, olmo2, phi3
 
 
-FAMILIES: list[Family] = [llama.FAMILY, gemma.FAMILY, phi3.FAMILY, olmo2.FAMILY, moe.FAMILY]
+FAMILIES: list[Family] = [llama.FAMILY, gemma.FAMILY, phi3.FAMILY, olmo2.FAMILY, moe.FAMILY, llava.FAMILY]
 
 
 def supported() -> list[str]:
@@ -57,6 +57,12 @@ def family_of(config: ModelConfig) -> Family:
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return family_of(config).weight_shapes(config)
+
+
+def canonical_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights under the names its family's weight_shapes uses."""
+    rename = family_of(config).canonical_name
+    return weights if rename is None else {rename(name): t for name, t in weights.items()}
 
 
 # weights that run in the compute dtype whatever the checkpoint stores: the embeddings (a lookup), the routers
@@ -100,4 +106,4 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         rope.to(dev)
     return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, lm_head_linear(spec.matmuls, parts.lm_head),
                      parts.rotaries, dtype, dev, kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                     quantization=quantization, features=family.features)
+                     quantization=quantization, features=family.features, image_encoder=parts.image_encoder)

@@ -14,13 +14,21 @@ from collections import OrderedDict, deque
 ROOT = b""  # the parent of a row's first block
 
 
-def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: bytes | None = None) -> list[bytes]:
+def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: bytes | None = None,
+                 images=()) -> list[bytes]:
     """Chained digests of the full blocks of `token_ids` from block index `start` on: each is
-    SHA-256(parent digest + the block's token ids as int64)."""
+    SHA-256(parent digest + the block's token ids as int64 + the digest of each image whose placeholders the block
+    holds). `images`: the row's ImageSlots (engine/core/sequence.py): the same text with another image is another
+    prefix, the same image with the same text the same one."""
     out = []
     h = parent if parent is not None else ROOT
     for b in range(start, len(token_ids) // block_size):
-        h = hashlib.sha256(h + array("q", token_ids[b * block_size:(b + 1) * block_size]).tobytes()).digest()
+        lo, hi = b * block_size, (b + 1) * block_size
+        key = h + array("q", token_ids[lo:hi]).tobytes()
+        for img in images:
+            if img.offset < hi and img.offset + img.length > lo:
+                key += img.digest.encode()
+        h = hashlib.sha256(key).digest()
         out.append(h)
     return out
 
@@ -108,7 +116,7 @@ class BlockPool:
         full = seq.num_computed // bs
         if self.enable_caching and full > len(seq.block_hashes):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            new = block_hashes(seq.token_ids[:full * bs], bs, len(seq.block_hashes), parent)
+            new = block_hashes(seq.token_ids[:full * bs], bs, len(seq.block_hashes), parent, seq.images)
             for i, h in enumerate(new, start=len(seq.block_hashes)):
                 self.register(seq.block_table[i], h)
             seq.block_hashes.extend(new)

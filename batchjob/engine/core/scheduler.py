@@ -291,7 +291,7 @@ class Scheduler:
             # prefix for them (as vLLM skips the cache for prompt_logprobs requests)
             reads = (pool.enable_caching and (p.pooling is None or p.pooling.reads_prefix_cache)
                      and p.prompt_logprobs is None)
-            hashes = block_hashes(seq.token_ids, pool.block_size) if reads else []
+            hashes = block_hashes(seq.token_ids, pool.block_size, images=seq.images) if reads else []
             hits = pool.cached_prefix(hashes[: (seq.num_tokens - 1) // pool.block_size])
             need = pool.blocks_for(seq.num_tokens + grows) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
             step.prefix_query_tokens += seq.num_tokens

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from batchjob.engine.core.scheduler import Step
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.core.sequence import ImageSlot, SamplingParams, Sequence
 
 if TYPE_CHECKING:  # a step mask holds torch tensors; this module stays torch-free
     from batchjob.engine.structured.rows import StepMask
@@ -26,6 +26,7 @@ class NewRow(NamedTuple):  # NamedTuples: immutable, and made at C speed (a step
     params: SamplingParams
     rng_key: int
     stop_token_set: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: masked until min_tokens
+    images: tuple[ImageSlot, ...] = ()  # the prompt's images (their encoder outputs are the worker's to compute)
 
 
 class RowUpdate(NamedTuple):
@@ -91,7 +92,7 @@ class WorkerView:
             sent = sent_of.get(seq_id)
             if sent is None:
                 new_rows.append(NewRow(seq_id, len(seq.prompt_ids), tuple(tokens), tuple(table), seq.params, seq.rng_key,
-                                       seq.stop_token_set))
+                                       seq.stop_token_set, seq.images))
                 sent_of[seq_id] = [len(tokens), table, len(table)]
             else:
                 held, old, blocks = sent

@@ -185,6 +185,16 @@ def _coerce(name: str, value):
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class ImageSlot:
+    """An image in a row's prompt: its placeholder tokens' run, the content digest that keys the prefix cache, and
+    the pixel values its family's image encoder takes (the processor's array, [3, H, W]: the worker's to run)."""
+    offset: int  # the first placeholder's position in the prompt
+    length: int  # placeholder tokens: one per row of the encoder's output
+    digest: str  # SHA-256 of the image (batchjob/images/sources.py)
+    pixel_values: object  # numpy float32 [3, H, W]; this module stays numpy-free
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -224,6 +234,7 @@ class Sequence:
     matcher: Matcher | None = None  # structured rows: the grammar's matcher (engine/structured/matcher.py)
     error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
     embedding: list[float] | None = None  # embed rows, once finished: the pooled (and normalised) vector
+    images: tuple[ImageSlot, ...] = ()  # images in the prompt, in order (a vision-language model's rows)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

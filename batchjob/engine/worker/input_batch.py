@@ -13,7 +13,7 @@ import torch
 
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.core.sequence import ImageSlot, SamplingParams
 from batchjob.engine.sample.penalties import PenaltyState
 from batchjob.kernels import AttentionMetadata
 
@@ -30,6 +30,10 @@ class CachedRow:
     stop_token_set: frozenset[int]
     penalties: PenaltyState | None = None  # the sampler's token counts (engine/sample/penalties.py)
     pooled: torch.Tensor | None = None  # embed rows: the pooling over the chunks computed so far (pooler.py)
+    images: tuple[ImageSlot, ...] = ()  # the prompt's images
+    # their encoder outputs [length, hidden], computed at the first step that reads any of an image's placeholders
+    # and kept until the prompt is computed (chunked prefill may split a run); encoder.py
+    encoded: dict[int, torch.Tensor] = field(default_factory=dict)
     num_computed: int = 0  # this step: tokens cached before it
     num_new: int = 0  # this step: tokens it computes
     num_sampled: int = 0  # this step: positions sampled (0, 1, or 1 + proposals)
@@ -52,7 +56,7 @@ class InputBatch:
             rows[seq_id].block_table.clear()  # the blocks went back to the pool: a resumed row is sent its new table
         for new in out.new_rows:
             rows[new.seq_id] = CachedRow(new.seq_id, new.num_prompt, list(new.token_ids), list(new.block_table),
-                                         new.params, new.rng_key, new.stop_token_set)
+                                         new.params, new.rng_key, new.stop_token_set, images=new.images)
         for u in out.updates:
             row = rows[u.seq_id]
             row.token_ids.extend(u.new_token_ids)

@@ -12,6 +12,7 @@ import torch
 from batchjob.engine.core.scheduler_output import SchedulerOutput
 from batchjob.engine.sample import sampler
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs
+from batchjob.engine.worker.encoder import step_embeds
 from batchjob.engine.worker.input_batch import CachedRow, InputBatch, step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
@@ -102,7 +103,9 @@ class ModelRunner:
                 at.extend(range(last[i] - r.num_sampled + 1, last[i] + 1))
                 sampling.extend([r] * r.num_sampled)
         t0 = time.perf_counter()
-        hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, input_ids=input_ids))
+        image_embeds = step_embeds(self.model, step, last, input_ids) if any(r.images for r in step) else None
+        hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, inputs_embeds=image_embeds,
+                                                input_ids=None if image_embeds is not None else input_ids))
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
         pooled = pool_step(hidden, step, last) if embeds else []

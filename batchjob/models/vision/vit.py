@@ -64,6 +64,8 @@ class VisionConfig:
             out[f"{prefix}embeddings.patch_embedding.bias"] = (h,)
         if self.pre_norm:
             out.update({f"{prefix}pre_layrnorm.weight": (h,), f"{prefix}pre_layrnorm.bias": (h,)})
+        if self.class_token:  # CLIP's norm of the pooled output: in its checkpoints, unused by LLaVA (dropped at build)
+            out.update({f"{prefix}post_layernorm.weight": (h,), f"{prefix}post_layernorm.bias": (h,)})
         for n in range(self.num_layers):
             lp = f"{prefix}encoder.layers.{n}."
             for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
