@@ -26,6 +26,7 @@ from batchjob.job.modes import Task
 from batchjob.job.options import Api, api_keywords
 from batchjob.job.prompt_builder import PromptBuilder
 from batchjob.job.prompt_records import conversation_records, prompt_records
+from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.job.results import Completion
 from batchjob.job.run import run_job
@@ -64,6 +65,7 @@ class LLM:
             torch.set_num_threads(job.threads)
             self.loaded = job.load(model)
             self.tokenizer = self.loaded.tokenizer
+            self._images = ImageRows.of(self.loaded, resolve_model_path(model))  # None: a text-only model
             self._models = build_models(job, self.loaded)  # they take the weights
             self._engine: Engine | None = engine_for(self.config, self.loaded, *self._models)
         self._lock = threading.Lock()
@@ -152,7 +154,8 @@ class LLM:
             cfg = job_config({"model": self.config.model, **self.options, **options})
         if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
             check_chat_template(template or self.tokenizer.chat_template)
-        builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True)
+        builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
+                                images=self._images, image_base=Path.cwd(), model_name=self.loaded.name)
         with self._lock:
             try:
                 results = self._generate(cfg, builder, records)

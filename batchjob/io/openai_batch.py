@@ -142,14 +142,20 @@ def _messages(value) -> list[dict]:
             raise ValueError(f"body.messages[{i}]: expected an object")
         m = dict(m)
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only, joined as vLLM does
+        if isinstance(content, list):  # content parts: text joined as vLLM does; with images, kept as parts
+            images = False
             for k, p in enumerate(content):
-                if isinstance(p, dict) and p.get("type") in ("image_url", "input_image"):
-                    raise ValueError(f"body.messages[{i}].content[{k}]: an image part: images are not supported yet "
-                                     "(no vision-language model runs here yet); send text parts only")
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ValueError(f"body.messages[{i}].content: only text parts are supported")
-            m["content"] = "\n".join(p["text"] for p in content)
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind in ("image_url", "input_image"):
+                    ref = p.get("image_url")
+                    if not isinstance(ref.get("url") if isinstance(ref, dict) else ref, str):
+                        raise ValueError(f"body.messages[{i}].content[{k}].image_url.url: a string is required (a data: "
+                                         "URI, a path or an http(s) URL)")
+                    images = True  # read, and refused for a text-only model, by the job (job/images.py)
+                elif kind != "text" or not isinstance(p.get("text"), str):
+                    raise ValueError(f"body.messages[{i}].content[{k}]: only text and image_url parts are supported")
+            if not images:
+                m["content"] = "\n".join(p["text"] for p in content)
         if m.get("role") == "developer":  # OpenAI's newer name for the system role
             m["role"] = "system"
         out.append(m)

@@ -2,6 +2,7 @@
 finished requests assembled back into result rows, written to their stream's sink and counted."""
 from __future__ import annotations
 
+from pathlib import Path
 
 from batchjob.engine.requests import SamplingParams
 from batchjob.engine.engine import Engine
@@ -9,6 +10,7 @@ from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.job.engine_setup import lanes_of
 from batchjob.job.error_budget import ErrorBudget
+from batchjob.job.images import ImageRows
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
 from batchjob.job.row_driver import RowDriver, StepDone
 from batchjob.models.loader import LoadedModel
@@ -23,11 +25,16 @@ class RowFeed:
     the messages column; `lane_column_out`: rows pick their lane, so each result row records it."""
 
     def __init__(self, cfg: JobConfig, loaded: LoadedModel, engine: Engine, use_messages: dict[int, bool],
-                 template: str | None, lane_column_out: bool, summary: JobSummary):
+                 template: str | None, lane_column_out: bool, summary: JobSummary, images: ImageRows | None = None,
+                 image_bases: dict[int, Path] | None = None):
+        """`images`: a vision-language model's image facts (None: text only); `image_bases`: per source (by id),
+        the folder a relative image path starts from (its input file's)."""
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = loaded.tokenizer
-        self.builders = {key: PromptBuilder(cfg, loaded.tokenizer, uses, template) for key, uses in use_messages.items()}
+        self.builders = {key: PromptBuilder(cfg, loaded.tokenizer, uses, template, images=images,
+                                            image_base=(image_bases or {}).get(key), model_name=loaded.name)
+                         for key, uses in use_messages.items()}
         self.lane_column_out = lane_column_out
         self.summary = summary
         self.lanes = {lane.name: lane for lane in lanes_of(cfg)}
@@ -110,17 +117,22 @@ class RowFeed:
                             raise problem
                     params = row_sampling(record, self.params.get(row_lane, self.default_params))
                     stream.columns.check(params)
+                    images = ()
+                    if builder.images is not None:
+                        expanded, images = builder.with_images(record, ids[0])
+                        ids = [expanded]
                 except RowError as e:
                     self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))
                     continue
-                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where)
+                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where, images)
 
     def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, prompts: list[list[int]],
-                 params: SamplingParams, continuation_start: int | None = None, where: str | None = None) -> None:
+                 params: SamplingParams, continuation_start: int | None = None, where: str | None = None,
+                 images: tuple = ()) -> None:
         """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each); `where`:
         the row's place as its source names it, said in its error."""
         err = self.driver.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
-                            row_index=row_index, lane=lane, continuation_start=continuation_start)
+                            row_index=row_index, lane=lane, continuation_start=continuation_start, images=images)
         if err:
             self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=sum(map(len, prompts)))
 

@@ -78,6 +78,9 @@ def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuil
                 continue
             try:
                 ids = builder.token_ids(record)
+                images = ()
+                if builder.images is not None and isinstance(record, dict):
+                    ids, images = builder.with_images(record, ids)
                 start = builder.continuation_starts([record], [ids])[0] if cfg.task == Task.SCORE else None
                 if isinstance(start, RowError):
                     raise start
@@ -85,7 +88,8 @@ def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuil
             except RowError as e:
                 results[index] = failed(str(e))
                 continue
-            err = driver.add(index, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start)
+            err = driver.add(index, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start,
+                             images=images)
             if err:
                 results[index] = failed(err, prompt_tokens=len(ids))
 

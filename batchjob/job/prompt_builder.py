@@ -8,11 +8,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
+from batchjob.images.sources import ImageError
+from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
 
@@ -32,6 +35,9 @@ class PromptBuilder:
     use_messages: bool  # the input has the messages column
     chat_template: str | None = None
     in_memory: bool = False  # the Python API: messages name a prompt's key (`prompt`), not an input column
+    images: ImageRows | None = None  # a vision-language model's image facts; None: a text-only model
+    image_base: Path | None = None  # where an image's relative path starts: the input file's folder
+    model_name: str = "this model"  # as errors name it
 
     def _named(self, key: str) -> str:
         return named(key, self.in_memory)
@@ -55,10 +61,34 @@ class PromptBuilder:
                 raise RowError(f"{self._named(cfg.messages_column)}: invalid JSON: {e}") from None
         if not isinstance(msgs, list) or not msgs:
             raise RowError(f"{self._named(cfg.messages_column)}: expected a non-empty list of {{role, content}} messages")
-        msgs = [chat_message(m, i, self._named(cfg.messages_column)) for i, m in enumerate(msgs)]
+        msgs = [chat_message(m, i, self._named(cfg.messages_column), self.images is not None, self.model_name)
+                for i, m in enumerate(msgs)]
         if cfg.system_prompt and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
         return msgs
+
+    def with_images(self, record: dict, ids: list[int]) -> tuple[list[int], tuple]:
+        """A chat row's prompt ids with each image token expanded to its placeholders, and its images' slots
+        (engine ImageSlots), read from the row's image parts in order; (ids, ()) for a row without images."""
+        cfg = self.config
+        msgs = record.get(cfg.messages_column) if self.use_messages and self.images is not None else None
+        if isinstance(msgs, str):
+            msgs = json.loads(msgs)  # messages() parsed it already: valid
+        found = []
+        for i, m in enumerate(msgs or []):
+            content = m.get("content") if isinstance(m, dict) else None
+            for k, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                    try:
+                        found.append(image_part(part, self.image_base))
+                    except ImageError as e:
+                        raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: {e}") from None
+        if not found:
+            return ids, ()
+        try:
+            return self.images.expand(ids, found)
+        except ImageError as e:
+            raise RowError(str(e)) from None
 
     def _prompt_text(self, record: dict) -> str:
         col = self.config.prompt_column
@@ -216,14 +246,12 @@ def named(key: str, in_memory: bool = False) -> str:
     return key if in_memory else f"column {key!r}"
 
 
-IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI's chat and Responses names, and transformers'
-
-
-def chat_message(message, index: int, where: str) -> dict:
+def chat_message(message, index: int, where: str, images: bool = False, model: str = "this model") -> dict:
     """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
     accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
     does) and the `developer` role (its newer name for `system`). The other keys are kept. `where`: the
-    column (or the API's key) the messages came from."""
+    column (or the API's key) the messages came from. `images`: the model takes images: a content with image
+    parts stays a list of parts, each image as `{"type": "image"}` (as transformers' processors give templates)."""
     where = f"{where}: message {index}"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RowError(f"{where} needs string 'role' and 'content'")
@@ -231,14 +259,18 @@ def chat_message(message, index: int, where: str) -> dict:
     if isinstance(content, list):
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in IMAGE_PARTS:
-                raise RowError(f"{where}: content part {k} is an image ({kind}): images are not supported yet (no "
-                               "vision-language model runs here yet); send text parts only")
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind in IMAGE_PARTS and not images:
+                raise RowError(f"{where}: content part {k} is an image ({kind}): {model} is a text-only model; images "
+                               "need a vision-language model (docs/reference/models.md)")
+            if kind not in IMAGE_PARTS and (kind != "text" or not isinstance(part.get("text"), str)):
                 got = f"type {kind!r}" if isinstance(kind, str) else "no text"
-                raise RowError(f"{where}: content part {k} has {got}; only text parts are supported")
-        content = "\n".join(part["text"] for part in content)
-    if not isinstance(content, str):
+                raise RowError(f"{where}: content part {k} has {got}; only text and image parts are supported")
+        if images and any(part.get("type") in IMAGE_PARTS for part in content):
+            content = [{"type": "image"} if part["type"] in IMAGE_PARTS else {"type": "text", "text": part["text"]}
+                       for part in content]
+        else:
+            content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, (str, list)):
         raise RowError(f"{where} needs string 'role' and 'content'")
     role = "system" if message["role"] == "developer" else message["role"]
     return {**message, "role": role, "content": content}

@@ -39,18 +39,19 @@ class RowDriver(Generic[Key]):
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
     def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
-            seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None) -> str | None:
+            seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None,
+            images: tuple = ()) -> str | None:
         """Queue a row's n requests; their random streams come from (seed, row_index, completion). `prompts`: the
         row's prompt ids (one list), or several (an OpenAI embeddings line: one embed request per input).
         Returns the error (and queues nothing) when a prompt can never run. `continuation_start`: a score
-        row's continuation, scored on its own from this position."""
+        row's continuation, scored on its own from this position. `images`: the prompt's ImageSlots (one prompt)."""
         many = len(prompts) > 1
         inputs = list(prompts) if many else list(prompts) * params.n
         assert not many or params.n == 1, "a row of several prompts has one completion per prompt"
         if self.truncate and params.pooling is not None:
             inputs = [ids[:self.engine.max_model_len] for ids in inputs]
         row = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many)
-        requests = [EngineRequest(ids, params, seed, row_index, c, lane) for c, ids in enumerate(inputs)]
+        requests = [EngineRequest(ids, params, seed, row_index, c, lane, images) for c, ids in enumerate(inputs)]
         for c, request in enumerate(requests if many else ()):
             err = self.engine.never_fits(request)
             if err:  # one input that can never run fails the row: none of its inputs enter the engine

@@ -31,6 +31,7 @@ from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import JsonlSource, OpenAIBatchSource, Source
 from batchjob.job.engine_setup import build_engine
+from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.models.loader import resolve_model_path
 from batchjob.job.progress import Progress, Snapshot
@@ -97,7 +98,10 @@ class Job:
             reader = getattr(source, "inner", source)  # a shard's whole file
             if isinstance(reader, OpenAIBatchSource):
                 self.summary.other_models.update(reader.other_models(served))
-        self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary)
+        images = ImageRows.of(self.loaded, resolve_model_path(cfg.model))  # None: a text-only model
+        bases = {id(source): Path(path).parent for source, path, *_ in sources}  # relative image paths start here
+        self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary,
+                            images, bases)
         self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
 

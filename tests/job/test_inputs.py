@@ -355,10 +355,10 @@ def test_content_parts_and_the_developer_role_render_through_the_chat_template(t
 def test_parts_that_are_not_text_fail_the_row(tokenizer):
     builder = PromptBuilder(JobConfig(input="x"), tokenizer, use_messages=True, chat_template=TEMPLATE)
     image = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(RowError, match=r"message 0: content part 1 is an image \(image_url\): images are not supported yet"):
+    with pytest.raises(RowError, match=r"message 0: content part 1 is an image \(image_url\): this model is a text-only model; images need"):
         builder.token_ids({"messages": image})
     audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]
-    with pytest.raises(RowError, match="message 0: content part 0 has type 'input_audio'; only text parts are supported"):
+    with pytest.raises(RowError, match="message 0: content part 0 has type 'input_audio'; only text and image parts are supported"):
         builder.token_ids({"messages": audio})
     with pytest.raises(RowError, match="invalid JSON"):
         builder.token_ids({"messages": "[{not json"})

@@ -1,0 +1,60 @@
+"""A job's image rows (issue 34): a chat row's `image_url` parts read (batchjob/images/sources.py: data: URIs, paths
+relative to the input file, file://, http(s)), each rendered by the chat template as the model's image token, and
+after tokenizing, each image token expanded to the run of placeholders its encoder output fills, with the image's
+pixel values (as transformers' processor computes them) and content digest: the row's ImageSlots for its
+EngineRequest. A row whose image cannot be read, decoded or fit fails alone, naming the message and the part (the prompt builder names them: job/prompt_builder.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from batchjob.engine.requests import ImageSlot
+from batchjob.images.clip import ClipPreprocessor
+from batchjob.images.sources import ImageError, ImageInput, from_pil, from_url
+from batchjob.models.loader import LoadedModel
+
+IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI's chat and Responses names, and transformers'
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRows:
+    image_token_id: int
+    tokens_per_image: int
+    preprocessor: ClipPreprocessor
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, folder: Path | None) -> ImageRows | None:
+        """The model's image facts; None for a text-only model."""
+        extra = loaded.config.extra
+        if "image_token_id" not in extra or folder is None or not folder.is_dir():
+            return None
+        return cls(extra["image_token_id"], extra["tokens_per_image"], ClipPreprocessor.from_folder(folder))
+
+    def expand(self, ids: list[int], images: list[ImageInput]) -> tuple[list[int], tuple[ImageSlot, ...]]:
+        """The rendered prompt's ids with each image token expanded to its placeholder run, and the images' slots."""
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(images):
+            raise ImageError(f"the chat template wrote {len(at)} image tokens for {len(images)} images; a template "
+                           "that renders each image part as the model's image token is needed")
+        out: list[int] = []
+        slots, prev = [], 0
+        for pos, img in zip(at, images):
+            out.extend(ids[prev:pos])
+            slots.append(ImageSlot(len(out), self.tokens_per_image, img.digest, self.preprocessor.pixel_values(img.image)))
+            out.extend([self.image_token_id] * self.tokens_per_image)
+            prev = pos + 1
+        out.extend(ids[prev:])
+        return out, tuple(slots)
+
+
+def image_part(part: dict, base: Path | None) -> ImageInput:
+    """An OpenAI image part (`{"type": "image_url", "image_url": {"url": ...}}`, or the Responses API's
+    `{"type": "input_image", "image_url": ...}`), or the Python API's `{"type": "image", "image": PIL image}`, read
+    and decoded; ImageError says why not."""
+    ref = part.get("image_url") if part.get("type") != "image" else part.get("image")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if isinstance(url, Image.Image):
+        return from_pil(url)
+    return from_url(url, base)

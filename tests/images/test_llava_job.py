@@ -1,0 +1,147 @@
+"""A `batchjob run` job of chat rows with images on a LLaVA folder (issue 34): `image_url` parts by a path relative
+to the input file and by a data: URI, two images in one row, a text-only row; each answer equal to transformers'
+(its LlavaProcessor's ids and pixel values, generate in fp32); a missing image fails its row alone, naming the
+message and the part."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from batchjob.cli.main import main
+from batchjob.io.parts import read_results
+from tests.builders import write_jsonl
+
+transformers = pytest.importorskip("transformers")
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}"
+            "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def png(seed: int, size=(80, 60)) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random LLaVA folder (weights drawn so images matter), its tokenizer with <image>, its processor."""
+    from tokenizers import Tokenizer
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    folder = tmp_path_factory.mktemp("llava")
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(["<image>"])
+    tok.save(str(folder / "tokenizer.json"))
+    image_id = tok.token_to_id("<image>")
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, patch_size=14, image_size=56)
+    text = transformers.LlamaConfig(vocab_size=image_id + 1, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1 or "vision_tower" in name or "projector" in name:
+                p.normal_(0, 0.2 if ("vision_tower" in name or "projector" in name) else 0.12)
+    model.save_pretrained(folder)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    images.save_pretrained(folder)
+    processor = transformers.LlavaProcessor(
+        image_processor=images, tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")),
+        patch_size=14, vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+        chat_template=TEMPLATE)
+    return folder, model, processor
+
+
+def reference(model, processor, content: list, pictures: list[bytes]) -> str:
+    """transformers' answer: its processor's ids and pixel values, greedy generate, decoded."""
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    imgs = [Image.open(io.BytesIO(p)) for p in pictures] or None
+    inputs = processor(text=text, images=imgs, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_image_rows_of_a_job_answer_as_transformers(tmp_path, llava):
+    folder, model, processor = llava
+    (tmp_path / "pics").mkdir()
+    a, b = png(1), png(2, (50, 90))
+    (tmp_path / "pics/a.png").write_bytes(a)
+    uri = "data:image/png;base64," + base64.b64encode(b).decode()
+    part = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
+    say = {"type": "text", "text": "what is this"}
+    rows = [[part("pics/a.png"), say], [part(uri), say], [part("pics/a.png"), part(uri), say], [say],
+            [part("pics/none.png"), say]]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": c}]} for c in rows])
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", "--model", str(folder), "--input", str(src), "--output", str(out),
+                                       "--chat-template", str(tmp_path / "t.jinja"), "--max-tokens", "6",
+                                       "--ignore-eos", "--dtype", "float32", "--no-progress"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    got = read_results(out).sort_by("row_index").to_pylist()
+    want = [reference(model, processor, [{"type": "image"}, {"type": "text", "text": "what is this"}], [a]),
+            reference(model, processor, [{"type": "image"}, {"type": "text", "text": "what is this"}], [b]),
+            reference(model, processor, [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what is this"}], [a, b]),
+            reference(model, processor, [{"type": "text", "text": "what is this"}], [])]
+    assert [r["generated_text"] for r in got[:4]] == want and len(set(want[:3])) == 3
+    assert [r["error"] for r in got[:4]] == [None] * 4
+    assert got[4]["finish_reason"] == "error" and "message 0: content part 0: pics/none.png: cannot read" in got[4]["error"]
+    assert got[0]["prompt_tokens"] > 16  # the image's 16 placeholders are prompt tokens
+
+
+def openai_line(i: int, content: list) -> dict:
+    return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 6,
+                     "ignore_eos": True}}
+
+
+def test_openai_batch_lines_with_data_uris_and_a_text_only_model_refusing_them(tmp_path, llava, tiny_model_dir):
+    folder, model, processor = llava
+    a = png(3, (64, 100))
+    uri = "data:image/png;base64," + base64.b64encode(a).decode()
+    content = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": uri, "detail": "low"}}]
+    src = tmp_path / "batch.jsonl"
+    src.write_text(json.dumps(openai_line(0, content)) + "\n" + json.dumps(openai_line(1, content[:1])) + "\n")
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    for name, model_dir in (("llava", folder), ("text", tiny_model_dir("llama"))):
+        out = tmp_path / f"out-{name}"
+        result = CliRunner().invoke(main, ["run", "--model", str(model_dir), "--input", str(src), "--output", str(out),
+                                           "--chat-template", str(tmp_path / "t.jinja"), "--dtype", "float32",
+                                           "--no-progress"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        row, text_row = read_results(out).sort_by("row_index").to_pylist()
+        assert text_row["error"] is None
+        if name == "llava":
+            want = reference(model, processor, [{"type": "text", "text": "describe"}, {"type": "image"}], [a])
+            assert row["error"] is None and row["generated_text"] == want
+        else:
+            assert row["finish_reason"] == "error" and "is an image (image_url)" in row["error"]
+            assert "is a text-only model" in row["error"]
+
+
+def test_the_python_api_takes_pil_images_in_a_messages_parts(llava):
+    import batchjob
+
+    folder, model, processor = llava
+    a = png(5)
+    llm = batchjob.LLM(str(folder), dtype="float32", kv_cache_gb=0.05)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(a))},
+                                         {"type": "text", "text": "what is this"}]}]
+    got = llm.chat([msgs], max_tokens=6, ignore_eos=True, chat_template=TEMPLATE)
+    want = reference(model, processor, [{"type": "image"}, {"type": "text", "text": "what is this"}], [a])
+    assert got[0].error is None and got[0].text == want
