@@ -7,7 +7,7 @@ a structured output (engine/structured/spec.py), named here for callers; what th
 in engine/config.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from batchjob.engine.core.sequence import ImageSlot, Pooling, PoolingParams, SamplingParams, Sequence
 from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
@@ -16,8 +16,7 @@ __all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "RequestOut
            "from_response_format"]
 
 
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
+class EngineRequest(NamedTuple):  # NamedTuples: immutable, and cheap to make (one per row of a job)
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # the job's seed: with row_index and completion, the request's own random stream
@@ -27,8 +26,7 @@ class EngineRequest:
     images: tuple[ImageSlot, ...] = ()  # the prompt's images: their placeholder runs, digests and pixel values
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """A finished request: its tokens, why it ended, and what it asked for besides (logprobs, an embedding)."""
     request_id: int  # what Engine.submit returned
     params: SamplingParams
