@@ -111,6 +111,8 @@ class JobConfig:
         "Jinja chat template file overriding the model's own", api=Api.CHAT, fingerprint=ALWAYS)
     system_prompt: str | None = opt(None,
         'system message prepended to chat rows that have none', api=Api.CHAT, fingerprint=ALWAYS)
+    limit_images_per_prompt: int | None = opt(None, "most images a chat row may carry (vLLM's limit_mm_per_prompt); "
+        "a row with more fails alone (default: no limit)", api=Api.CHAT, fingerprint=WHEN_SET, bounds=Bounds(1))
     lanes: list[dict] = opt([],
         '[[lanes]] tables: name, priority, weight, input, max_tokens (docs/guide/scheduling.md)', fingerprint=ALWAYS,
         flag="")

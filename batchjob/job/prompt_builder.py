@@ -74,11 +74,14 @@ class PromptBuilder:
         msgs = record.get(cfg.messages_column) if self.use_messages and self.images is not None else None
         if isinstance(msgs, str):
             msgs = json.loads(msgs)  # messages() parsed it already: valid
-        found = []
+        found, limit = [], cfg.limit_images_per_prompt
         for i, m in enumerate(msgs or []):
             content = m.get("content") if isinstance(m, dict) else None
             for k, part in enumerate(content if isinstance(content, list) else []):
                 if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                    if limit is not None and len(found) == limit:
+                        raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: more than "
+                                       f"{limit} images (limit_images_per_prompt)")
                     try:
                         found.append(image_part(part, self.image_base))
                     except ImageError as e:

@@ -102,6 +102,15 @@ def test_image_rows_of_a_job_answer_as_transformers(tmp_path, llava):
     assert [r["error"] for r in got[:4]] == [None] * 4
     assert got[4]["finish_reason"] == "error" and "message 0: content part 0: pics/none.png: cannot read" in got[4]["error"]
     assert got[0]["prompt_tokens"] > 16  # the image's 16 placeholders are prompt tokens
+    limited = tmp_path / "limited"
+    result = CliRunner().invoke(main, ["run", "--model", str(folder), "--input", str(src), "--output", str(limited),
+                                       "--chat-template", str(tmp_path / "t.jinja"), "--max-tokens", "6", "--ignore-eos",
+                                       "--dtype", "float32", "--limit-images-per-prompt", "1", "--no-progress"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    capped = read_results(limited).sort_by("row_index").to_pylist()
+    assert [r["generated_text"] for r in capped[:2]] == want[:2]  # rows of one image as before
+    assert "message 0: content part 1: more than 1 images (limit_images_per_prompt)" in capped[2]["error"]
 
 
 def openai_line(i: int, content: list) -> dict:
