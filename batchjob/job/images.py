@@ -2,7 +2,8 @@
 relative to the input file, file://, http(s)), each rendered by the chat template as the model's image token, and
 after tokenizing, each image token expanded to the run of placeholders its encoder output fills, with the image's
 pixel values (as transformers' processor computes them) and content digest: the row's ImageSlots for its
-EngineRequest. A row whose image cannot be read, decoded or fit fails alone, naming the message and the part (the prompt builder names them: job/prompt_builder.py)."""
+EngineRequest. A row whose image cannot be read, decoded or fit fails alone, naming the message and the part (the
+prompt builder names them: job/prompt_builder.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from PIL import Image
 from batchjob.engine.requests import ImageSlot
 from batchjob.images.clip import ClipPreprocessor
 from batchjob.images.sources import ImageError, ImageInput, from_pil, from_url
-from batchjob.models.loader import LoadedModel
+from batchjob.models.loader import LoadedModel, ModelLoadError
 
 IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI's chat and Responses names, and transformers'
 
@@ -26,10 +27,15 @@ class ImageRows:
 
     @classmethod
     def of(cls, loaded: LoadedModel, folder: Path | None) -> ImageRows | None:
-        """The model's image facts; None for a text-only model."""
+        """The model's image facts; None for a text-only model. Raises ModelLoadError for a vision-language model
+        folder without its image processor's settings."""
         extra = loaded.config.extra
         if "image_token_id" not in extra or folder is None or not folder.is_dir():
             return None
+        settings = folder / "preprocessor_config.json"
+        if not settings.is_file():
+            raise ModelLoadError(f"{settings}: missing: a vision-language model folder needs its image processor's "
+                                 "settings (the file transformers' processor saves with the model)")
         return cls(extra["image_token_id"], extra["tokens_per_image"], ClipPreprocessor.from_folder(folder))
 
     def expand(self, ids: list[int], images: list[ImageInput]) -> tuple[list[int], tuple[ImageSlot, ...]]:
@@ -37,7 +43,7 @@ class ImageRows:
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(images):
             raise ImageError(f"the chat template wrote {len(at)} image tokens for {len(images)} images; a template "
-                           "that renders each image part as the model's image token is needed")
+                             "that renders each image part as the model's image token is needed")
         out: list[int] = []
         slots, prev = [], 0
         for pos, img in zip(at, images):

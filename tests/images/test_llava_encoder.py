@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchjob.models.families.llava import canonical_name
 from batchjob.models.vision.llava import LlavaImageEncoder, LlavaVisionConfig
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +33,7 @@ def test_image_features_are_transformers(select, layer):
     model = tiny_llava(select, layer)
     cfg = LlavaVisionConfig.from_hf(model.config.to_dict(), "tiny llava")
     assert cfg.tokens_per_image == 16 + (select == "full")
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = {canonical_name(k): v.detach().clone() for k, v in model.state_dict().items()}
     encoder = LlavaImageEncoder(cfg, weights, torch.float32)
     assert not [k for k in weights if "vision_tower" in k or "projector" in k]  # every vision weight taken
     pixels = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(1))
@@ -43,17 +44,18 @@ def test_image_features_are_transformers(select, layer):
     assert got.shape == want.shape == (3, cfg.tokens_per_image, 48)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(encoder(pixels[1:2])[0], got[1])  # alone = with others
-    vision = {k: tuple(v.shape) for k, v in model.state_dict().items() if "vision_tower" in k or "projector" in k}
-    assert cfg.weight_shapes("model.vision_tower.") == vision
+    vision = {canonical_name(k): tuple(v.shape) for k, v in model.state_dict().items()
+              if "vision_tower" in k or "projector" in k}
+    assert cfg.weight_shapes() == vision
 
 
 def test_the_saved_checkpoints_names_load_too(tmp_path):
-    """What save_pretrained writes (vision_tower., multi_modal_projector.) loads as the in-memory names do."""
+    """What save_pretrained writes (vision_tower., multi_modal_projector.) maps to the names the in-memory ones do."""
     from safetensors.torch import load_file
 
     model = tiny_llava("default", -2)
     model.save_pretrained(tmp_path)
-    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights = {canonical_name(k): v for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
     cfg = LlavaVisionConfig.from_hf(model.config.to_dict(), "tiny llava")
     encoder = LlavaImageEncoder(cfg, weights, torch.float32)
     pixels = torch.randn(1, 3, 56, 56, generator=torch.Generator().manual_seed(2))

@@ -154,3 +154,15 @@ def test_the_python_api_takes_pil_images_in_a_messages_parts(llava):
     got = llm.chat([msgs], max_tokens=6, ignore_eos=True, chat_template=TEMPLATE)
     want = reference(model, processor, [{"type": "image"}, {"type": "text", "text": "what is this"}], [a])
     assert got[0].error is None and got[0].text == want
+
+
+def test_a_llava_folder_without_its_image_processor_settings_is_refused_in_one_line(tmp_path, llava):
+    folder, _, _ = llava
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "preprocessor_config.json").unlink()
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
+    result = CliRunner().invoke(main, ["run", "--model", str(bare), "--input", str(src), "--output",
+                                       str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code != 0 and "preprocessor_config.json: missing" in result.output
+    assert "Traceback" not in result.output

@@ -42,7 +42,7 @@ def apply_penalties(logits: torch.Tensor, penalized: list[int], rows: Seq[Penali
     """In place on logits [B, V], as vLLM: the repetition penalty over every token id seen in the prompt or
     the output (positive logits divided by it, negative multiplied), then logit -= frequency * count +
     presence * (count > 0) over the output tokens. Touches only the (row, token) pairs that occur. `penalized`: the
-indices into `rows` (and the logits) of the rows with a penalty."""
+    indices into `rows` (and the logits) of the rows with a penalty."""
     vocab, device = logits.shape[-1], logits.device
     flat = logits.view(-1)
     seen: list[torch.Tensor] = []  # linear indices row * V + token

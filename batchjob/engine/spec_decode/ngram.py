@@ -18,6 +18,7 @@ from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.spec_decode.config import SpeculativeConfig
 from batchjob.engine.spec_decode.row_index import RowIndex
 
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config

@@ -31,6 +31,8 @@ def step_embeds(model, rows: list[CachedRow], last: list[int], input_ids: torch.
         return None
     embeds = model.embed_tokens(input_ids)
     for row, k, at, a, b in spans:
+        if row.encoded is None:
+            row.encoded = {}
         feats = row.encoded.get(k)
         if feats is None:
             img = row.images[k]
@@ -41,5 +43,5 @@ def step_embeds(model, rows: list[CachedRow], last: list[int], input_ids: torch.
             row.encoded[k] = feats
         embeds[at:at + b - a] = feats[a:b].to(embeds.dtype)
     for row in done:
-        row.encoded.clear()  # the prompt is computed: its images' outputs are not read again
+        row.encoded = None  # the prompt is computed: its images' outputs are not read again
     return embeds

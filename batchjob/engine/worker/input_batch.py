@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -33,7 +34,7 @@ class CachedRow:
     images: tuple[ImageSlot, ...] = ()  # the prompt's images
     # their encoder outputs [length, hidden], computed at the first step that reads any of an image's placeholders
     # and kept until the prompt is computed (chunked prefill may split a run); encoder.py
-    encoded: dict[int, torch.Tensor] = field(default_factory=dict)
+    encoded: dict[int, torch.Tensor] | None = None  # made by the first image row's step (no dict for text rows)
     num_computed: int = 0  # this step: tokens cached before it
     num_new: int = 0  # this step: tokens it computes
     num_sampled: int = 0  # this step: positions sampled (0, 1, or 1 + proposals)

@@ -83,8 +83,8 @@ class ModelRunner:
         embeds = any(r.params.pooling is not None for r in step)
         # rows scoring prompt positions in this step (a decode-only step has none)
         scores = any(r.params.prompt_logprobs is not None and r.num_computed < r.num_prompt - 1 for r in step)
-        if graphs is not None and not embeds and not scores and graphs.fits(out.num_new) and all(r.num_sampled == 1 for r in step):
-            # every row decodes and samples one token
+        if (graphs is not None and not embeds and not scores and graphs.fits(out.num_new)
+                and all(r.num_sampled == 1 for r in step)):  # every row computes one token and samples it
             t0 = time.perf_counter()
             logits = graphs.run(input_ids, positions, meta, fill)
             self.model_s += time.perf_counter() - t0

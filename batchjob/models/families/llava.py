@@ -13,13 +13,15 @@ from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
 from batchjob.models.family import BuildSpec, Family, ModelParts
-from batchjob.models.vision.llava import LlavaImageEncoder, LlavaVisionConfig
+from batchjob.models.vision.llava import PROJECTOR, TOWER, LlavaImageEncoder, LlavaVisionConfig
 
-TOWER, PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector."
-# checkpoint prefix -> ours (the first that matches)
-_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-            ("model.vision_tower.vision_model.", TOWER), ("model.vision_tower.", TOWER), ("vision_tower.vision_model.", TOWER),
-            ("vision_tower.", TOWER), ("model.multi_modal_projector.", PROJECTOR))
+# checkpoint prefix -> ours (the first that matches): llava-hf's names on the Hub are ours for the vision parts;
+# transformers 5 keeps `model.language_model.` / `model.vision_tower.` in memory and saves `vision_tower.` without
+# `vision_model.`; transformers 4 saved `language_model.model.` and `language_model.lm_head.`
+_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", TOWER),
+            ("model.vision_tower.", TOWER), ("vision_tower.vision_model.", TOWER), ("vision_tower.", TOWER),
+            ("model.multi_modal_projector.", PROJECTOR))
 
 
 def canonical_name(name: str) -> str:
@@ -51,7 +53,7 @@ def _text(c: ModelConfig) -> ModelConfig:
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return hf.weight_shapes(_text(c)) | vision_config(c).weight_shapes(TOWER, PROJECTOR)
+    return hf.weight_shapes(_text(c)) | vision_config(c).weight_shapes()
 
 
 def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:

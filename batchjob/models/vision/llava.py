@@ -10,18 +10,9 @@ import torch.nn.functional as F
 
 from batchjob.models.vision.vit import ACTIVATIONS, VisionConfig, VisionTower
 
-# where checkpoints keep the vision weights: llava-hf's on the Hub and transformers 4's save (vision_tower.vision_model.),
-# transformers 5's in-memory names (model.vision_tower.) and its save (vision_tower.)
-TOWER_PREFIXES = ("model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.vision_model.", "vision_tower.")
-PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
-
-
-def prefix_of(w: dict, prefixes: tuple[str, ...], name: str) -> str:
-    """The prefix under which `w` holds `name`."""
-    for prefix in prefixes:
-        if prefix + name in w:
-            return prefix
-    raise KeyError(f"no {name} under any of {', '.join(prefixes)}")
+# where the encoder takes its weights from (llava-hf's names on the Hub; the family maps every other checkpoint
+# layout to these: models/families/llava.py canonical_name)
+TOWER, PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector."
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +43,25 @@ class LlavaVisionConfig:
     def tokens_per_image(self) -> int:
         return self.vision.num_patches + (self.select == "full")
 
-    def weight_shapes(self, tower: str = TOWER_PREFIXES[0], projector: str = PROJECTOR_PREFIXES[0]) -> dict[str, tuple[int, ...]]:
-        """Every vision weight's name (under the given prefixes) and shape."""
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every vision weight's name (under TOWER and PROJECTOR) and shape."""
         v, t = self.vision.hidden_size, self.text_hidden_size
-        out = self.vision.weight_shapes(tower)
-        out.update({f"{projector}linear_1.weight": (t, v), f"{projector}linear_2.weight": (t, t)})
+        out = self.vision.weight_shapes(TOWER)
+        out.update({f"{PROJECTOR}linear_1.weight": (t, v), f"{PROJECTOR}linear_2.weight": (t, t)})
         if self.projector_bias:
-            out.update({f"{projector}linear_1.bias": (t,), f"{projector}linear_2.bias": (t,)})
+            out.update({f"{PROJECTOR}linear_1.bias": (t,), f"{PROJECTOR}linear_2.bias": (t,)})
         return out
 
 
 class LlavaImageEncoder:
     def __init__(self, cfg: LlavaVisionConfig, w: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        """Takes the vision tower's and the projector's weights out of `w`."""
+        """Takes the vision tower's and the projector's weights (under TOWER and PROJECTOR) out of `w`."""
         self.cfg = cfg
-        self.tower = VisionTower(cfg.vision, w, prefix_of(w, TOWER_PREFIXES, "embeddings.patch_embedding.weight"),
-                                 dtype, device)
-        projector = prefix_of(w, PROJECTOR_PREFIXES, "linear_1.weight")
+        self.tower = VisionTower(cfg.vision, w, TOWER, dtype, device)
 
         def take(name: str) -> torch.Tensor | None:
-            t = w.pop(projector + name, None)
+            t = w.pop(PROJECTOR + name, None)
             return None if t is None else t.to(device=device, dtype=dtype)
 
         self.linear_1 = (take("linear_1.weight"), take("linear_1.bias"))
