@@ -145,8 +145,9 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, p.stop, min_tokens=p.min_tokens,
                                            include_stop_str_in_output=p.include_stop_str_in_output)
         self._next_id += 1
-        return Sequence(self._next_id, list(request.prompt_ids), p, lane=request.lane, detokenizer=detok,
-                        rng_key=sequence_key(p, request.seed, request.row_index, request.completion),
+        return Sequence(self._next_id, request.prompt_ids, p, lane=request.lane, detokenizer=detok,
+                        # a greedy row draws nothing: no key (1 us a row saved)
+                        rng_key=0 if p.greedy else sequence_key(p, request.seed, request.row_index, request.completion),
                         images=request.images)
 
     def add(self, seq: Sequence) -> str | None:
@@ -295,7 +296,7 @@ class Engine:
         """The step as the executor is sent it, with the structured rows' mask started for its sampled positions."""
         out = self.view.output(step)
         if self.structured.stats.rows:  # a row with a grammar was admitted
-            sampling = [(seq, r.num_sampled) for seq, r in zip(step.seqs, out.rows) if r.num_sampled]
+            sampling = [(seq, k) for seq, k in zip(step.seqs, out.num_sampled) if k]
             if sampling:
                 out.grammar = self.structured.start_mask([seq for seq, _ in sampling], [n for _, n in sampling])
         return out

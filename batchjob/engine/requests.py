@@ -17,7 +17,7 @@ __all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "RequestOut
 
 
 class EngineRequest(NamedTuple):  # NamedTuples: immutable, and cheap to make (one per row of a job)
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # kept as given (the engine never changes it; nor may the caller while it runs)
     params: SamplingParams
     seed: int  # the job's seed: with row_index and completion, the request's own random stream
     row_index: int
@@ -30,7 +30,7 @@ class RequestOutput(NamedTuple):
     """A finished request: its tokens, why it ended, and what it asked for besides (logprobs, an embedding)."""
     request_id: int  # what Engine.submit returned
     params: SamplingParams
-    prompt_ids: tuple[int, ...]
+    prompt_ids: list[int]  # the request's own list, handed back
     output_ids: tuple[int, ...]
     finish_reason: str
     stop_text: str | None  # the text cut at the stop string that ended it; None: decode output_ids
@@ -44,7 +44,7 @@ class RequestOutput(NamedTuple):
     @classmethod
     def of(cls, seq: Sequence) -> RequestOutput:
         det = seq.detokenizer
-        return cls(seq.seq_id, seq.params, tuple(seq.prompt_ids), tuple(seq.output_ids), seq.finish_reason,
+        return cls(seq.seq_id, seq.params, seq.prompt_ids, tuple(seq.output_ids), seq.finish_reason,
                    det.text if det is not None and det.stop_string is not None else None,
                    (seq.logprobs or []) if seq.params.logprobs is not None else None, seq.prompt_logprobs,
                    seq.embedding, seq.error, seq.lane,

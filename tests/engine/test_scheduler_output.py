@@ -3,6 +3,8 @@ sends only what changed, and the worker's copy of every scheduled row equals the
 chunked prefill, preemption (recompute and swap) and the blocks speculative decoding gives back."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from batchjob.engine.core.scheduler import SchedulerConfig
@@ -21,9 +23,18 @@ def _plain(value) -> bool:
     """Plain data only: numbers, tuples, frozensets and the row's (frozen) SamplingParams; no engine object."""
     if isinstance(value, PLAIN) or isinstance(value, SamplingParams):
         return True
-    if isinstance(value, (tuple, frozenset, list)):  # NewRow, RowUpdate and ScheduledRow are NamedTuples
+    if isinstance(value, (tuple, frozenset, list)):  # NewRow and RowUpdate are NamedTuples; the columns lists
         return all(_plain(v) for v in value)
     return False
+
+
+def _sent(out: SchedulerOutput) -> SchedulerOutput:
+    """The output as it was when sent: its rows' lists are the engine's own (the worker copies them as it applies
+    them), so the record keeps copies."""
+    return dataclasses.replace(out, new_rows=[n._replace(token_ids=tuple(n.token_ids), block_table=tuple(n.block_table))
+                                              for n in out.new_rows],
+                               updates=[u._replace(new_token_ids=tuple(u.new_token_ids), new_blocks=tuple(u.new_blocks))
+                                        for u in out.updates])
 
 
 def run_watched(engine: Engine, seqs: list[Sequence]) -> list[SchedulerOutput]:
@@ -33,13 +44,15 @@ def run_watched(engine: Engine, seqs: list[Sequence]) -> list[SchedulerOutput]:
     run = engine.runner.run
 
     def watched(out, in_flight=None):
-        assert all(_plain(getattr(out, f)) for f in ("rows", "new_rows", "updates", "preempted_ids"))
+        assert all(_plain(getattr(out, f)) for f in ("seq_ids", "num_computed", "num_new", "num_sampled", "new_rows",
+                                                     "updates", "preempted_ids"))
+        assert all(_plain(d) for d in out.drafts.values())
         tokens = run(out) if in_flight is None else run(out, in_flight)
-        for r in out.rows:
-            row, seq = engine.runner.batch.row(r.seq_id), by_id[r.seq_id]
-            assert row.token_ids == seq.token_ids and row.block_table == seq.block_table, f"row {r.seq_id}"
-            assert r.num_computed == seq.num_computed  # sent before the scheduler counts the step as computed
-        outs.append(out)
+        for seq_id, done in zip(out.seq_ids, out.num_computed):
+            row, seq = engine.runner.batch.row(seq_id), by_id[seq_id]
+            assert row.token_ids == seq.token_ids and row.block_table == seq.block_table, f"row {seq_id}"
+            assert done == seq.num_computed  # sent before the scheduler counts the step as computed
+        outs.append(_sent(out))
         return tokens
 
     engine.runner.run = watched
@@ -71,7 +84,7 @@ def test_each_step_sends_the_new_tokens_once_and_the_worker_keeps_the_rest(tiny_
     assert all(u.kept_blocks >= 0 for o in outs for u in o.updates) and not any(o.preempted_ids for o in outs)
     # nothing preempted: each block a row ever held sent once
     assert blocks == sum(-(-(len(s.token_ids) - 1) // 8) for s in seqs)
-    decodes = [o for o in outs if all(r.num_new == 1 for r in o.rows)]
+    decodes = [o for o in outs if all(n == 1 for n in o.num_new)]
     assert decodes and all(len(u.new_token_ids) == 1 for o in decodes[1:] for u in o.updates)
 
 

@@ -72,9 +72,9 @@ def test_resume_of_100000_committed_rows_reads_none_of_them(tmp_path, model_dir,
     sampled = [0]
 
     def fixed_token(self, out):
-        rows = [i for i, r in enumerate(out.rows) if r.num_sampled]
+        rows = [i for i, k in enumerate(out.num_sampled) if k]
         sampled[0] += len(rows)
-        return StepTokens(len(out.rows), rows, SampledTokens(torch.full((len(rows),), 5)))
+        return StepTokens(len(out), rows, SampledTokens(torch.full((len(rows),), 5)))
 
     sinks = set()
     write = ArrowSink.write

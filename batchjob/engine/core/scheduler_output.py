@@ -1,8 +1,10 @@
 """SchedulerOutput: what the engine hands its executor for one step, as plain data (vLLM v1's SchedulerOutput). The
 rows the worker has not seen come with everything it keeps of them (NewRow); the rows it holds come with only what
-changed since it last saw them (RowUpdate: new token ids, the blocks their table gained or lost); every scheduled
-row with its computed count, its new tokens and how many positions it samples (ScheduledRow); and the rows
-preempted since the last step. WorkerView, on the engine's side, remembers what the worker was sent, so each step
+changed since it last saw them (RowUpdate: new token ids, the blocks their table gained or lost); the scheduled
+rows' ids, computed counts, new tokens and sampled positions as parallel lists in the step's order (columns, as
+vLLM's CachedRequestData: no object per row); and the rows preempted since the last step. A NewRow's and a
+RowUpdate's lists are the engine's own, handed over for the worker to copy as it applies them (at the step's
+start, before the engine changes them again); an executor in another process gets its own copies anyway. WorkerView, on the engine's side, remembers what the worker was sent, so each step
 sends the difference. The worker keeps its rows (engine/worker/input_batch.py InputBatch) until the engine releases
 them (Executor.release)."""
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from batchjob.engine.core.scheduler import Step
-from batchjob.engine.core.sequence import ImageSlot, SamplingParams, Sequence
+from batchjob.engine.core.sequence import ImageSlot, SamplingParams
 
 if TYPE_CHECKING:  # a step mask holds torch tensors; this module stays torch-free
     from batchjob.engine.structured.rows import StepMask
@@ -21,8 +23,8 @@ class NewRow(NamedTuple):  # NamedTuples: immutable, and made at C speed (a step
     """A row the worker has not seen: what it keeps of it between steps."""
     seq_id: int
     num_prompt: int
-    token_ids: tuple[int, ...]  # every known token: the prompt, then the output so far (placeholders not included)
-    block_table: tuple[int, ...]
+    token_ids: list[int]  # every known token: the prompt, then the output so far (placeholders not included)
+    block_table: list[int]
     params: SamplingParams
     rng_key: int
     stop_token_set: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: masked until min_tokens
@@ -32,39 +34,29 @@ class NewRow(NamedTuple):  # NamedTuples: immutable, and made at C speed (a step
 class RowUpdate(NamedTuple):
     """A row the worker holds, changed since it last saw it."""
     seq_id: int
-    new_token_ids: tuple[int, ...]  # known tokens it has not been sent, in order
+    new_token_ids: list[int]  # known tokens it has not been sent, in order
     kept_blocks: int  # its block table keeps this many leading blocks ...
-    new_blocks: tuple[int, ...]  # ... followed by these
-
-
-class ScheduledRow(NamedTuple):
-    """One row of the step, in the step's order."""
-    seq_id: int
-    num_computed: int  # tokens whose K/V are cached before this step
-    num_new: int  # tokens computed in this step
-    num_sampled: int  # positions sampled: 0 (a mid-prompt chunk, an embed or a scoring row), 1, or 1 + proposals
-    draft: tuple[int, ...] = ()  # speculative proposals, read after the row's known tokens
+    new_blocks: list[int]  # ... followed by these
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    rows: list[ScheduledRow] = field(default_factory=list)
+    # the step's rows, in its order: one entry per row in each list
+    seq_ids: list[int] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)  # tokens whose K/V are cached before this step
+    num_new: list[int] = field(default_factory=list)  # tokens computed in this step
+    # positions sampled: 0 (a mid-prompt chunk, an embed or a scoring row), 1, or 1 + proposals
+    num_sampled: list[int] = field(default_factory=list)
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # step row -> its speculative proposals
     new_rows: list[NewRow] = field(default_factory=list)
     updates: list[RowUpdate] = field(default_factory=list)
     preempted_ids: list[int] = field(default_factory=list)  # their block tables are gone until they resume
     # the structured rows' token bitmask over the sampled positions (filled while the forward runs), or None
     grammar: StepMask | None = None
 
-    @property
-    def num_new(self) -> list[int]:
-        return [r.num_new for r in self.rows]
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
-
-def num_sampled(seq: Sequence, num_new: int) -> int:
-    """Positions a row samples in a step that computes `num_new` of its tokens: none while its prompt is still
-    being read (or for an embed or scoring row), one at its last token, plus one per proposal it verifies."""
-    k = seq.num_computed + num_new - len(seq.token_ids) - seq.num_placeholders  # proposals past its known tokens
-    return k + 1 if k >= 0 and not seq.params.prefill_only else 0
 
 
 class WorkerView:
@@ -86,22 +78,30 @@ class WorkerView:
             if sent is not None:
                 sent[2] = 0
                 out.preempted_ids.append(seq.seq_id)
-        rows, new_rows, sent_of = out.rows, out.new_rows, self._sent
-        for seq, n in zip(step.seqs, step.num_new):
-            seq_id, table, tokens = seq.seq_id, seq.block_table, seq.token_ids
+        out.num_new = list(step.num_new)
+        ids, computed, sampled = out.seq_ids, out.num_computed, out.num_sampled
+        new_rows, sent_of = out.new_rows, self._sent
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
+            seq_id, table, tokens, done = seq.seq_id, seq.block_table, seq.token_ids, seq.num_computed
             sent = sent_of.get(seq_id)
             if sent is None:
-                new_rows.append(NewRow(seq_id, len(seq.prompt_ids), tuple(tokens), tuple(table), seq.params, seq.rng_key,
+                new_rows.append(NewRow(seq_id, len(seq.prompt_ids), tokens, table, seq.params, seq.rng_key,
                                        seq.stop_token_set, seq.images))
                 sent_of[seq_id] = [len(tokens), table, len(table)]
             else:
                 held, old, blocks = sent
                 kept = blocks if old is table else _shared_prefix(old, blocks, table)
                 if len(tokens) > held or kept != blocks or kept < len(table):
-                    out.updates.append(RowUpdate(seq_id, tuple(tokens[held:]), kept, tuple(table[kept:])))
+                    out.updates.append(RowUpdate(seq_id, tokens[held:], kept, table[kept:]))
                     sent[0], sent[1], sent[2] = len(tokens), table, len(table)
-            draft = seq.draft
-            rows.append(ScheduledRow(seq_id, seq.num_computed, n, num_sampled(seq, n), tuple(draft) if draft else ()))
+            ids.append(seq_id)
+            computed.append(done)
+            # positions sampled: none while its prompt is still being read (or for an embed or scoring row), one
+            # at its last token, plus one per proposal past its known tokens that it verifies
+            k = done + n - len(tokens) - seq.num_placeholders
+            sampled.append(k + 1 if k >= 0 and not seq.params.prefill_only else 0)
+            if seq.draft:
+                out.drafts[i] = tuple(seq.draft)
         return out
 
     def release(self, seq_ids) -> None:

@@ -64,11 +64,11 @@ class InputBatch:
             assert u.kept_blocks <= len(row.block_table), f"row {u.seq_id}: keeps blocks it was never sent"
             del row.block_table[u.kept_blocks:]
             row.block_table.extend(u.new_blocks)
-        step = []
-        for s in out.rows:
-            row = rows[s.seq_id]
-            row.num_computed, row.num_new, row.num_sampled, row.draft = s.num_computed, s.num_new, s.num_sampled, s.draft
-            step.append(row)
+        step = [rows[seq_id] for seq_id in out.seq_ids]
+        for row, done, n, k in zip(step, out.num_computed, out.num_new, out.num_sampled):
+            row.num_computed, row.num_new, row.num_sampled, row.draft = done, n, k, ()
+        for i, draft in out.drafts.items():
+            step[i].draft = draft
         return step
 
     def release(self, seq_ids) -> None:
