@@ -115,6 +115,18 @@ def from_column(value, base: Path | None) -> list[ImageInput]:
                      f"{type(value).__name__}")
 
 
+def column_count(value) -> int:
+    """How many images an image column's value holds, without reading them (the chat template needs the count
+    before the images are read)."""
+    if value is None:
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(column_count(v) for v in value)
+    if isinstance(value, dict) and value.get("bytes") is None and not value.get("path"):
+        return 0
+    return 1
+
+
 def _data_uri(url: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not sep:

@@ -107,6 +107,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     for name in ("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "batch_size", "part_rows"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.image_column is not None and cfg.task != Task.GENERATE:
+        raise ConfigError(f"image_column: images are read by generate rows only (this job's task is {cfg.task})")
     if cfg.temperature < 0:
         raise ConfigError(f"temperature: must be >= 0, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:

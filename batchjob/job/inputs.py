@@ -55,6 +55,9 @@ def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
                              "for chat messages) to read the prompt from another column")
         if path not in empty_inputs:
             validate_columns(source, cfg.keep_columns + ([cfg.id_column] if cfg.id_column not in (None, "none") else []))
+            if cfg.image_column is not None:
+                validate_columns(source, [cfg.image_column], fix="pass --image-column NAME naming the column with the "
+                                 "rows' images")
         use_messages[id(source)] = uses
         if isinstance(source, OpenAIBatchSource):
             source.check_task(cfg.task)

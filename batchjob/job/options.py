@@ -113,6 +113,11 @@ class JobConfig:
         'system message prepended to chat rows that have none', api=Api.CHAT, fingerprint=ALWAYS)
     limit_images_per_prompt: int | None = opt(None, "most images a chat row may carry (vLLM's limit_mm_per_prompt); "
         "a row with more fails alone (default: no limit)", api=Api.CHAT, fingerprint=WHEN_SET, bounds=Bounds(1))
+    image_column: str | None = opt(None,
+        "column with each row's image(s): bytes, a path (relative to the input file) or url, the {bytes, path} struct "
+        "of a `datasets` Image column, or a list of them; the row becomes a user message of its images, then its "
+        'prompt text, rendered with the chat template (a vision-language model; docs/guide/images.md)',
+        fingerprint=WHEN_SET)
     lanes: list[dict] = opt([],
         '[[lanes]] tables: name, priority, weight, input, max_tokens (docs/guide/scheduling.md)', fingerprint=ALWAYS,
         flag="")

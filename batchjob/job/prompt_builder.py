@@ -14,7 +14,7 @@ from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
-from batchjob.images.sources import ImageError
+from batchjob.images.sources import ImageError, column_count, from_column
 from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
@@ -51,6 +51,8 @@ class PromptBuilder:
                                f"ids), not chat messages; chat templates are not applied to {cfg.task} rows")
             return None
         if msgs is None:
+            if cfg.image_column is not None:
+                return [*self._system(), self._image_column_message(record)]
             if not cfg.chat:
                 return None
             msgs = [{"role": "user", "content": self._prompt_text(record)}]
@@ -63,14 +65,27 @@ class PromptBuilder:
             raise RowError(f"{self._named(cfg.messages_column)}: expected a non-empty list of {{role, content}} messages")
         msgs = [chat_message(m, i, self._named(cfg.messages_column), self.images is not None, self.model_name)
                 for i, m in enumerate(msgs)]
-        if cfg.system_prompt and msgs[0]["role"] != "system":
-            msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
-        return msgs
+        if cfg.image_column is not None and record.get(cfg.image_column) is not None:
+            raise RowError(f"{self._named(cfg.image_column)}: a row with chat messages carries its images in their "
+                           "parts; leave the image column null on it")
+        return msgs if msgs[0]["role"] == "system" else [*self._system(), *msgs]
+
+    def _system(self) -> list[dict]:
+        return [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+
+    def _image_column_message(self, record: dict) -> dict:
+        """An image column's row as a user message: its images, then its prompt text (no image: the text alone)."""
+        text = self._prompt_text(record)
+        count = column_count(record.get(self.config.image_column))
+        return {"role": "user", "content": [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
+                if count else text}
 
     def with_images(self, record: dict, ids: list[int]) -> tuple[list[int], tuple]:
         """A chat row's prompt ids with each image token expanded to its placeholders, and its images' slots
         (engine ImageSlots), read from the row's image parts in order; (ids, ()) for a row without images."""
         cfg = self.config
+        if cfg.image_column is not None and record.get(cfg.image_column) is not None:
+            return self._column_images(record, ids)
         msgs = record.get(cfg.messages_column) if self.use_messages and self.images is not None else None
         if isinstance(msgs, str):
             msgs = json.loads(msgs)  # messages() parsed it already: valid
@@ -92,6 +107,17 @@ class PromptBuilder:
             return self.images.expand(ids, found)
         except ImageError as e:
             raise RowError(str(e)) from None
+
+    def _column_images(self, record: dict, ids: list[int]) -> tuple[list[int], tuple]:
+        col, limit = self._named(self.config.image_column), self.config.limit_images_per_prompt
+        value = record[self.config.image_column]
+        if limit is not None and column_count(value) > limit:
+            raise RowError(f"{col}: {column_count(value)} images, more than {limit} (limit_images_per_prompt)")
+        try:
+            found = from_column(value, self.image_base)
+            return self.images.expand(ids, found) if found else (ids, ())
+        except ImageError as e:
+            raise RowError(f"{col}: {e}") from None
 
     def _prompt_text(self, record: dict) -> str:
         col = self.config.prompt_column

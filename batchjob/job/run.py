@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from batchjob.errors import ConfigError
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import OutputFormat, Task
 from batchjob.job.chat_templates import check_chat_template, read_template
@@ -86,9 +87,13 @@ class Job:
         self.loaded = job.load(cfg.model)
         self.engine = build_engine(job, self.loaded)  # kernels chosen before any file is written
         self.model_facts = ModelFacts(self.loaded.identity, job.dtype_name, job.quantization(self.loaded))
+        images = ImageRows.of(self.loaded, resolve_model_path(cfg.model))  # None: a text-only model
+        if images is None and cfg.image_column is not None:
+            raise ConfigError(f"image_column: {self.loaded.name} is a text-only model; images need a vision-language "
+                              "model (docs/guide/images.md)")
         if self.shard is not None:
             sources = [self._claim_shard(*sources[0])]
-        if any(self.use_messages.values()) or cfg.chat:  # a broken template fails the job once, not every row
+        if any(self.use_messages.values()) or cfg.chat or cfg.image_column is not None:  # a broken template fails the job once
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
@@ -98,7 +103,6 @@ class Job:
             reader = getattr(source, "inner", source)  # a shard's whole file
             if isinstance(reader, OpenAIBatchSource):
                 self.summary.other_models.update(reader.other_models(served))
-        images = ImageRows.of(self.loaded, resolve_model_path(cfg.model))  # None: a text-only model
         bases = {id(source): Path(path).parent for source, path, *_ in sources}  # relative image paths start here
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary,
                             images, bases)

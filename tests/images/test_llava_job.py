@@ -166,3 +166,71 @@ def test_a_llava_folder_without_its_image_processor_settings_is_refused_in_one_l
                                        str(tmp_path / "out"), "--no-progress"])
     assert result.exit_code != 0 and "preprocessor_config.json: missing" in result.output
     assert "Traceback" not in result.output
+
+
+def run_job(folder, src, out, *extra):
+    return CliRunner().invoke(main, ["run", "--model", str(folder), "--input", str(src), "--output", str(out),
+                                     "--max-tokens", "6", "--ignore-eos", "--dtype", "float32", "--no-progress", *extra],
+                              catch_exceptions=False)
+
+
+def test_an_image_column_of_a_datasets_parquet_a_datasets_folder_and_jsonl_paths(tmp_path, llava, tiny_model_dir):
+    """--image-column: the row becomes a user message of its images, then its prompt text; the Image column that
+    `datasets` writes ({bytes, path} structs) read as it is from its Parquet and its save_to_disk folder; a JSONL
+    column of paths relative to the input file (a list: two images); a null: the text alone."""
+    datasets = pytest.importorskip("datasets")
+    folder, model, processor = llava
+    a, b = png(11, (70, 50)), png(12, (40, 96))
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics/a.png").write_bytes(a)
+    (tmp_path / "pics/b.png").write_bytes(b)
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    template = ["--chat-template", str(tmp_path / "t.jinja")]
+    one = lambda text: [{"type": "image"}, {"type": "text", "text": text}]  # noqa: E731
+    want = [reference(model, processor, one("caption this"), [a]), reference(model, processor, one("and this"), [b])]
+    ds = datasets.Dataset.from_dict({"image": [str(tmp_path / "pics/a.png"), str(tmp_path / "pics/b.png")],
+                                     "prompt": ["caption this", "and this"]}).cast_column("image", datasets.Image())
+    ds.to_parquet(str(tmp_path / "hf.parquet"))
+    ds.save_to_disk(str(tmp_path / "hf-folder"))
+    for name in ("hf.parquet", "hf-folder"):
+        result = run_job(folder, tmp_path / name, tmp_path / f"out-{name}", "--image-column", "image", *template)
+        assert result.exit_code == 0, result.output
+        got = read_results(tmp_path / f"out-{name}").sort_by("row_index").to_pylist()
+        assert [r["generated_text"] for r in got] == want, name
+    src = write_jsonl(tmp_path / "in.jsonl", [{"pics": ["pics/a.png", "pics/b.png"], "prompt": "both"},
+                                              {"pics": None, "prompt": "no picture"},
+                                              {"pics": "pics/none.png", "prompt": "missing"},
+                                              {"pics": ["pics/a.png"], "prompt": "caption this"}])
+    result = run_job(folder, src, tmp_path / "out-jsonl", "--image-column", "pics", "--limit-images-per-prompt", "2",
+                     *template)
+    assert result.exit_code == 0, result.output
+    got = read_results(tmp_path / "out-jsonl").sort_by("row_index").to_pylist()
+    assert got[0]["generated_text"] == reference(model, processor, [{"type": "image"}, *one("both")], [a, b])
+    assert got[1]["generated_text"] == reference(model, processor, [{"type": "text", "text": "no picture"}], [])
+    assert got[2]["finish_reason"] == "error" and got[2]["error"].startswith("column 'pics': ")
+    assert "pics/none.png: cannot read" in got[2]["error"]
+    assert got[3]["generated_text"] == want[0]
+    capped = run_job(folder, src, tmp_path / "out-capped", "--image-column", "pics", "--limit-images-per-prompt", "1",
+                     *template)
+    assert capped.exit_code == 0, capped.output
+    rows = read_results(tmp_path / "out-capped").sort_by("row_index").to_pylist()
+    assert "column 'pics': 2 images, more than 1 (limit_images_per_prompt)" in rows[0]["error"]
+    assert rows[3]["generated_text"] == want[0]
+    # a column that is not there, and a text-only model: the job refuses at start, naming the option
+    missing = run_job(folder, src, tmp_path / "out-missing", "--image-column", "photo", *template)
+    assert missing.exit_code != 0 and "'photo' not found" in missing.output and "--image-column" in missing.output
+    text_only = run_job(tiny_model_dir("llama"), src, tmp_path / "out-text", "--image-column", "pics", *template)
+    assert text_only.exit_code != 0 and "image_column:" in text_only.output and "text-only model" in text_only.output
+    assert not (tmp_path / "out-text" / "manifest.json").exists()
+
+
+def test_a_messages_row_with_an_image_column_value_fails_alone(tmp_path, llava):
+    folder, model, processor = llava
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}], "image": "x.png"},
+                                              {"messages": [{"role": "user", "content": "hi"}], "image": None}])
+    result = run_job(folder, src, tmp_path / "out", "--image-column", "image", "--chat-template", str(tmp_path / "t.jinja"))
+    assert result.exit_code == 0, result.output
+    bad, good = read_results(tmp_path / "out").sort_by("row_index").to_pylist()
+    assert "column 'image': a row with chat messages carries its images in their parts" in bad["error"]
+    assert good["error"] is None and good["generated_text"] == reference(model, processor, [{"type": "text", "text": "hi"}], [])
