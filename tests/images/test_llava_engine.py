@@ -22,9 +22,19 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_llava():
+    return make_llava(hidden=48)
+
+
+@pytest.fixture(scope="module")
+def hf_llava_native():
+    """Head size 16: one the native kernels take (the default fixture's 12 runs the torch kernels)."""
+    return make_llava(hidden=64)
+
+
+def make_llava(hidden: int):
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                            num_attention_heads=4, patch_size=14, image_size=56)
-    text = transformers.LlamaConfig(vocab_size=600, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+    text = transformers.LlamaConfig(vocab_size=600, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
     torch.manual_seed(0)
@@ -36,12 +46,12 @@ def hf_llava():
     return model
 
 
-def ours(hf, kernels: str):
+def ours(hf, kernels: str, dtype: torch.dtype = torch.float32):
     d = hf.config.to_dict()
     d["architectures"] = ["LlavaForConditionalGeneration"]
     config = config_from_hf(d)
-    weights = canonical_weights(config, {k: v.detach().clone() for k, v in hf.state_dict().items()})
-    return build_model(config, weights, torch.float32, kernels=kernels)
+    weights = canonical_weights(config, {k: v.detach().clone().to(dtype) for k, v in hf.state_dict().items()})
+    return build_model(config, weights, dtype, kernels=kernels)
 
 
 def image(seed: int) -> np.ndarray:
@@ -68,13 +78,14 @@ def reference(hf, ids, images) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def run(model, which: list[int], budget: int = 2048, engine: Engine | None = None):
-    engine = engine or Engine(model, [], EngineConfig(num_blocks=256, block_size=8,
+def run(model, which: list[int], budget: int = 2048, engine: Engine | None = None, params: SamplingParams = GREEDY,
+        block_size: int = 8):
+    engine = engine or Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size,
                                                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8)))
     ids_of = {}
     for i in which:
         ids, images = rows()[i]
-        got = engine.submit(EngineRequest(ids, GREEDY, seed=0, row_index=i,
+        got = engine.submit(EngineRequest(ids, params, seed=0, row_index=i,
                                           images=tuple(slot(ids, at, s) for at, s in images)))
         assert isinstance(got, int), got
         ids_of[got] = i
@@ -96,6 +107,17 @@ def test_greedy_tokens_are_transformers_batched_alone_and_split(hf_llava, kernel
     assert [run(model, [i])[0][0] for i in range(4)] == want  # alone = batched
     split, _ = run(model, [0, 1, 2, 3], budget=12)  # 12 tokens a step: every image's placeholders over 2-3 steps
     assert split == want
+
+
+def test_bf16_sampled_image_rows_alone_equal_batched_and_split(hf_llava_native):
+    """Batch invariance holds for image rows, the vision tower included: in bf16 on the default kernels (native
+    where the CPU has them: head size and block size 16), sampled text alone = batched = split across steps."""
+    model = ours(hf_llava_native, "auto", torch.bfloat16)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True)
+    batched, _ = run(model, [0, 1, 2, 3, 4], params=sampled, block_size=16)
+    assert len({tuple(b) for b in batched}) == 5
+    assert [run(model, [i], params=sampled, block_size=16)[0][0] for i in range(5)] == batched
+    assert run(model, [0, 1, 2, 3, 4], budget=12, params=sampled, block_size=16)[0] == batched
 
 
 def test_the_same_image_is_a_prefix_hit_and_another_image_is_not(hf_llava):

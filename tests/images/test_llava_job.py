@@ -234,3 +234,55 @@ def test_a_messages_row_with_an_image_column_value_fails_alone(tmp_path, llava):
     bad, good = read_results(tmp_path / "out").sort_by("row_index").to_pylist()
     assert "column 'image': a row with chat messages carries its images in their parts" in bad["error"]
     assert good["error"] is None and good["generated_text"] == reference(model, processor, [{"type": "text", "text": "hi"}], [])
+
+
+def test_image_rows_killed_with_sigkill_then_rerun_give_every_row_once_with_the_same_text(tmp_path, llava):
+    """A job of sampled image rows (paths and data URIs) killed with SIGKILL after its first commit, then run again:
+    every row once, each with the text of an uninterrupted run (the images are read again for the rows redone)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from batchjob.io.manifest import Manifest
+
+    folder, _, _ = llava
+    (tmp_path / "pics").mkdir()
+    pics = [png(20 + k, (40 + 10 * k, 90 - 10 * k)) for k in range(3)]
+    for k, data in enumerate(pics):
+        (tmp_path / f"pics/{k}.png").write_bytes(data)
+    uri = "data:image/png;base64," + base64.b64encode(pics[2]).decode()
+    part = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": [part(f"pics/{i % 2}.png" if i % 3 else uri),
+                                                       {"type": "text", "text": f"row {i}"}]}],
+             "temperature": 0.8 if i % 2 else 0.0} for i in range(40)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    common = ["run", "--model", folder, "--input", src, "--chat-template", tmp_path / "t.jinja", "--max-tokens", 16,
+              "--ignore-eos", "--seed", 3, "--part-rows", 4, "--part-seconds", 0.2, "--max-num-seqs", 2, "--no-progress"]
+    repo = Path(__file__).resolve().parents[2]
+    job = lambda out: subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", *map(str, common), "--output", str(out)],  # noqa: E731
+                                       cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ref = job(tmp_path / "ref")
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+    out = tmp_path / "out"
+    proc, killed = job(out), False
+    while proc.poll() is None:
+        try:
+            manifest = Manifest.load(out)
+        except Exception:  # noqa: BLE001 - the reader may race the first commit
+            manifest = None
+        if manifest is not None and 0 < manifest.done_rows().count() < len(rows):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed = True
+            break
+        time.sleep(0.01)
+    assert killed, "the job finished before it could be killed"
+    assert job(out).wait(timeout=600) == 0
+    got = read_results(out).sort_by("row_index").to_pylist()
+    want = read_results(tmp_path / "ref").sort_by("row_index").to_pylist()
+    assert [r["row_index"] for r in got] == list(range(len(rows)))
+    assert [r["generated_text"] for r in got] == [r["generated_text"] for r in want]
+    assert all(r["error"] is None for r in got)
