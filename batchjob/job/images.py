@@ -1,18 +1,19 @@
 """A job's image rows (issue 34): a chat row's `image_url` parts read (batchjob/images/sources.py: data: URIs, paths
 relative to the input file, file://, http(s)), each rendered by the chat template as the model's image token, and
-after tokenizing, each image token expanded to the run of placeholders its encoder output fills, with the image's
-pixel values (as transformers' processor computes them) and content digest: the row's ImageSlots for its
-EngineRequest. A row whose image cannot be read, decoded or fit fails alone, naming the message and the part (the
+after tokenizing, each image token replaced by what the image becomes in the family's layout (images/layouts.py:
+LLaVA's one run of placeholders, Idefics3's tiles), each placeholder run with its pixel values (as transformers'
+processor computes them) and a content digest: the row's ImageSlots for its EngineRequest. A row whose image cannot be read, decoded or fit fails alone, naming the message and the part (the
 prompt builder names them: job/prompt_builder.py)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
 
 from batchjob.engine.requests import ImageSlot
-from batchjob.images.clip import ClipPreprocessor
+from batchjob.images.layouts import IMAGE_SETTINGS, ImageLayout, image_settings, layout_for
 from batchjob.images.sources import ImageError, ImageInput, from_pil, from_url
 from batchjob.models.loader import LoadedModel, ModelLoadError
 
@@ -21,25 +22,32 @@ IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI's chat and Respons
 
 @dataclass(frozen=True, slots=True)
 class ImageRows:
-    image_token_id: int
-    tokens_per_image: int
-    preprocessor: ClipPreprocessor
+    layout: ImageLayout  # what an image becomes in the prompt (the family's: images/layouts.py)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.layout.image_token_id
 
     @classmethod
     def of(cls, loaded: LoadedModel, folder: Path | None) -> ImageRows | None:
         """The model's image facts; None for a text-only model. Raises ModelLoadError for a vision-language model
-        folder without its image processor's settings."""
+        folder without its image processor's settings, or with settings we cannot honour."""
         extra = loaded.config.extra
         if "image_token_id" not in extra or folder is None or not folder.is_dir():
             return None
-        settings = folder / "preprocessor_config.json"
-        if not settings.is_file():
-            raise ModelLoadError(f"{settings}: missing: a vision-language model folder needs its image processor's "
-                                 "settings (the file transformers' processor saves with the model)")
-        return cls(extra["image_token_id"], extra["tokens_per_image"], ClipPreprocessor.from_folder(folder))
+        settings = image_settings(folder)
+        if settings is None:
+            raise ModelLoadError(f"{folder / IMAGE_SETTINGS}: missing: a vision-language model folder needs its image "
+                                 "processor's settings (the file transformers' processor saves with the model)")
+        try:
+            return cls(layout_for(loaded.config.architecture, extra, folder, settings, loaded.tokenizer))
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: image processor settings: {e}") from None
 
     def expand(self, ids: list[int], images: list[ImageInput]) -> tuple[list[int], tuple[ImageSlot, ...]]:
-        """The rendered prompt's ids with each image token expanded to its placeholder run, and the images' slots."""
+        """The rendered prompt's ids with each image token replaced by what its image becomes (its placeholder runs
+        and the tokens around them), and a slot per placeholder run: where it is, the pixel values its encoder output
+        comes from, and a digest of the image and the run's place in it (the prefix cache's key)."""
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(images):
             raise ImageError(f"the chat template wrote {len(at)} image tokens for {len(images)} images; a template "
@@ -48,8 +56,11 @@ class ImageRows:
         slots, prev = [], 0
         for pos, img in zip(at, images):
             out.extend(ids[prev:pos])
-            slots.append(ImageSlot(len(out), self.tokens_per_image, img.digest, self.preprocessor.pixel_values(img.image)))
-            out.extend([self.image_token_id] * self.tokens_per_image)
+            placed, runs = self.layout.place(img.image)
+            for k, (start, length, pixels) in enumerate(runs):
+                digest = img.digest if len(runs) == 1 else hashlib.sha256(f"{img.digest}:{k}".encode()).hexdigest()
+                slots.append(ImageSlot(len(out) + start, length, digest, pixels))
+            out.extend(placed)
             prev = pos + 1
         out.extend(ids[prev:])
         return out, tuple(slots)

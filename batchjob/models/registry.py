@@ -13,10 +13,10 @@ from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
 from batchjob.models.family import BuildSpec, Family
-from batchjob.models.families import gemma, llama, llava, moe, olmo2, phi3
+from batchjob.models.families import gemma, idefics3, llama, llava, moe, olmo2, phi3
 
 
-FAMILIES: list[Family] = [llama.FAMILY, gemma.FAMILY, phi3.FAMILY, olmo2.FAMILY, moe.FAMILY, llava.FAMILY]
+FAMILIES: list[Family] = [llama.FAMILY, gemma.FAMILY, phi3.FAMILY, olmo2.FAMILY, moe.FAMILY, llava.FAMILY, idefics3.FAMILY]
 
 
 def supported() -> list[str]:

@@ -63,6 +63,6 @@ def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelP
 
 
 FAMILY = Family(
-    name="LLaVA-1.5 (text rows; image inputs from jobs in progress)",
+    name="LLaVA-1.5",
     hf_architectures={"LlavaForConditionalGeneration": "llava"}, model_types={"llava": "llava"},
     parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name)

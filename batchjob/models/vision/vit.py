@@ -19,6 +19,11 @@ ACTIVATIONS = {
 }
 
 
+# SigLIP's tower as Idefics3 (SmolVLM) runs it: its last hidden states through post_layernorm
+NORMED_OUTPUT = ("idefics3_vision", "smolvlm_vision")
+VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model", *NORMED_OUTPUT)
+
+
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
     hidden_size: int
@@ -32,14 +37,14 @@ class VisionConfig:
     hidden_act: str = "quick_gelu"
     class_token: bool = True  # CLIP prepends a class embedding; SigLIP does not
     pre_norm: bool = True  # CLIP's pre_layrnorm after the embeddings
+    post_norm: bool = False  # the encoder's last hidden states normed (Idefics3's tower; CLIP's norms only its pooled output)
 
     @classmethod
     def from_hf(cls, d: dict, source: str) -> VisionConfig:
         """A vision_config from config.json (CLIP's `clip_vision_model` fields)."""
         kind = d.get("model_type", "clip_vision_model")
-        if kind not in ("clip_vision_model", "siglip_vision_model"):
-            raise ValueError(f"{source}: vision_config.model_type {kind!r} is not supported (clip_vision_model, "
-                             "siglip_vision_model)")
+        if kind not in VISION_MODEL_TYPES:
+            raise ValueError(f"{source}: vision_config.model_type {kind!r} is not supported ({', '.join(VISION_MODEL_TYPES)})")
         act = d.get("hidden_act", "quick_gelu" if kind == "clip_vision_model" else "gelu_pytorch_tanh")
         if act not in ACTIVATIONS:
             raise ValueError(f"{source}: vision_config.hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
@@ -47,7 +52,8 @@ class VisionConfig:
                    num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"], patch_size=d["patch_size"],
                    image_size=d["image_size"], num_channels=d.get("num_channels", 3),
                    layer_norm_eps=d.get("layer_norm_eps", 1e-5 if kind == "clip_vision_model" else 1e-6),
-                   hidden_act=act, class_token=kind == "clip_vision_model", pre_norm=kind == "clip_vision_model")
+                   hidden_act=act, class_token=kind == "clip_vision_model", pre_norm=kind == "clip_vision_model",
+                   post_norm=kind in NORMED_OUTPUT)
 
     @property
     def num_patches(self) -> int:
@@ -64,7 +70,7 @@ class VisionConfig:
             out[f"{prefix}embeddings.patch_embedding.bias"] = (h,)
         if self.pre_norm:
             out.update({f"{prefix}pre_layrnorm.weight": (h,), f"{prefix}pre_layrnorm.bias": (h,)})
-        if self.class_token:  # CLIP's norm of the pooled output: in its checkpoints, unused by LLaVA (dropped at build)
+        if self.class_token or self.post_norm:  # CLIP's norm of the pooled output: unused by LLaVA (dropped at build)
             out.update({f"{prefix}post_layernorm.weight": (h,), f"{prefix}post_layernorm.bias": (h,)})
         for n in range(self.num_layers):
             lp = f"{prefix}encoder.layers.{n}."
@@ -125,12 +131,15 @@ class VisionTower:
                 (take(f"{lp}layer_norm2.weight"), take(f"{lp}layer_norm2.bias")),
                 (take(f"{lp}mlp.fc1.weight"), take(f"{lp}mlp.fc1.bias")),
                 (take(f"{lp}mlp.fc2.weight"), take(f"{lp}mlp.fc2.bias"))))
+        self.post_norm = (take("post_layernorm.weight"), take("post_layernorm.bias")) if cfg.post_norm else None
         for name in [k for k in w if k.startswith(prefix + "post_layernorm.") or k.startswith(prefix + "head.")]:
             del w[name]  # the pooled output's norm and head: LLaVA reads hidden states, never the pooled output
         self.dtype = dtype
 
-    def features(self, pixel_values: torch.Tensor, layer: int) -> torch.Tensor:
-        """[B, C, S, S] pixel values -> [B, tokens, hidden] hidden states after encoder layer `layer`."""
+    def features(self, pixel_values: torch.Tensor, layer: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, C, H, W] pixel values -> [B, tokens, hidden] hidden states after encoder layer `layer` (the last
+        layer's through the post-norm where the tower has one). `position_ids`: the position table's row of each
+        patch (a tower that takes other sizes than its own, as Idefics3's); None: the table in order."""
         cfg = self.cfg
         depth = layer % (cfg.num_layers + 1)
         x = F.conv2d(pixel_values.to(self.dtype), self.patch, self.patch_bias, stride=cfg.patch_size)
@@ -138,12 +147,17 @@ class VisionTower:
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
         n = x.shape[1]
-        if n != self.positions.shape[0]:
+        if position_ids is not None:
+            x = x + self.positions[position_ids]
+        elif n != self.positions.shape[0]:
             side = math.isqrt(n - (self.class_embedding is not None))
             raise ValueError(f"pixel values of {side * cfg.patch_size} px; this vision tower takes {cfg.image_size} px")
-        x = x + self.positions
+        else:
+            x = x + self.positions
         if self.pre_norm is not None:
             x = F.layer_norm(x, (cfg.hidden_size,), *self.pre_norm, cfg.layer_norm_eps)
         for lay in self.layers[:depth]:
             x = lay(x, cfg)
+        if self.post_norm is not None and depth == cfg.num_layers:
+            x = F.layer_norm(x, (cfg.hidden_size,), *self.post_norm, cfg.layer_norm_eps)
         return x

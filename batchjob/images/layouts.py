@@ -1,0 +1,89 @@
+"""What one image becomes in a prompt, per family: the token ids that replace the chat template's image token, and
+the placeholder runs among them with the pixel values each run's encoder output comes from (one run for LLaVA's
+one image; one per tile for Idefics3's split image). The ids and pixel values are those of the family's
+transformers processor (tests/images/)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from PIL import Image
+
+from batchjob.images.clip import ClipPreprocessor
+from batchjob.images.idefics3 import Idefics3Preprocessor, image_prompt
+
+
+class ImageLayout(Protocol):
+    image_token_id: int  # the chat template's image token (a placeholder too)
+
+    def place(self, image: Image.Image) -> tuple[list[int], list[tuple[int, int, np.ndarray]]]:
+        """(the ids the image token becomes, [(a placeholder run's start in them, its length, its pixel values)])."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LlavaLayout:
+    """The image token repeated once per row of the encoder's output, all from one resized, cropped image."""
+    image_token_id: int
+    tokens_per_image: int
+    preprocessor: ClipPreprocessor
+
+    def place(self, image: Image.Image) -> tuple[list[int], list[tuple[int, int, np.ndarray]]]:
+        return [self.image_token_id] * self.tokens_per_image, [(0, self.tokens_per_image, self.preprocessor.pixel_values(image))]
+
+
+@dataclass(frozen=True, slots=True)
+class Idefics3Layout:
+    """Idefics3Processor's layout: each tile as `<fake_token_around_image><row_r_col_c>` and its placeholders, a
+    newline after each row of tiles, then the global image; the text tokenized once per grid shape."""
+    image_token_id: int
+    image_seq_len: int
+    preprocessor: Idefics3Preprocessor
+    tokenizer: object  # batchjob.models.tokenizer.Tokenizer
+    _ids: dict[tuple[int, int], tuple[list[int], list[int]]] = field(default_factory=dict)
+
+    def place(self, image: Image.Image) -> tuple[list[int], list[tuple[int, int, np.ndarray]]]:
+        tiles, rows, cols = self.preprocessor.tiles(image)
+        ids, starts = self._grid(rows, cols)
+        if len(starts) != len(tiles):
+            raise ValueError(f"the image prompt has {len(starts)} placeholder runs for {len(tiles)} tiles")
+        return ids, [(at, self.image_seq_len, t) for at, t in zip(starts, tiles)]
+
+    def _grid(self, rows: int, cols: int) -> tuple[list[int], list[int]]:
+        got = self._ids.get((rows, cols))
+        if got is None:
+            ids = self.tokenizer.encode(image_prompt(rows, cols, self.image_seq_len), add_special_tokens=False)
+            tok = self.image_token_id
+            starts = [i for i, t in enumerate(ids) if t == tok and (i == 0 or ids[i - 1] != tok)]
+            got = self._ids[rows, cols] = (ids, starts)
+        return got
+
+
+IMAGE_SETTINGS, PROCESSOR_SETTINGS = "preprocessor_config.json", "processor_config.json"
+
+
+def image_settings(folder: Path) -> dict | None:
+    """The image processor's settings a model folder holds: preprocessor_config.json (the Hub's checkpoints, an image
+    processor saved alone), else the `image_processor` of processor_config.json (transformers 5 saves a whole
+    processor so); None: neither."""
+    if (folder / IMAGE_SETTINGS).is_file():
+        return json.loads((folder / IMAGE_SETTINGS).read_text())
+    if (folder / PROCESSOR_SETTINGS).is_file():
+        return json.loads((folder / PROCESSOR_SETTINGS).read_text()).get("image_processor")
+    return None
+
+
+def layout_for(architecture: str, extra: dict, folder: Path, settings: dict, tokenizer) -> ImageLayout:
+    """The layout of a vision-language model's folder, from its image processor's settings. ValueError names a setting
+    we cannot honour."""
+    token, per_run = extra["image_token_id"], extra["tokens_per_image"]
+    if architecture == "idefics3":
+        processor = folder / PROCESSOR_SETTINGS
+        seq = json.loads(processor.read_text()).get("image_seq_len", per_run) if processor.is_file() else per_run
+        if seq != per_run:
+            raise ValueError(f"{processor}: image_seq_len {seq}; the model's vision tower gives {per_run} per tile")
+        return Idefics3Layout(token, per_run, Idefics3Preprocessor.from_config(settings), tokenizer)
+    return LlavaLayout(token, per_run, ClipPreprocessor.from_config(settings))

@@ -1,0 +1,68 @@
+"""Idefics3 and SmolVLM (`Idefics3ForConditionalGeneration`): a Llama language model whose prompt carries each image
+as tiles (the processor's split: batchjob/images/idefics3.py), each tile a run of `image_seq_len` `<image>`
+placeholders between `<fake_token_around_image>` and `<row_r_col_c>` / `<global-img>` tokens; a tile's placeholders
+take the SigLIP tower's features through the pixel-shuffle connector (models/vision/idefics3.py). The language model
+is the Llama family's, built from `text_config`; the image encoder rides on the model (`DecoderLM.image_encoder`)
+for the worker to run, one tile at a time."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from batchjob.models import hf_layout as hf
+from batchjob.models.config import ModelConfig, UnsupportedModelError
+from batchjob.models.families import llama
+from batchjob.models.family import BuildSpec, Family, ModelParts
+from batchjob.models.vision.idefics3 import TOWER, Idefics3ImageEncoder, Idefics3VisionConfig
+
+# transformers' names (in memory and saved) -> ours
+_RENAMES = (("model.text_model.", "model."), ("model.vision_model.", TOWER), ("model.connector.", "connector."))
+
+
+def canonical_name(name: str) -> str:
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
+    text = dict(cfg.get("text_config") or {})
+    kind = text.get("model_type", "llama")
+    if kind != "llama":
+        raise UnsupportedModelError(f"{source}: an Idefics3 model with a {kind!r} language model is not supported (llama)")
+    try:
+        vision = Idefics3VisionConfig.from_hf(cfg, source)  # checked here, before any weight is read
+    except ValueError as e:
+        raise UnsupportedModelError(str(e)) from None
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    base = llama.parse_hf(text, "llama", source)
+    return dataclasses.replace(base, architecture="idefics3",
+                               extra={**base.extra, "idefics3": {k: v for k, v in cfg.items() if k != "text_config"},
+                                      "image_token_id": vision.image_token_id,
+                                      "tokens_per_image": vision.image_seq_len})
+
+
+def vision_config(c: ModelConfig) -> Idefics3VisionConfig:
+    return Idefics3VisionConfig.from_hf({**c.extra["idefics3"], "text_config": {"hidden_size": c.hidden_size}}, "config")
+
+
+def _text(c: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(c, architecture="llama")
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return hf.weight_shapes(_text(c)) | vision_config(c).weight_shapes()
+
+
+def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
+    encoder = Idefics3ImageEncoder(vision_config(c), w, spec.dtype, spec.device)  # takes the vision weights out of w
+    parts = llama.build(_text(c), w, spec)
+    return dataclasses.replace(parts, image_encoder=encoder)
+
+
+FAMILY = Family(
+    name="Idefics3 / SmolVLM",
+    hf_architectures={"Idefics3ForConditionalGeneration": "idefics3"}, model_types={"idefics3": "idefics3"},
+    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name)

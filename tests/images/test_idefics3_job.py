@@ -1,0 +1,106 @@
+"""A `batchjob run` job of image rows on an Idefics3 (SmolVLM) folder (issue 34): images split into tiles plus the
+global image, small ones one tile, two images of different sizes in one row, an image column and chat parts; each
+answer equal to transformers' (its Idefics3Processor's ids and pixel values, generate in fp32)."""
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from batchjob.cli.main import main
+from batchjob.io.parts import read_results
+from tests.builders import write_jsonl
+
+transformers = pytest.importorskip("transformers")
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}"
+            "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+           *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+
+
+def png(seed: int, size) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def smolvlm(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random Idefics3 folder: 56 px tiles of 4 placeholders, images up to 112 px (2 x 2 tiles + global)."""
+    from tokenizers import Tokenizer
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    folder = tmp_path_factory.mktemp("smolvlm")
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(SPECIAL)
+    tok.save(str(folder / "tokenizer.json"))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
+                  image_size=56)
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, image_token_id=tok.token_to_id("<image>"),
+                                      scale_factor=2)
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1 or "vision_model" in name or "connector" in name:
+                p.normal_(0, 0.2 if ("vision_model" in name or "connector" in name) else 0.12)
+    model.save_pretrained(folder)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    processor = transformers.Idefics3Processor(
+        image_processor=images, tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")),
+        image_seq_len=4, chat_template=TEMPLATE)
+    processor.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # the job is given its template
+    return folder, model, processor
+
+
+def reference(model, processor, content: list, pictures: list[bytes]) -> str:
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    imgs = [[Image.open(io.BytesIO(p)) for p in pictures]] if pictures else None
+    inputs = processor(text=text, images=imgs, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_image_rows_answer_as_transformers(tmp_path, smolvlm):
+    folder, model, processor = smolvlm
+    wide, tall, small = png(1, (150, 60)), png(2, (40, 130)), png(3, (30, 30))
+    (tmp_path / "pics").mkdir()
+    for name, data in (("wide", wide), ("tall", tall), ("small", small)):
+        (tmp_path / f"pics/{name}.png").write_bytes(data)
+    uri = "data:image/png;base64," + base64.b64encode(tall).decode()
+    part = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
+    say = {"type": "text", "text": "what is this"}
+    chats = [[part("pics/wide.png"), say], [part(uri), say], [part("pics/small.png"), part("pics/wide.png"), say], [say]]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": c}]} for c in chats])
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    common = ["--model", str(folder), "--chat-template", str(tmp_path / "t.jinja"), "--max-tokens", "6", "--ignore-eos",
+              "--dtype", "float32", "--no-progress"]
+    result = CliRunner().invoke(main, ["run", "--input", str(src), "--output", str(tmp_path / "out"), *common],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    got = read_results(tmp_path / "out").sort_by("row_index").to_pylist()
+    image, text = {"type": "image"}, {"type": "text", "text": "what is this"}
+    want = [reference(model, processor, [image, text], [wide]), reference(model, processor, [image, text], [tall]),
+            reference(model, processor, [image, image, text], [small, wide]), reference(model, processor, [text], [])]
+    assert [r["error"] for r in got] == [None] * 4
+    assert [r["generated_text"] for r in got] == want and len(set(want)) == 4
+    assert got[0]["prompt_tokens"] > 5 * 4  # 2 x 2 tiles and the global image, 4 placeholders each
+    column = write_jsonl(tmp_path / "col.jsonl", [{"image": "pics/tall.png", "prompt": "what is this"}])
+    result = CliRunner().invoke(main, ["run", "--input", str(column), "--output", str(tmp_path / "col"), "--image-column",
+                                       "image", *common], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert read_results(tmp_path / "col").to_pylist()[0]["generated_text"] == want[1]
