@@ -51,6 +51,8 @@ class StepStats:
     num_sampled: int = 0  # tokens generated (one per decode and last prompt chunk; 1 + accepted per speculating row)
     num_proposed: int = 0  # speculative tokens proposed and verified in this step
     num_accepted: int = 0  # of them, kept
+    num_images: int = 0  # image placeholder runs encoded (an image, or a tile of one)
+    encoder_s: float = 0.0  # in the image encoder (within model_s)
 
 
 @dataclass(slots=True)
@@ -60,6 +62,8 @@ class _Pending:
     t0: float  # when the step's engine work began (its StepStats.step_s runs from here to its collection)
     launch_s: float  # host time to prepare and launch the forward (and sampling)
     model_s: float
+    images: int = 0  # placeholder runs encoded
+    encoder_s: float = 0.0
 
 
 def add_placeholders(step: Step, tokens: StepTokens) -> None:
@@ -274,10 +278,12 @@ class Engine:
         launched = None
         if step:
             tf = time.perf_counter()
-            model_before = self.runner.model_s
+            model_before, enc = self.runner.model_s, self.runner.encoder
+            images_before, encoder_before = enc.images, enc.seconds
             out = self._output(step)
             tokens = self.runner.run(out) if prev is None else self.runner.run(out, prev.tokens)
-            launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before)
+            launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before,
+                                enc.images - images_before, enc.seconds - encoder_before)
             add_placeholders(step, tokens)
             sched.advance(step)
         elif prev is None and sched.num_waiting and not sched.running:
@@ -319,11 +325,11 @@ class Engine:
         applied = self.outputs.apply(step, tokens, embeddings, scored, logprobs)
         self._release([s.seq_id for s in applied.finished])
         self._record(step, applied.finished, applied.num_sampled, time.perf_counter() - pending.t0, forward_s,
-                     pending.model_s, applied.num_proposed, applied.num_accepted)
+                     pending.model_s, applied.num_proposed, applied.num_accepted, pending.images, pending.encoder_s)
         return applied.finished
 
     def _record(self, step: Step, finished: list[Sequence], sampled: int, step_s: float, forward_s: float,
-                model_s: float, proposed: int = 0, accepted: int = 0) -> None:
+                model_s: float, proposed: int = 0, accepted: int = 0, images: int = 0, encoder_s: float = 0.0) -> None:
         sched = self.scheduler
         num_decode = sum(1 for n in step.num_new if n == 1)
         self.last_step = step
@@ -334,7 +340,7 @@ class Engine:
             blocks_used=self.pool.num_used, blocks_free=self.pool.num_free,
             prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
             step_s=step_s, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
-            num_proposed=proposed, num_accepted=accepted,
+            num_proposed=proposed, num_accepted=accepted, num_images=images, encoder_s=encoder_s,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seed: int = 0) -> list[Sequence]:

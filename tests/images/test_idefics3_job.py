@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 
 import numpy as np
@@ -14,6 +15,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from batchjob.cli.main import main
+from batchjob.images.idefics3 import Idefics3Preprocessor
+from batchjob.images.layouts import image_settings
 from batchjob.io.parts import read_results
 from tests.builders import write_jsonl
 
@@ -98,7 +101,13 @@ def test_image_rows_answer_as_transformers(tmp_path, smolvlm):
             reference(model, processor, [image, image, text], [small, wide]), reference(model, processor, [text], [])]
     assert [r["error"] for r in got] == [None] * 4
     assert [r["generated_text"] for r in got] == want and len(set(want)) == 4
-    assert got[0]["prompt_tokens"] > 5 * 4  # 2 x 2 tiles and the global image, 4 placeholders each
+    assert got[0]["prompt_tokens"] > 3 * 4  # 1 x 2 tiles and the global image, 4 placeholders each
+    summary = json.loads((tmp_path / "out" / "stats.jsonl").read_text().splitlines()[-1])
+    tiles = Idefics3Preprocessor.from_config(image_settings(folder)).tiles
+    each = {name: len(tiles(Image.open(io.BytesIO(data)))[0]) for name, data in (("wide", wide), ("tall", tall),
+                                                                                   ("small", small))}
+    assert each == {"wide": 3, "tall": 3, "small": 5}  # 1 x 2 (+ global), 2 x 1 (+ global), 2 x 2 (+ global)
+    assert summary["images_encoded"] == 3 + 3 + 5 + 3 and 0 < summary["encoder_s"] <= summary["model_s"]
     column = write_jsonl(tmp_path / "col.jsonl", [{"image": "pics/tall.png", "prompt": "what is this"}])
     result = CliRunner().invoke(main, ["run", "--input", str(column), "--output", str(tmp_path / "col"), "--image-column",
                                        "image", *common], catch_exceptions=False)

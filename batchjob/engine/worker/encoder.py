@@ -5,15 +5,26 @@ other images of the step), and its output is kept on the worker's row until the 
 prefill may split a placeholder run across steps. A row recomputed after preemption encodes again."""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from batchjob.engine.worker.input_batch import CachedRow
 
 
-def step_embeds(model, rows: list[CachedRow], last: list[int], input_ids: torch.Tensor) -> torch.Tensor | None:
+@dataclass(slots=True)
+class EncoderStats:
+    """The image encoder's work so far: placeholder runs encoded (an image, or one tile of one) and its seconds."""
+    images: int = 0
+    seconds: float = 0.0
+
+
+def step_embeds(model, rows: list[CachedRow], last: list[int], input_ids: torch.Tensor,
+                stats: EncoderStats) -> torch.Tensor | None:
     """inputs_embeds [T, hidden] for a step that computes image placeholders, else None (token ids suffice).
-    `last[i]`: the flat index of row i's last token in the step."""
+    `last[i]`: the flat index of row i's last token in the step. The encoder's work is added to `stats`."""
     spans = []  # (row, image index, flat index of the first position, first and end rows of the encoder output)
     done = []
     for i, row in enumerate(rows):
@@ -36,8 +47,11 @@ def step_embeds(model, rows: list[CachedRow], last: list[int], input_ids: torch.
         feats = row.encoded.get(k)
         if feats is None:
             img = row.images[k]
+            t0 = time.perf_counter()
             pixels = torch.from_numpy(np.ascontiguousarray(img.pixel_values, dtype=np.float32))[None].to(model.device)
             feats = model.image_encoder(pixels)[0]
+            stats.images += 1
+            stats.seconds += time.perf_counter() - t0
             if feats.shape[0] != img.length:
                 raise ValueError(f"image {k}: the encoder gives {feats.shape[0]} rows for {img.length} placeholders")
             row.encoded[k] = feats

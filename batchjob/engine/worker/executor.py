@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Protocol
 from batchjob.engine.core.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
+    from batchjob.engine.worker.encoder import EncoderStats
     from batchjob.engine.worker.model_runner import StepTokens
 
 
 class Executor(Protocol):
     model_s: float  # seconds spent inside the model so far (forward and logits), for the step statistics
+    encoder: EncoderStats  # image placeholder runs encoded so far and the image encoder's seconds (within model_s)
 
     def run(self, out: SchedulerOutput, in_flight: StepTokens | None = None) -> StepTokens:
         """Take the step's differences into the rows it keeps, launch its forward and sampling; its tokens come back

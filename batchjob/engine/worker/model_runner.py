@@ -12,7 +12,7 @@ import torch
 from batchjob.engine.core.scheduler_output import SchedulerOutput
 from batchjob.engine.sample import sampler
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs
-from batchjob.engine.worker.encoder import step_embeds
+from batchjob.engine.worker.encoder import EncoderStats, step_embeds
 from batchjob.engine.worker.input_batch import CachedRow, InputBatch, step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
@@ -35,6 +35,7 @@ class ModelRunner:
         self.staging = StagingBuffers(model.device)
         self.decode_graphs = None if graphs is None else DecodeGraphs(model, self.kv.layers, block_size, *graphs)
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
+        self.encoder = EncoderStats()  # image placeholder runs encoded and the encoder's seconds (inside model_s)
         self.batch = InputBatch()  # the rows the engine sent, kept between steps until it releases them
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
@@ -103,7 +104,7 @@ class ModelRunner:
                 at.extend(range(last[i] - r.num_sampled + 1, last[i] + 1))
                 sampling.extend([r] * r.num_sampled)
         t0 = time.perf_counter()
-        image_embeds = step_embeds(self.model, step, last, input_ids) if any(r.images for r in step) else None
+        image_embeds = step_embeds(self.model, step, last, input_ids, self.encoder) if any(r.images for r in step) else None
         hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, inputs_embeds=image_embeds,
                                                 input_ids=None if image_embeds is not None else input_ids))
         # the logits stay on the model's device: sampling runs there and only token ids come back
