@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import cpu_peers, kv_speed, moe, prefill, report, speculative, structured
+from batchjob.bench import cpu_peers, images, kv_speed, moe, prefill, report, speculative, structured
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "SmolLM2, 64 x (128 + 128) token ids, default and --quantization int8, the machine's ceilings)")
     ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
+    ap.add_argument("--image-rows", type=int, default=256, help="rows of the image row (bench/images.py: one 512 x 384 "
+                    "image x 32 tokens each on a SmolVLM-256M-shaped model vs HF static 16; ~4 s a row here; 0: skip)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
     ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
@@ -244,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
                                                args.timeout)
         log(moe.text(moe_rows) if err is None else f"  failed: {err}")
 
+    image_rows = None
+    if args.image_rows and not args.pipeline_only:
+        n = min(args.image_rows, 4) if args.quick else args.image_rows
+        log(f"images: {n} rows x one 512 x 384 image x 32 tokens, SmolVLM-256M shapes, batchjob vs HF static 16 ...")
+        image_rows, err = launch.run_json_module("batchjob.bench.images", ["--rows", str(n)], 3 * args.timeout)
+        log(images.text(image_rows) if err is None else f"  failed: {err}")
+
     structured_rows = None
     if not args.no_structured and not args.pipeline_only:
         log("structured outputs: a 64-row job with every row JSON-schema constrained vs unconstrained ...")
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
         "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "cpu_peers": peer_rows, "moe": moe_rows, "structured": structured_rows,
-        "prefill": prefill_rows,
+        "prefill": prefill_rows, "images": image_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -309,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     if peer_rows:
         log("CPU peers (batchjob vs llama.cpp on this CPU; the machine's flags and ceilings):")
         log(cpu_peers.text(peer_rows))
+        log("")
+    if image_rows:
+        log(images.text(image_rows))
         log("")
     if moe_rows:
         log("MoE vs its dense equivalent (same active parameters):")

@@ -23,14 +23,15 @@ SIDE, SEQ = 56, 4  # tile px; placeholders per tile: (56 / 14)^2 patches / 2^2
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def make_idefics3(hidden: int = 48):
+def make_idefics3(hidden: int = 48, kind: str = "Idefics3"):
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
                   image_size=SIDE)
     text = dict(vocab_size=600, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
-    cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, image_token_id=IMAGE, scale_factor=2)
+    cfg = getattr(transformers, f"{kind}Config")(vision_config=vision, text_config=text, image_token_id=IMAGE,
+                                                 scale_factor=2)
     torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # weights that make images matter (default init: flat)
             if p.ndim > 1 or "vision_model" in name or "connector" in name:
@@ -45,7 +46,7 @@ def hf_idefics3():
 
 def ours(hf, kernels: str = "torch", dtype: torch.dtype = torch.float32):
     d = hf.config.to_dict()
-    d["architectures"] = ["Idefics3ForConditionalGeneration"]
+    d["architectures"] = [type(hf).__name__]
     config = config_from_hf(d)
     weights = canonical_weights(config, {k: v.detach().clone().to(dtype) for k, v in hf.state_dict().items()})
     return build_model(config, weights, dtype, kernels=kernels)
@@ -124,6 +125,13 @@ def test_greedy_tokens_are_transformers_batched_alone_and_split(hf_idefics3, ker
     assert run(model, [0, 1, 2, 3]) == want
     assert [run(model, [i])[0] for i in range(4)] == want  # alone = batched
     assert run(model, [0, 1, 2, 3], budget=7) == want  # 7 tokens a step: tiles' placeholders split across steps
+
+
+def test_smolvlm2_folders_run_as_idefics3():
+    """SmolVLM2 (`SmolVLMForConditionalGeneration`): Idefics3's layout and weights under its own names."""
+    hf = make_idefics3(kind="SmolVLM")
+    assert hf.config.vision_config.model_type == "smolvlm_vision"
+    assert run(ours(hf), [0, 1, 2]) == [reference(hf, ids, images) for ids, images in rows()[:3]]
 
 
 def test_bf16_sampled_rows_alone_equal_batched():

@@ -63,6 +63,7 @@ def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelP
 
 
 FAMILY = Family(
-    name="Idefics3 / SmolVLM",
-    hf_architectures={"Idefics3ForConditionalGeneration": "idefics3"}, model_types={"idefics3": "idefics3"},
+    name="Idefics3, SmolVLM, SmolVLM2",
+    hf_architectures={"Idefics3ForConditionalGeneration": "idefics3", "SmolVLMForConditionalGeneration": "idefics3"},
+    model_types={"idefics3": "idefics3", "smolvlm": "idefics3"},
     parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name)
