@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
     ap.add_argument("--image-rows", type=int, default=256, help="rows of the image row (bench/images.py: one 512 x 384 "
-                    "image x 32 tokens each on a SmolVLM-256M-shaped model vs HF static 16; ~4 s a row here; 0: skip)")
+                    "image x 32 tokens each on a SmolVLM-256M-shaped model vs HF static 16; ~4 s a row for batchjob and ~17 for "
+                    "HF on a 2-core AVX-512 VM; 0: skip)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
     ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")

@@ -13,11 +13,14 @@ import io
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+FETCH_WORKERS = 8  # http(s) images of a batch of rows fetched at once
 MAX_IMAGE_BYTES = 20 << 20  # an http(s) image larger than this fails its row (vLLM's media connector has no cap)
 HTTP_TIMEOUT_S = 10.0
 MAX_PIXELS = 64 << 20  # a decoded image of more pixels fails its row (Pillow's decompression-bomb guard is 89M)
@@ -25,6 +28,9 @@ MAX_PIXELS = 64 << 20  # a decoded image of more pixels fails its row (Pillow's 
 
 class ImageError(ValueError):
     """A row's image that cannot be used; the message names the part and what to do."""
+
+
+Fetched = Mapping[str, "bytes | ImageError"]  # http(s) url -> its bytes, or why its fetch failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,35 +80,56 @@ def from_path(path: str | Path, base: Path | None) -> ImageInput:
     return from_bytes(data, str(p))
 
 
+def fetch_many(urls: Iterable, timeout: float = HTTP_TIMEOUT_S, max_bytes: int = MAX_IMAGE_BYTES) -> Fetched:
+    """The http(s) urls among `urls` fetched several at a time (FETCH_WORKERS): each one's bytes, or the ImageError
+    its fetch failed with (the row that names it fails alone). Other values are left out."""
+    todo = list(dict.fromkeys(u for u in urls if isinstance(u, str) and _scheme(u) in ("http", "https")))
+    if not todo:
+        return {}
+
+    def one(url: str) -> bytes | ImageError:
+        try:
+            return _fetch(url, timeout, max_bytes)
+        except ImageError as e:
+            return e
+
+    with ThreadPoolExecutor(min(FETCH_WORKERS, len(todo)), thread_name_prefix="batchjob-fetch") as pool:
+        return dict(zip(todo, pool.map(one, todo)))
+
+
 def from_url(url: str, base: Path | None = None, timeout: float = HTTP_TIMEOUT_S,
-             max_bytes: int = MAX_IMAGE_BYTES) -> ImageInput:
-    """An OpenAI `image_url` url: `data:image/...;base64,...`, `file://...`, `http(s)://...`, or a plain path."""
+             max_bytes: int = MAX_IMAGE_BYTES, fetched: Fetched | None = None) -> ImageInput:
+    """An OpenAI `image_url` url: `data:image/...;base64,...`, `file://...`, `http(s)://...`, or a plain path.
+    `fetched`: http(s) urls fetched already (fetch_many); another is fetched here."""
     if not isinstance(url, str) or not url:
         raise ImageError(f"image_url.url: expected a non-empty string, got {url!r:.60}")
-    scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
+    scheme = _scheme(url)
     if scheme == "data":
         return from_bytes(_data_uri(url), "data: URI")
     if scheme == "file":
         parsed = urllib.parse.urlparse(url)
         return from_path(urllib.parse.unquote(parsed.path), base)
     if scheme in ("http", "https"):
-        return from_bytes(_fetch(url, timeout, max_bytes), url)
+        got = fetched.get(url) if fetched else None
+        if isinstance(got, ImageError):
+            raise got
+        return from_bytes(got if got is not None else _fetch(url, timeout, max_bytes), url)
     if scheme and len(scheme) > 1:  # "c:" is a Windows drive, not a scheme
         raise ImageError(f"{url:.80}: unsupported url scheme {scheme!r}; use a data: URI, a path, file:// or http(s)://")
     return from_path(url, base)
 
 
-def from_column(value, base: Path | None) -> list[ImageInput]:
+def from_column(value, base: Path | None, fetched: Fetched | None = None) -> list[ImageInput]:
     """An image column's value: bytes, a path, the `{bytes, path}` struct of a `datasets` Image feature, or a list
     of any of them (None: no image)."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
-        return [img for v in value for img in from_column(v, base)]
+        return [img for v in value for img in from_column(v, base, fetched)]
     if isinstance(value, (bytes, bytearray, memoryview)):
         return [from_bytes(bytes(value), "bytes")]
     if isinstance(value, str):
-        return [from_url(value, base)]
+        return [from_url(value, base, fetched=fetched)]
     if isinstance(value, dict) and set(value) <= {"bytes", "path"}:
         if value.get("bytes") is not None:
             return [from_bytes(bytes(value["bytes"]), value.get("path") or "bytes")]
@@ -125,6 +152,10 @@ def column_count(value) -> int:
     if isinstance(value, dict) and value.get("bytes") is None and not value.get("path"):
         return 0
     return 1
+
+
+def _scheme(url: str) -> str:
+    return url.split(":", 1)[0].lower() if ":" in url[:12] else ""
 
 
 def _data_uri(url: str) -> bytes:

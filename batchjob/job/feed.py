@@ -10,6 +10,7 @@ from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.job.engine_setup import lanes_of
 from batchjob.job.error_budget import ErrorBudget
+from batchjob.images.sources import fetch_many
 from batchjob.job.images import ImageRows
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
 from batchjob.job.row_driver import RowDriver, StepDone
@@ -107,6 +108,8 @@ class RowFeed:
                 batch.append((item.row_index, record, kept, row_lane, item.where))
             records = [b[1] for b in batch]
             all_prompts = builder.prompts_many(records)
+            # the batch's http(s) images fetched together, several at a time
+            fetched = fetch_many(u for r in records for u in builder.image_urls(r)) if builder.images is not None else None
             starts = [None] * len(batch)
             if self.cfg.task == Task.SCORE:
                 starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
@@ -119,7 +122,7 @@ class RowFeed:
                     stream.columns.check(params)
                     images = ()
                     if builder.images is not None:
-                        expanded, images = builder.with_images(record, ids[0])
+                        expanded, images = builder.with_images(record, ids[0], fetched)
                         ids = [expanded]
                 except RowError as e:
                     self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))

@@ -14,7 +14,7 @@ from PIL import Image
 
 from batchjob.engine.requests import ImageSlot
 from batchjob.images.layouts import IMAGE_SETTINGS, ImageLayout, image_settings, layout_for
-from batchjob.images.sources import ImageError, ImageInput, from_pil, from_url
+from batchjob.images.sources import Fetched, ImageError, ImageInput, from_pil, from_url
 from batchjob.models.loader import LoadedModel, ModelLoadError
 
 IMAGE_PARTS = ("image_url", "image", "input_image")  # OpenAI's chat and Responses names, and transformers'
@@ -66,12 +66,17 @@ class ImageRows:
         return out, tuple(slots)
 
 
-def image_part(part: dict, base: Path | None) -> ImageInput:
+def image_part(part: dict, base: Path | None, fetched: Fetched | None = None) -> ImageInput:
     """An OpenAI image part (`{"type": "image_url", "image_url": {"url": ...}}`, or the Responses API's
     `{"type": "input_image", "image_url": ...}`), or the Python API's `{"type": "image", "image": PIL image}`, read
-    and decoded; ImageError says why not."""
-    ref = part.get("image_url") if part.get("type") != "image" else part.get("image")
-    url = ref.get("url") if isinstance(ref, dict) else ref
+    and decoded; ImageError says why not. `fetched`: http(s) urls fetched already (sources.fetch_many)."""
+    url = part_url(part)
     if isinstance(url, Image.Image):
         return from_pil(url)
-    return from_url(url, base)
+    return from_url(url, base, fetched=fetched)
+
+
+def part_url(part: dict):
+    """An image part's url (or the API's PIL image)."""
+    ref = part.get("image_url") if part.get("type") != "image" else part.get("image")
+    return ref.get("url") if isinstance(ref, dict) else ref

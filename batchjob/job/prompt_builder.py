@@ -14,8 +14,8 @@ from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
-from batchjob.images.sources import ImageError, column_count, from_column
-from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part
+from batchjob.images.sources import Fetched, ImageError, column_count, from_column
+from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part, part_url
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
 
@@ -80,27 +80,45 @@ class PromptBuilder:
         return {"role": "user", "content": [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
                 if count else text}
 
-    def with_images(self, record: dict, ids: list[int]) -> tuple[list[int], tuple]:
-        """A chat row's prompt ids with each image token expanded to its placeholders, and its images' slots
-        (engine ImageSlots), read from the row's image parts in order; (ids, ()) for a row without images."""
+    def image_urls(self, record: dict) -> list:
+        """Where a row's images are (its image parts' urls, its image column's values), read without fetching: the
+        feed fetches a batch's http(s) images together (sources.fetch_many)."""
         cfg = self.config
         if cfg.image_column is not None and record.get(cfg.image_column) is not None:
-            return self._column_images(record, ids)
-        msgs = record.get(cfg.messages_column) if self.use_messages and self.images is not None else None
+            value = record[cfg.image_column]
+            return list(value) if isinstance(value, (list, tuple)) else [value]
+        return [part_url(part) for _, _, part in self._image_parts(record)]
+
+    def _image_parts(self, record: dict):
+        """(message index, part index, part) of a chat row's image parts, in order."""
+        msgs = record.get(self.config.messages_column) if self.use_messages and self.images is not None else None
         if isinstance(msgs, str):
-            msgs = json.loads(msgs)  # messages() parsed it already: valid
-        found, limit = [], cfg.limit_images_per_prompt
-        for i, m in enumerate(msgs or []):
+            try:
+                msgs = json.loads(msgs)
+            except ValueError:
+                return  # messages() says why
+        for i, m in enumerate(msgs if isinstance(msgs, list) else []):
             content = m.get("content") if isinstance(m, dict) else None
             for k, part in enumerate(content if isinstance(content, list) else []):
                 if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
-                    if limit is not None and len(found) == limit:
-                        raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: more than "
-                                       f"{limit} images (limit_images_per_prompt)")
-                    try:
-                        found.append(image_part(part, self.image_base))
-                    except ImageError as e:
-                        raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: {e}") from None
+                    yield i, k, part
+
+    def with_images(self, record: dict, ids: list[int], fetched: Fetched | None = None) -> tuple[list[int], tuple]:
+        """A chat row's prompt ids with each image token expanded to its placeholders, and its images' slots
+        (engine ImageSlots), read from the row's image parts in order; (ids, ()) for a row without images.
+        `fetched`: the batch's http(s) images, fetched already."""
+        cfg = self.config
+        if cfg.image_column is not None and record.get(cfg.image_column) is not None:
+            return self._column_images(record, ids, fetched)
+        found, limit = [], cfg.limit_images_per_prompt
+        for i, k, part in self._image_parts(record):
+            if limit is not None and len(found) == limit:
+                raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: more than "
+                               f"{limit} images (limit_images_per_prompt)")
+            try:
+                found.append(image_part(part, self.image_base, fetched))
+            except ImageError as e:
+                raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: {e}") from None
         if not found:
             return ids, ()
         try:
@@ -108,13 +126,13 @@ class PromptBuilder:
         except ImageError as e:
             raise RowError(str(e)) from None
 
-    def _column_images(self, record: dict, ids: list[int]) -> tuple[list[int], tuple]:
+    def _column_images(self, record: dict, ids: list[int], fetched: Fetched | None) -> tuple[list[int], tuple]:
         col, limit = self._named(self.config.image_column), self.config.limit_images_per_prompt
         value = record[self.config.image_column]
         if limit is not None and column_count(value) > limit:
             raise RowError(f"{col}: {column_count(value)} images, more than {limit} (limit_images_per_prompt)")
         try:
-            found = from_column(value, self.image_base)
+            found = from_column(value, self.image_base, fetched)
             return self.images.expand(ids, found) if found else (ids, ())
         except ImageError as e:
             raise RowError(f"{col}: {e}") from None

@@ -286,3 +286,39 @@ def test_image_rows_killed_with_sigkill_then_rerun_give_every_row_once_with_the_
     assert [r["row_index"] for r in got] == list(range(len(rows)))
     assert [r["generated_text"] for r in got] == [r["generated_text"] for r in want]
     assert all(r["error"] is None for r in got)
+
+
+def test_http_images_of_a_job_from_a_local_server(tmp_path, llava):
+    """Rows naming images by http url (chat parts and an image column) answer as the same images by path; a url the
+    server does not have fails its row alone, naming it."""
+    import http.server
+    import threading
+    from functools import partial
+
+    folder, model, processor = llava
+    (tmp_path / "www").mkdir()
+    a = png(31, (70, 44))
+    (tmp_path / "www/a.png").write_bytes(a)
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "www"))
+    handler.log_message = lambda *args, **kw: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        (tmp_path / "t.jinja").write_text(TEMPLATE)
+        part = lambda u: {"type": "image_url", "image_url": {"url": u}}  # noqa: E731
+        say = {"type": "text", "text": "what is this"}
+        src = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": [part(f"{url}/a.png"), say]}]},
+                                                  {"messages": [{"role": "user", "content": [part(f"{url}/b.png"), say]}]}])
+        result = run_job(folder, src, tmp_path / "out", "--chat-template", str(tmp_path / "t.jinja"))
+        assert result.exit_code == 0, result.output
+        got, missing = read_results(tmp_path / "out").sort_by("row_index").to_pylist()
+        assert got["generated_text"] == reference(model, processor, [{"type": "image"}, say], [a])
+        assert missing["finish_reason"] == "error" and f"{url}/b.png: HTTP 404" in missing["error"]
+        column = write_jsonl(tmp_path / "col.jsonl", [{"image": f"{url}/a.png", "prompt": "what is this"}])
+        result = run_job(folder, column, tmp_path / "col", "--image-column", "image", "--chat-template",
+                         str(tmp_path / "t.jinja"))
+        assert result.exit_code == 0, result.output
+        assert read_results(tmp_path / "col").to_pylist()[0]["generated_text"] == got["generated_text"]
+    finally:
+        httpd.shutdown()

@@ -83,3 +83,46 @@ def test_each_bad_image_is_an_error_naming_it(tmp_path, server):
         with pytest.raises(ImageError) as e:
             call()
         assert words in str(e.value), (words, str(e.value))
+
+
+def test_a_batchs_http_images_are_fetched_together_and_a_failed_one_stays_its_own(tmp_path):
+    """fetch_many: several requests in flight at once (the server counts them), each url's bytes or its own error;
+    from_url then reads the fetched bytes (and fetches a url it was not given)."""
+    from batchjob.images.sources import fetch_many
+
+    for i in range(6):
+        (tmp_path / f"{i}.png").write_bytes(png(seed=i))
+    seen = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    class Slow(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            with lock:
+                seen["now"] += 1
+                seen["most"] = max(seen["most"], seen["now"])
+            threading.Event().wait(0.2)  # long enough for the other requests to arrive
+            try:
+                super().do_GET()
+            finally:
+                with lock:
+                    seen["now"] -= 1
+
+        def log_message(self, *a, **k):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Slow, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        urls = [f"{base}/{i}.png" for i in range(6)] + [f"{base}/missing.png", "pics/local.png", None]
+        got = fetch_many(urls)
+        assert set(got) == set(urls[:7])  # only the http(s) urls, each once
+        assert seen["most"] > 1
+        assert all(got[f"{base}/{i}.png"] == png(seed=i) for i in range(6))
+        assert isinstance(got[f"{base}/missing.png"], ImageError) and "HTTP 404" in str(got[f"{base}/missing.png"])
+        assert from_url(f"{base}/2.png", fetched=got).digest == hashlib.sha256(png(seed=2)).hexdigest()
+        with pytest.raises(ImageError, match="HTTP 404"):
+            from_url(f"{base}/missing.png", fetched=got)
+        assert from_url(f"{base}/5.png", fetched={}).digest == hashlib.sha256(png(seed=5)).hexdigest()
+    finally:
+        httpd.shutdown()
