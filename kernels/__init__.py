@@ -9,7 +9,7 @@ import importlib
 _HOMES = {"AttentionMetadata": "interface", "KernelSet": "interface", "paged_attention_torch": "reference.attention",
           "store_kv": "reference.attention", "CHOICES": "dispatch", "KernelError": "dispatch",
           "select_kernels": "dispatch", "Linear": "linear", "rms_norm": "reference.norm",
-          "RotaryEmbedding": "reference.rotary", "apply_rotary": "reference.rotary"}
+          "RotaryEmbedding": "reference.rotary", "apply_rotary": "reference.rotary", "mrope_rows": "reference.rotary"}
 __all__ = list(_HOMES)
 
 

@@ -1,6 +1,6 @@
 """What one image becomes in a prompt, per family: the token ids that replace the chat template's image token, and
 the placeholder runs among them with the pixel values each run's encoder output comes from (one run for LLaVA's
-one image; one per tile for Idefics3's split image). The ids and pixel values are those of the family's
+and Qwen2-VL's image; one per tile for Idefics3's split image). The ids and pixel values are those of the family's
 transformers processor (tests/images/)."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from PIL import Image
 
 from batchjob.images.clip import ClipPreprocessor
 from batchjob.images.idefics3 import Idefics3Preprocessor, image_prompt
+from batchjob.images.qwen2_vl import Qwen2VLPreprocessor
 
 
 class ImageLayout(Protocol):
@@ -76,10 +77,29 @@ def image_settings(folder: Path) -> dict | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Qwen2VLLayout:
+    """One `<|image_pad|>` per merged patch block (the template writes the vision start and end tokens around the
+    image token); the patches carry their grid, [t, h, w, patch dims], for the encoder and the M-RoPE positions."""
+    image_token_id: int
+    preprocessor: Qwen2VLPreprocessor
+
+    def place(self, image: Image.Image) -> tuple[list[int], list[tuple[int, int, np.ndarray]]]:
+        flat, grid = self.preprocessor.patches(image)
+        n = self.preprocessor.num_placeholders(grid)
+        return [self.image_token_id] * n, [(0, n, flat.reshape(*grid, flat.shape[-1]))]
+
+
 def layout_for(architecture: str, extra: dict, folder: Path, settings: dict, tokenizer) -> ImageLayout:
     """The layout of a vision-language model's folder, from its image processor's settings. ValueError names a setting
     we cannot honour."""
-    token, per_run = extra["image_token_id"], extra["tokens_per_image"]
+    token = extra["image_token_id"]
+    if architecture == "qwen2_vl":
+        prep = Qwen2VLPreprocessor.from_config(settings)
+        if prep.merge_size != extra["mrope_merge"]:
+            raise ValueError(f"merge_size {prep.merge_size}; the model's vision tower merges {extra['mrope_merge']}")
+        return Qwen2VLLayout(token, prep)
+    per_run = extra["tokens_per_image"]
     if architecture == "idefics3":
         processor = folder / PROCESSOR_SETTINGS
         seq = json.loads(processor.read_text()).get("image_seq_len", per_run) if processor.is_file() else per_run

@@ -1,8 +1,8 @@
 """A row's images, read from where the row names them: an OpenAI `image_url` part's url (a `data:` URI, a local path or
 `file://` URL, an `http(s)://` URL), an image column's value (bytes, a path, or the `{bytes, path}` struct that Hugging
 Face `datasets` writes for its Image feature), or a PIL image given to the Python API. Each becomes an ImageInput: the
-decoded RGB picture's source bytes and their SHA-256 (what prefix-cache keys and the job's fingerprint use: the
-same image by any route is the same image). Anything that cannot be read or decoded is an ImageError naming the part
+decoded RGB picture's source bytes and their SHA-256 (what prefix-cache keys use: the same image by any route is the
+same image). Anything that cannot be read or decoded is an ImageError naming the part
 and why; the job fails that row alone."""
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.kernels import RotaryEmbedding, select_kernels
+from batchjob.kernels import RotaryEmbedding, mrope_rows, select_kernels
 from batchjob.kernels.notices import notice
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.quantization import WeightMatmul
@@ -76,8 +76,12 @@ class DecoderLM:
         step.check(self.features, self.config.architecture)
         ops, eps, positions, meta = self.kernels, self.config.rms_norm_eps, step.positions, step.meta
         h = self.embeddings(step)  # the residual stream, updated in place by add_rms_norm
+        rotaries = self.rotaries
+        if positions.dim() == 2:  # M-RoPE: each token's rotary row composed from its (t, h, w) positions
+            rotaries = [mrope_rows(r, positions, self.config.extra["mrope_section"]) for r in rotaries]
+            positions = torch.arange(positions.shape[1], device=positions.device)  # rows of the step's own tables
         ropes = [(ops.prepare_rotary(r, positions), r.table(positions) if self.partial_rotary else None)
-                 for r in self.rotaries]
+                 for r in rotaries]
         first = self.layers[0].attn_norm
         with scope("norm"):
             x = ops.rms_norm(h, first, eps) if first is not None else h

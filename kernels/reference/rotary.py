@@ -68,3 +68,27 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StepRotary:
+    """A step's own rotary rows, indexed by the token's place in the step (M-RoPE: each token's row composed from
+    its temporal, height and width positions). Takes a RotaryEmbedding's place for the kernels: `cos`, `sin`,
+    `table`."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def mrope_rows(rope: RotaryEmbedding, positions: torch.Tensor, sections: tuple[int, ...]) -> StepRotary:
+    """Qwen2-VL's M-RoPE: [3, T] (temporal, height, width) positions -> each token's cos/sin row, the rotary
+    frequencies split into `sections` (of half the rotated dims) taking their angle from the temporal, height and
+    width position in turn, as transformers' recomposition does."""
+    half = rope.cos.shape[-1] // 2
+    axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)])
+    if axis.numel() != half:
+        raise ValueError(f"mrope_section {list(sections)} covers {axis.numel()} of the {half} rotary frequencies")
+    axis = torch.cat([axis, axis]).to(positions.device)[None, None, :].expand(1, positions.shape[1], -1)
+    return StepRotary(rope.cos[positions].gather(0, axis)[0], rope.sin[positions].gather(0, axis)[0])

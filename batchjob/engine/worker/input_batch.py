@@ -35,6 +35,8 @@ class CachedRow:
     # their encoder outputs [length, hidden], computed at the first step that reads any of an image's placeholders
     # and kept until the prompt is computed (chunked prefill may split a run); encoder.py
     encoded: dict[int, torch.Tensor] | None = None  # made by the first image row's step (no dict for text rows)
+    # M-RoPE models' image rows: the prompt's [3, num_prompt] positions and the generated tokens' delta (mrope.py)
+    mrope: tuple[torch.Tensor, int] | None = None
     num_computed: int = 0  # this step: tokens cached before it
     num_new: int = 0  # this step: tokens it computes
     num_sampled: int = 0  # this step: positions sampled (0, 1, or 1 + proposals)

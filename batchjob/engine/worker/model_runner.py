@@ -13,6 +13,7 @@ from batchjob.engine.core.scheduler_output import SchedulerOutput
 from batchjob.engine.sample import sampler
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs
 from batchjob.engine.worker.encoder import EncoderStats, step_embeds
+from batchjob.engine.worker.mrope import step_positions
 from batchjob.engine.worker.input_batch import CachedRow, InputBatch, step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.pooler import pool_step
@@ -20,7 +21,7 @@ from batchjob.engine.worker.prompt_logprobs import PromptLogprobChunk, score_ste
 from batchjob.engine.worker.staging import StagingBuffers
 from batchjob.kernels import AttentionMetadata
 from batchjob.kernels.profiling import scope
-from batchjob.models.step_context import StepContext
+from batchjob.models.step_context import ModelFeature, StepContext
 
 
 class ModelRunner:
@@ -80,6 +81,8 @@ class ModelRunner:
             fill = _placeholder_fill(step, inputs.placeholder_rows, last, in_flight, self.staging)
         argmax = self.model.kernels.argmax
         graphs = self.decode_graphs
+        if ModelFeature.MROPE in self.model.features:  # 3-D positions (Qwen2-VL); decode graphs take 1-D ones
+            positions, graphs = step_positions(step, last, positions, self.model.config.extra["mrope_merge"]), None
         ids = [r.seq_id for r in step]
         embeds = any(r.params.pooling is not None for r in step)
         # rows scoring prompt positions in this step (a decode-only step has none)
