@@ -22,16 +22,20 @@ PATCH = 3 * 2 * 14 * 14
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def make_qwen2_vl(hidden: int = 48, sections=(2, 2, 2)):
+def make_qwen2_vl(hidden: int = 48, sections=(2, 2, 2), kind: str = "Qwen2VL"):
     vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=4, mlp_ratio=2, hidden_act="quick_gelu",
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if kind == "Qwen2_5_VL":  # windows of 2 x 2 merged blocks (56 px), block 0 windowed, block 1 full
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=hidden, intermediate_size=48, num_heads=4,
+                      hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1])
     text = dict(vocab_size=600, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(sections)})
-    cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=PAD, video_token_id=598,
-                                     vision_start_token_id=START, vision_end_token_id=END)
+    cfg = getattr(transformers, f"{kind}Config")(vision_config=vision, text_config=text, image_token_id=PAD,
+                                                 video_token_id=598, vision_start_token_id=START, vision_end_token_id=END)
     torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # weights that make images and their positions matter
             if p.ndim > 1 or "visual" in name:
@@ -46,7 +50,7 @@ def hf_qwen2_vl():
 
 def ours(hf, kernels: str = "torch", dtype: torch.dtype = torch.float32):
     d = hf.config.to_dict()
-    d["architectures"] = ["Qwen2VLForConditionalGeneration"]
+    d["architectures"] = [type(hf).__name__]
     config = config_from_hf(d)
     weights = canonical_weights(config, {k: v.detach().clone().to(dtype) for k, v in hf.state_dict().items()})
     return build_model(config, weights, dtype, kernels=kernels)
@@ -121,6 +125,19 @@ def test_greedy_tokens_are_transformers_batched_alone_and_split(hf_qwen2_vl, ker
     assert run(model, [0, 1, 2, 3]) == want
     assert [run(model, [i])[0] for i in range(4)] == want  # alone = batched
     assert run(model, [0, 1, 2, 3], budget=5) == want  # 5 tokens a step: placeholders split across steps
+
+
+def test_qwen2_5_vl_window_attention_and_its_tower():
+    """Qwen2.5-VL: RMSNorms, a gated MLP, attention within windows (block 0) and over the image (block 1); grids of
+    2 x 3 and 3 x 1 merged blocks make whole and cut windows."""
+    hf = make_qwen2_vl(kind="Qwen2_5_VL")
+    model = ours(hf)
+    pv = patches(7, 4, 6)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.from_numpy(pv), torch.tensor([[1, 4, 6]])).pooler_output[0]
+    torch.testing.assert_close(model.image_encoder(torch.from_numpy(pv.reshape(1, 1, 4, 6, PATCH)))[0], want,
+                               rtol=1e-5, atol=1e-5)
+    assert run(model, [0, 1, 2]) == [reference(hf, ids, images) for ids, images in rows()[:3]]
 
 
 def test_bf16_sampled_rows_alone_equal_batched():

@@ -1,4 +1,5 @@
-"""Qwen2-VL (`Qwen2VLForConditionalGeneration`): the Qwen2 language model with M-RoPE, whose prompt carries each image
+"""Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`): the Qwen2
+language model with M-RoPE, whose prompt carries each image
 as `<|vision_start|>`, one `<|image_pad|>` per merged 2 x 2 patch block, `<|vision_end|>`; the placeholders take
 the vision encoder's rows (models/vision/qwen2_vl.py) and (temporal, height, width) positions on the image's grid
 (engine/worker/mrope.py), composed into each token's rotary row by `mrope_section` (kernels/reference/rotary.py).
@@ -65,7 +66,8 @@ def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelP
 
 
 FAMILY = Family(
-    name="Qwen2-VL",
-    hf_architectures={"Qwen2VLForConditionalGeneration": "qwen2_vl"}, model_types={"qwen2_vl": "qwen2_vl"},
+    name="Qwen2-VL, Qwen2.5-VL",
+    hf_architectures={"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_vl"},
+    model_types={"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"},
     parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name,
     features=DECODER_FEATURES | {ModelFeature.MROPE})
