@@ -342,9 +342,45 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+# jobs/caption.toml's images: small drawings (the Pillow primitives, seeded), each with a caption prompt
+PICTURES = [
+    ("sunset.png", "Describe this picture in one sentence."),
+    ("shapes.png", "How many shapes are in this picture, and what colours are they?"),
+    ("chart.png", "What does this bar chart show?"),
+]
+
+
+def draw_pictures() -> list[dict]:
+    from PIL import Image, ImageDraw
+
+    (HERE / "images").mkdir(exist_ok=True)
+    sunset = Image.new("RGB", (320, 200), (250, 170, 90))
+    d = ImageDraw.Draw(sunset)
+    for y in range(120):
+        d.line([(0, y), (320, y)], fill=(250, 170 - y, 90 + y))
+    d.ellipse([120, 80, 200, 160], fill=(255, 220, 60))
+    d.rectangle([0, 140, 320, 200], fill=(30, 60, 120))
+    shapes = Image.new("RGB", (240, 240), "white")
+    d = ImageDraw.Draw(shapes)
+    d.ellipse([20, 20, 100, 100], fill="red")
+    d.rectangle([130, 30, 210, 110], fill="blue")
+    d.polygon([(60, 210), (120, 130), (180, 210)], fill="green")
+    chart = Image.new("RGB", (300, 200), "white")
+    d = ImageDraw.Draw(chart)
+    d.line([(30, 180), (290, 180)], fill="black", width=2)
+    d.line([(30, 10), (30, 180)], fill="black", width=2)
+    for i, h in enumerate((60, 120, 90, 150)):
+        d.rectangle([50 + 60 * i, 180 - h, 90 + 60 * i, 180], fill=(70, 130, 180))
+    for (name, _), img in zip(PICTURES, (sunset, shapes, chart)):
+        img.save(HERE / "images" / name, optimize=True)
+    return [{"id": f"p{i}", "image": f"images/{name}", "prompt": prompt} for i, (name, prompt) in enumerate(PICTURES)]
+
+
 def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    write_jsonl(HERE / "captions.jsonl", draw_pictures())
 
     prompts = prompt_rows()
     write_jsonl(HERE / "prompts.jsonl", prompts)

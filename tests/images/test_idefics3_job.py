@@ -68,13 +68,13 @@ def smolvlm(tmp_path_factory, tiny_tokenizer_dir):
     return folder, model, processor
 
 
-def reference(model, processor, content: list, pictures: list[bytes]) -> str:
+def reference(model, processor, content: list, pictures: list[bytes], max_tokens: int = 6) -> str:
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
     imgs = [[Image.open(io.BytesIO(p)) for p in pictures]] if pictures else None
     inputs = processor(text=text, images=imgs, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
@@ -113,3 +113,22 @@ def test_image_rows_answer_as_transformers(tmp_path, smolvlm):
                                        "image", *common], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert read_results(tmp_path / "col").to_pylist()[0]["generated_text"] == want[1]
+
+
+def test_the_caption_example_job_runs_on_a_folder_the_user_brings(tmp_path, smolvlm):
+    """jobs/caption.toml with --model naming a folder: its sample pictures captioned, one row each."""
+    from pathlib import Path
+
+    folder, model, processor = smolvlm
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    result = CliRunner().invoke(main, ["run", str(root / "jobs/caption.toml"), "--model", str(folder), "--output",
+                                       str(tmp_path / "out"), "--chat-template", str(tmp_path / "t.jinja"),
+                                       "--max-tokens", "4", "--ignore-eos", "--dtype", "float32", "--no-progress"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = read_results(tmp_path / "out").sort_by("row_index").to_pylist()
+    assert [r["id"] for r in rows] == ["p0", "p1", "p2"] and all(r["error"] is None for r in rows)
+    picture = (root / "jobs/data/images/sunset.png").read_bytes()
+    assert rows[0]["generated_text"] == reference(model, processor, [{"type": "image"}, {"type": "text", "text":
+                                                  "Describe this picture in one sentence."}], [picture], max_tokens=4)
