@@ -1,8 +1,10 @@
 """The `batchjob` command line: `run` (its flags: run_options.py), `status`, `export`, `show`, `verify`,
-`slurm submit` and `bench`; an expected error is one line on stderr and an exit code."""
+`slurm submit`, `ray submit` and `bench`; an expected error is one line on stderr and an exit code."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 import click
@@ -312,6 +314,67 @@ def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: boo
                f"(script {out}/slurm/batchjob.sbatch, logs {out}/slurm/logs/{job_id}_K.log; "
                f"`batchjob status {out}`)", err=True)
     click.echo(job_id)
+
+
+@main.group("ray")
+def ray_group() -> None:
+    """Run a job's shards on a Ray cluster, exactly once (docs/guide/ray.md)."""
+
+
+@ray_group.command("submit")
+@click.argument("job", type=click.Path(dir_okay=False, exists=True))
+@click.option("--shards", type=click.IntRange(min=1), help="number of shards (default: four per GPU, or per shard slot "
+              "of the cluster's CPUs; a rerun keeps the count its output planned)")
+@click.option("--address", help="a running cluster as ray.init takes it (auto, ray://HOST:10001, HOST:6379); default: "
+              "a local Ray started for the job")
+@click.option("--cpus-per-shard", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPUs a shard task reserves (its torch threads)")
+@click.option("--gpus-per-shard", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="GPUs a shard task reserves")
+@click.option("--max-retries", type=click.IntRange(min=0), default=3, show_default=True,
+              help="times a shard is retried after its worker, node or run fails; it resumes from its last commit")
+def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_shard: int, gpus_per_shard: float,
+                   max_retries: int) -> None:
+    """Run JOB's shards as Ray tasks, each `batchjob run JOB --shard K/N` into OUTPUT/shard-K-of-N/, until all are
+    done; progress from the shards' manifests. Exits as `run` does: 0, 1 (a shard failed after its retries; the
+    others complete), 75 (stopped by Ctrl-C or SIGTERM after the running shards drained)."""
+    from pathlib import Path
+
+    from batchjob.cluster.ray_submit import RayOptions, submit_and_wait
+
+    try:
+        cfg = load_job(job, {})
+        if cfg.per_lane_inputs:
+            raise ConfigError("lanes with their own inputs cannot be sharded; run each lane's input as its own job")
+        opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries)
+        with _sigterm_as_interrupt():
+            outcomes = submit_and_wait(Path(job), Path(cfg.output), opts, [], log=lambda m: click.echo(m, err=True))
+    except ConfigError as e:
+        click.echo(f"batchjob: error: {e}", err=True)
+        sys.exit(1)
+    failed = [o for o in outcomes if o.exit_code not in (0, EXIT_RESUMABLE)]
+    for o in failed:
+        click.echo(f"batchjob: error: shard {o.index} failed after its retries: {o.error}", err=True)
+    if failed:
+        sys.exit(1)
+    if any(o.exit_code == EXIT_RESUMABLE for o in outcomes):
+        click.echo(f"batchjob: stopped; rerun `batchjob ray submit {job}` to continue", err=True)
+        sys.exit(EXIT_RESUMABLE)
+    click.echo(f"batchjob: finished: {len(outcomes)} shards -> {cfg.output} (`batchjob status {cfg.output}`, "
+               f"`batchjob export {cfg.output} --to FILE`)", err=True)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM to the driver stops it as Ctrl-C does."""
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

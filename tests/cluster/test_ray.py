@@ -1,0 +1,167 @@
+"""`batchjob ray submit` on a real Ray started here (issue 35): a head and a second worker node as local processes
+(dashboard off, usage stats off, a small object store); a 4-shard job over both nodes gives the rows and text of a
+plain `batchjob run`, each row once; a shard whose `batchjob run` is SIGKILLed mid-shard is retried and resumes
+(exactly once, the same text); a shard that cannot succeed fails after its retries, naming itself, while the other
+shards complete; a rerun of a finished job runs nothing."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from batchjob.cli.main import main
+from batchjob.cluster.sharded_output import shard_states
+
+pytest.importorskip("ray")
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 24
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node and a second node, one CPU each, as local processes; stopped after the module."""
+    ray = str(Path(sys.executable).parent / "ray")
+    port = _free_port()
+    common = ["--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats"]
+    subprocess.run([ray, "start", "--head", "--port", str(port), "--include-dashboard=false", *common], env=ENV,
+                   check=True, capture_output=True, timeout=120)
+    address = f"127.0.0.1:{port}"
+    try:
+        subprocess.run([ray, "start", "--address", address, *common], env=ENV, check=True, capture_output=True,
+                       timeout=120)
+        yield address
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+
+
+def job_file(tmp_path: Path, model: Path, name: str, rows: list[dict], seqs: int = 2, **extra) -> Path:
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = [f'model = "{model}"', f'input = "{src}"', f'output = "{tmp_path / name}"', "part_rows = 2",
+             "part_seconds = 0.2", 'keep_columns = ["id"]', *(f"{k} = {json.dumps(v)}" for k, v in extra.items()),
+             "[sampling]", "max_tokens = 12", "ignore_eos = true", "temperature = 0.8", "seed = 5",
+             "[engine]", f"max_num_seqs = {seqs}", "kv_cache_gb = 0.02"]
+    path = tmp_path / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def submit(job: Path, address: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "batchjob", "ray", "submit", str(job), "--address", address, *args],
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def shard_process(job: str, shard: str) -> int | None:
+    """The pid of the `batchjob run JOB --shard K/N` child a Ray task started (its command line in /proc)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if job.encode() in args and shard.encode() in args and b"run" in args:
+            return int(entry.name)
+    return None
+
+
+def exported(out: Path, tmp_path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    to = tmp_path / f"{out.name}.parquet"
+    result = CliRunner().invoke(main, ["export", str(out), "--to", str(to)])
+    assert result.exit_code == 0, result.output
+    return pq.read_table(to, columns=["row_index", "id", "generated_text", "finish_reason"]).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture()
+def rows():
+    return [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox " + "jumps " * (i % 5)} for i in range(ROWS)]
+
+
+def test_four_shards_over_two_nodes_give_the_plain_runs_rows_once(tmp_path, cluster, model, rows):
+    plain = job_file(tmp_path, model, "plain", rows)
+    assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
+    job = job_file(tmp_path, model, "ray", rows)
+    proc = submit(job, cluster, "--shards", "4")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "finished: 4 shards" in err
+    want = exported(tmp_path / "plain", tmp_path)
+    got = exported(tmp_path / "ray", tmp_path)
+    assert [r["row_index"] for r in got] == list(range(ROWS)) and got == want
+    again = submit(job, cluster)  # a rerun: the count from OUT/job.json, every shard finished already
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0 and "4 already finished" in err, err
+
+
+def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cluster, model):
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(160)]  # a shard of ~2 s
+    plain = job_file(tmp_path, model, "plain", rows, seqs=1)
+    assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
+    job = job_file(tmp_path, model, "ray", rows, seqs=1)
+    proc = submit(job, cluster, "--shards", "2", "--max-retries", "2")
+    killed = None
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and killed is None and time.monotonic() < deadline:
+        try:
+            started = (tmp_path / "ray" / "job.json").is_file() and 0 < shard_states(tmp_path / "ray")[1][1].done < 40
+        except Exception:  # noqa: BLE001 - a reader may race the first commit
+            started = False
+        pid = shard_process(str(job), "1/2") if started else None
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=600)
+    assert killed, "the shard finished before it could be killed"
+    assert proc.returncode == 0, err
+    assert exported(tmp_path / "ray", tmp_path) == exported(tmp_path / "plain", tmp_path)
+
+
+def test_a_shard_that_cannot_succeed_fails_after_its_retries_and_the_others_complete(tmp_path, cluster, model, rows):
+    for r in rows[18:]:  # the last shard's rows: too long for the context, each a row error; max_errors 0 fails it
+        r["prompt"] = "word " * 400
+    job = job_file(tmp_path, model, "ray", rows, max_errors=0, max_model_len=128)
+    proc = submit(job, cluster, "--shards", "4", "--max-retries", "1")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err
+    assert "shard 3 failed after its retries" in err and "shard 0 failed" not in err
+    _, states = shard_states(tmp_path / "ray")
+    assert [s.complete for s in states] == [True, True, True, False]
+
+
+def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, rows, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    result = CliRunner().invoke(main, ["ray", "submit", str(job_file(tmp_path, model, "x", rows)), "--shards", "2"])
+    assert result.exit_code == 1 and "pip install 'batchjob[ray]'" in result.output
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+    shutil.rmtree(tmp_path / "x", ignore_errors=True)
