@@ -2,9 +2,7 @@
 `slurm submit`, `ray submit` and `bench`; an expected error is one line on stderr and an exit code."""
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
 
 import click
@@ -347,8 +345,7 @@ def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_s
         if cfg.per_lane_inputs:
             raise ConfigError("lanes with their own inputs cannot be sharded; run each lane's input as its own job")
         opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries)
-        with _sigterm_as_interrupt():
-            outcomes = submit_and_wait(Path(job), Path(cfg.output), opts, [], log=lambda m: click.echo(m, err=True))
+        outcomes = submit_and_wait(Path(job), Path(cfg.output), opts, [], log=lambda m: click.echo(m, err=True))
     except ConfigError as e:
         click.echo(f"batchjob: error: {e}", err=True)
         sys.exit(1)
@@ -362,19 +359,6 @@ def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_s
         sys.exit(EXIT_RESUMABLE)
     click.echo(f"batchjob: finished: {len(outcomes)} shards -> {cfg.output} (`batchjob status {cfg.output}`, "
                f"`batchjob export {cfg.output} --to FILE`)", err=True)
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM to the driver stops it as Ctrl-C does."""
-    def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

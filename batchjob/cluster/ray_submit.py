@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from batchjob.errors import EXIT_RESUMABLE, ConfigError
 
 PROGRESS_EVERY_S = 30.0
+STOP_FILE = ".ray-stop"  # written in the output folder by a stopping driver: the running shards drain
 
 
 class RayUnavailable(ConfigError):
@@ -55,17 +57,25 @@ def shard_command(job_file: Path, index: int, count: int, opts: RayOptions, over
             "--threads", str(max(1, opts.cpus_per_shard)), "--no-progress", *overrides]
 
 
-def run_shard(cmd: list[str], cwd: str, index: int) -> ShardOutcome:
+def run_shard(cmd: list[str], cwd: str, index: int, stop_file: str) -> ShardOutcome:
     """The task's body, on a Ray worker: the shard's `batchjob run` as a child that dies with this worker
-    (PR_SET_PDEATHSIG), so a retry never meets an orphan holding the shard's lock. Raises on a failed shard so
-    that Ray retries it; returns its outcome when it finished or drained (75) on request."""
+    (PR_SET_PDEATHSIG), so a retry never meets an orphan holding the shard's lock. When the driver stops, it writes
+    `stop_file` in the (shared) output folder: the child gets SIGTERM, drains and commits (exit 75). Raises on a
+    failed shard so that Ray retries it; returns its outcome when it finished or drained."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_die_with_parent)
-    try:
-        _, err = proc.communicate()
-    except KeyboardInterrupt:  # ray.cancel: the driver is stopping; let the shard drain and commit
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate()
+    err, told = "", False
+    while True:
+        try:
+            err = proc.communicate(timeout=0.5)[1]
+            break
+        except subprocess.TimeoutExpired:
+            stop = os.path.exists(stop_file)
+        except KeyboardInterrupt:  # ray.cancel reached this task: drain as for the stop file
+            stop = True
+        if stop and not told:
+            proc.send_signal(signal.SIGTERM)
+            told = True
     if proc.returncode in (0, EXIT_RESUMABLE):
         return ShardOutcome(index, proc.returncode)
     tail = " | ".join(line for line in (err or "").strip().splitlines()[-3:] if line.strip())
@@ -99,6 +109,37 @@ def submit_and_wait(job_file: Path, output: Path, opts: RayOptions, overrides: l
         ray.shutdown()
 
 
+def check_shared(ray, output: Path) -> None:
+    """A file the driver writes in the output folder must be there on every node (its shards write and resume
+    there): ConfigError naming the first node that does not see it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    output.mkdir(parents=True, exist_ok=True)
+    probe = output / f".ray-probe-{os.getpid()}"
+    token = f"{os.getpid()}-{time.time()}"
+    probe.write_text(token)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        sees = ray.remote(sees_file)
+        refs = [sees.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(str(probe.resolve()), token) for n in nodes]
+        for node, seen in zip(nodes, ray.get(refs)):
+            if not seen:
+                raise ConfigError(f"output {output}: not visible from the Ray node {node.get('NodeManagerAddress')} (a "
+                                  "file the driver wrote there is missing on it); give a folder every node sees (NFS, "
+                                  "Lustre, a shared volume)")
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def sees_file(path: str, token: str) -> bool:
+    """On a node: whether the driver's probe file is there with its content."""
+    try:
+        return Path(path).read_text() == token
+    except OSError:
+        return False
+
+
 def default_shards(resources: dict, opts: RayOptions) -> int:
     """Four per GPU, or per shard slot of the CPUs, of the cluster: stragglers balance."""
     if opts.gpus_per_shard:
@@ -115,36 +156,41 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, overrides: list[st
         + (f"; {len(done)} already finished" if done else ""))
     if not todo:
         return outcomes
+    check_shared(ray, output)
     task = ray.remote(run_shard).options(num_cpus=opts.cpus_per_shard, num_gpus=opts.gpus_per_shard,
                                          max_retries=opts.max_retries, retry_exceptions=True)
-    cwd = os.getcwd()
-    refs = {task.remote(shard_command(job_file, k, count, opts, overrides), cwd, k): k for k in todo}
+    cwd, stop_file = os.getcwd(), output.resolve() / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # an earlier driver's stop, done with
+    refs = {task.remote(shard_command(job_file, k, count, opts, overrides), cwd, k, str(stop_file)): k for k in todo}
     pending, last = list(refs), 0.0
+    stopping = threading.Event()  # Ctrl-C or SIGTERM (handlers set after ray.init, which installs its own)
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+        while pending and not stopping.is_set():
+            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
             for ref in ready:
                 outcomes.append(_outcome(ray, ref, refs[ref]))
             if time.monotonic() - last >= PROGRESS_EVERY_S or not pending:
                 last = time.monotonic()
                 log(progress_line(output))
-    except KeyboardInterrupt:
-        log("batchjob: stopping: the running shards drain and commit (as SIGTERM does for `run`)")
-        for ref in pending:
-            ray.cancel(ref)
-        for ref in pending:
-            outcomes.append(_outcome(ray, ref, refs[ref], cancelled=True))
+        if pending:
+            log("batchjob: stopping: the running shards drain and commit (as SIGTERM does for `run`)")
+            stop_file.write_text(f"stopped by the driver, pid {os.getpid()}\n")
+            for ref in pending:  # a shard not started yet is cancelled; a running one drains (exit 75)
+                ray.cancel(ref)
+            outcomes += [_outcome(ray, ref, refs[ref]) for ref in pending]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return sorted(outcomes, key=lambda o: o.index)
 
 
-def _outcome(ray, ref, index: int, cancelled: bool = False) -> ShardOutcome:
+def _outcome(ray, ref, index: int) -> ShardOutcome:
     try:
         return ray.get(ref)
     except ray.exceptions.TaskCancelledError:
         return ShardOutcome(index, EXIT_RESUMABLE)
     except ray.exceptions.RayError as e:
-        if cancelled:
-            return ShardOutcome(index, EXIT_RESUMABLE)
         cause = getattr(e, "cause", None)
         return ShardOutcome(index, 1, str(cause) if cause is not None else f"{type(e).__name__}: {e}")
 

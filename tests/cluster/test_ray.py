@@ -150,6 +150,49 @@ def test_a_shard_that_cannot_succeed_fails_after_its_retries_and_the_others_comp
     assert [s.complete for s in states] == [True, True, True, False]
 
 
+def _wait_for_commits(out: Path, proc: subprocess.Popen, shard: int, rows: int) -> bool:
+    """Until shard `shard` has committed rows but not `rows` of them (False: the driver ended first)."""
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if (out / "job.json").is_file() and 0 < shard_states(out)[1][shard].done < rows:
+                return True
+        except Exception:  # noqa: BLE001 - a reader may race the first commit
+            pass
+        time.sleep(0.01)
+    return False
+
+
+def test_the_driver_stopped_by_ctrl_c_drains_and_a_killed_driver_continues_on_rerun(tmp_path, cluster, model):
+    """Ctrl-C: the running shards drain and commit, exit 75; a rerun continues. SIGKILL: the rerun continues too.
+    Every row once, the text of a plain run."""
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(160)]
+    plain = job_file(tmp_path, model, "plain", rows, seqs=1)
+    assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
+    want = exported(tmp_path / "plain", tmp_path)
+    for name, sig in (("ctrl-c", signal.SIGINT), ("killed", signal.SIGKILL)):
+        job = job_file(tmp_path, model, name, rows, seqs=1)
+        proc = submit(job, cluster, "--shards", "2")
+        assert _wait_for_commits(tmp_path / name, proc, 1, 40), "the job finished before it could be stopped"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+        if sig == signal.SIGINT:
+            assert proc.returncode == 75, err
+            assert "stopped; rerun" in err
+        again = submit(job, cluster)
+        _, err = again.communicate(timeout=600)
+        assert again.returncode == 0, err
+        assert exported(tmp_path / name, tmp_path) == want, name
+
+
+def test_a_probe_file_is_seen_only_where_it_is(tmp_path):
+    from batchjob.cluster.ray_submit import sees_file
+
+    (tmp_path / "probe").write_text("token")
+    assert sees_file(str(tmp_path / "probe"), "token")
+    assert not sees_file(str(tmp_path / "probe"), "other") and not sees_file(str(tmp_path / "none"), "token")
+
+
 def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, rows, monkeypatch):
     import builtins
 
