@@ -156,7 +156,8 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, overrides: list[st
         + (f"; {len(done)} already finished" if done else ""))
     if not todo:
         return outcomes
-    check_shared(ray, output)
+    if opts.address:  # a local Ray is this machine: its one filesystem
+        check_shared(ray, output)
     task = ray.remote(run_shard).options(num_cpus=opts.cpus_per_shard, num_gpus=opts.gpus_per_shard,
                                          max_retries=opts.max_retries, retry_exceptions=True)
     cwd, stop_file = os.getcwd(), output.resolve() / STOP_FILE
