@@ -1,6 +1,6 @@
 """batchjob: offline batch LLM inference with a continuous-batching engine and checkpoint-resume.
 
-`batchjob.generate`, `chat`, `embed`, `score`, `run`, `LLM` and `Result` (batchjob/api.py) and the errors a caller catches load
+`batchjob.generate`, `chat`, `embed`, `score`, `run`, `LLM`, `LLMStage` (a Ray Data stage) and `Result` (batchjob/api.py) and the errors a caller catches load
 on first use, so that `import batchjob` stays light (no torch)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import importlib
 from batchjob.errors import ChatHintWarning, ConfigError
 from batchjob.version import __version__
 
-_API = ("generate", "chat", "embed", "score", "run", "LLM", "Result", "Completion")
+_API = ("generate", "chat", "embed", "score", "run", "LLM", "LLMStage", "Result", "Completion")
 # the errors a caller catches, each where it is raised (some of those modules import torch)
 _ERRORS = {
     "SourceError": "batchjob.io.sources.base",  # an input that cannot be read

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchjob.engine.engine import Engine
@@ -25,7 +26,7 @@ from batchjob.job.keywords import api_words, check_names, job_config
 from batchjob.job.modes import Task
 from batchjob.job.options import Api, api_keywords
 from batchjob.job.prompt_builder import PromptBuilder
-from batchjob.job.prompt_records import conversation_records, prompt_records
+from batchjob.job.prompt_records import PROMPT_KEYS, conversation_records, prompt_records
 from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.job.results import Completion
@@ -33,7 +34,8 @@ from batchjob.job.run import run_job
 from batchjob.job.summary import JobSummary
 from batchjob.models.loader import resolve_model_path
 
-__all__ = ["LLM", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run", "score"]
+__all__ = ["LLM", "LLMStage", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run",
+           "score"]
 
 # the keywords, named as in a job file (and vLLM), from the options table (job/options.py); `seed` is the job seed:
 # row i's random stream comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's)
@@ -299,6 +301,52 @@ def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrid
         else:
             raise ConfigError(f"run(): job: expected a job file path or a dict of job fields, got {type(job).__name__}")
         return run_job(cfg, restart=restart)
+
+
+STAGE_COLUMNS = ("generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+
+
+class LLMStage:
+    """A stage for pipelines that already are a Ray Dataset (docs/guide/ray.md), one engine per actor; within a batch
+    the engine batches continuously, batches come one after another per actor. Its failure semantics are Ray
+    Data's (a failed batch is retried whole or fails the dataset), not batchjob's commits: for exactly-once jobs over
+    files use `batchjob ray submit`. Ray is not imported here.
+
+    `ds.map_batches(LLMStage, fn_constructor_kwargs={"model": ..., "max_tokens": 64}, concurrency=1,
+    batch_size=256)`. A batch's rows name their prompt as a job's rows do: a `prompt` column (text or token ids),
+    or `messages`; columns named like sampling parameters override the stage's per row. The batch comes back with
+    batchjob's output columns added."""
+
+    def __init__(self, model: str = "smollm2", engine: dict | None = None, **options: Any):
+        """`engine`: LLM(...) keywords (dtype, kv_cache_gb, max_num_seqs, ...); `options`: generate()'s (sampling
+        parameters, chat, chat_template, system_prompt)."""
+        self.llm = LLM(model, **(engine or {}))
+        self.options = options
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        names = list(batch)
+        rows = [{k: _plain(v) for k, v in zip(names, values)} for values in zip(*(batch[k] for k in names))]
+        # the prompt's fields go to the engine; every column comes back as it was
+        results = self.llm.generate([{k: v for k, v in row.items() if k in PROMPT_KEYS and v is not None}
+                                     for row in rows], **self.options)
+        out = {k: list(batch[k]) for k in names}
+        for column, field in zip(STAGE_COLUMNS, ("text", "finish_reason", "prompt_tokens", "completion_tokens",
+                                                  "error")):
+            out[column] = [getattr(r, field) for r in results]
+        return out
+
+
+def _plain(value):
+    """A batch cell as the prompt builder reads a row's value: numpy scalars and arrays as Python values."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _caller_level() -> int:

@@ -208,3 +208,30 @@ def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, r
     assert result.exit_code == 1 and "pip install 'batchjob[ray]'" in result.output
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
     shutil.rmtree(tmp_path / "x", ignore_errors=True)
+
+
+def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, model):
+    """200 rows of a ray.data Dataset through map_batches with one LLMStage actor: the same text as `batchjob run`
+    on the same rows (greedy)."""
+    import ray
+
+    from batchjob import LLMStage
+
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox " + "jumps " * (i % 7)} for i in range(200)]
+    plain = job_file(tmp_path, model, "plain", rows, seqs=32)
+    plain.write_text(plain.read_text().replace("temperature = 0.8", "temperature = 0.0"))
+    assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
+    want = {r["id"]: r["generated_text"] for r in exported(tmp_path / "plain", tmp_path)}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    try:
+        ds = ray.data.from_items(rows).map_batches(
+            LLMStage, fn_constructor_kwargs={"model": str(model), "engine": {"max_num_seqs": 32, "kv_cache_gb": 0.02},
+                                             "max_tokens": 12, "ignore_eos": True},
+            concurrency=1, batch_size=64, num_cpus=1)
+        got = ds.take_all()
+    finally:
+        ray.shutdown()
+    assert sorted(r["id"] for r in got) == sorted(want)
+    assert {r["id"]: r["generated_text"] for r in got} == want
+    assert all(r["error"] is None and r["completion_tokens"] == 12 for r in got)
