@@ -113,14 +113,14 @@ class JobConfig:
         'system message prepended to chat rows that have none', api=Api.CHAT, fingerprint=ALWAYS)
     limit_images_per_prompt: int | None = opt(None, "most images a chat row may carry (vLLM's limit_mm_per_prompt); "
         "a row with more fails alone (default: no limit)", api=Api.CHAT, fingerprint=WHEN_SET, bounds=Bounds(1))
-    image_column: str | None = opt(None, "column of each row's images (bytes, a path or url, a datasets Image, a list): "
-        'the row becomes a user message of its images, then its prompt (docs/guide/images.md)', fingerprint=WHEN_SET)
+    image_column: str | None = opt(None, "column of each row's images (bytes, a path or url, a datasets Image, a "
+        'list): the row becomes a user message of its images, then its prompt', fingerprint=WHEN_SET)
     lanes: list[dict] = opt([],
         '[[lanes]] tables: name, priority, weight, input, max_tokens (docs/guide/scheduling.md)', fingerprint=ALWAYS,
         flag="")
     lane_column: str = opt('lane',
         "column naming each row's lane when [[lanes]] are declared without inputs (default: lane)", fingerprint=ALWAYS)
-    progress: bool = opt(True, 'progress: a bar on a terminal, else a plain line every --log-every seconds (default: on)')
+    progress: bool = opt(True, 'a progress bar on a terminal, else a line every --log-every seconds (default: on)')
     log_every: float = opt(30.0, 'seconds between progress lines when stderr is not a terminal (default: 30)')
     limit: int | None = opt(None, 'run only the first N input rows (a trial run); rerun without it to do the rest')
     drain_timeout: float = opt(60.0,
