@@ -99,7 +99,8 @@ def submit_and_wait(job_file: Path, output: Path, opts: RayOptions, overrides: l
         raise ConfigError(f"output {output}: object-store URLs are not supported; give a folder every node sees")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
+        # no address: a Ray of our own ("local"), even where another was started on this machine
+        ray.init(address=opts.address or "local", include_dashboard=False, log_to_driver=False,
                  **({} if opts.address else {"num_cpus": os.cpu_count()}))
     except Exception as e:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... for a cluster not there
         raise RayUnavailable(f"Ray cluster {opts.address or '(local)'}: {type(e).__name__}: {e}") from None

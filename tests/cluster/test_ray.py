@@ -34,20 +34,53 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A head node and a second node, one CPU each, as local processes; stopped after the module."""
+def cluster(tmp_path_factory):
+    """A head node and a second node, one CPU each, as local `ray start --block` processes of their own (nothing else
+    on the machine is stopped with them); terminated after the module."""
     ray = str(Path(sys.executable).parent / "ray")
     port = _free_port()
-    common = ["--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats"]
-    subprocess.run([ray, "start", "--head", "--port", str(port), "--include-dashboard=false", *common], env=ENV,
-                   check=True, capture_output=True, timeout=120)
     address = f"127.0.0.1:{port}"
+    common = ["--block", "--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats"]
+    temp = tmp_path_factory.mktemp("ray")
+    nodes = [subprocess.Popen([ray, "start", "--head", "--port", str(port), "--include-dashboard=false",
+                               f"--temp-dir={temp}", *common], env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)]
     try:
-        subprocess.run([ray, "start", "--address", address, *common], env=ENV, check=True, capture_output=True,
-                       timeout=120)
+        _wait_for_port(port, nodes[0])
+        nodes.append(subprocess.Popen([ray, "start", "--address", address, *common], env=ENV, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        _wait_for_nodes(address, 2)
         yield address
     finally:
-        subprocess.run([ray, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+        for node in reversed(nodes):  # SIGTERM: `ray start --block` stops the processes it started
+            os.killpg(node.pid, signal.SIGTERM)
+        for node in reversed(nodes):
+            try:
+                node.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "ray start --head exited"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"the Ray head did not listen on {port}")
+
+
+def _wait_for_nodes(address: str, count: int) -> None:
+    probe = f"import ray; ray.init(address={address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        out = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, timeout=120)
+        if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{count} Ray nodes did not join {address}")
 
 
 def job_file(tmp_path: Path, model: Path, name: str, rows: list[dict], seqs: int = 2, **extra) -> Path:
@@ -223,7 +256,7 @@ def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, m
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     want = {r["id"]: r["generated_text"] for r in exported(tmp_path / "plain", tmp_path)}
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
     try:
         ds = ray.data.from_items(rows).map_batches(
             LLMStage, fn_constructor_kwargs={"model": str(model), "engine": {"max_num_seqs": 32, "kv_cache_gb": 0.02},
