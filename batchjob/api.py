@@ -29,6 +29,7 @@ from batchjob.job.prompt_builder import PromptBuilder
 from batchjob.job.prompt_records import PROMPT_KEYS, conversation_records, prompt_records
 from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
+from batchjob.job.row_server import RowServer
 from batchjob.job.results import Completion
 from batchjob.job.run import run_job
 from batchjob.job.summary import JobSummary
@@ -139,6 +140,18 @@ class LLM:
                 raise
 
     def _run(self, records: list[dict | str], options: dict) -> list[Result]:
+        cfg, builder = self._prepare(records, options)
+        with self._lock:
+            try:
+                results = self._generate(cfg, builder, records)
+            except BaseException:  # e.g. Ctrl-C in a notebook: rows are left in the engine; start clean next time
+                self._engine = None
+                raise
+        self._chat_hint(cfg, records, results)
+        return results
+
+    def _prepare(self, records: list[dict | str], options: dict) -> tuple[JobConfig, PromptBuilder]:
+        """The job config of a call's options and its prompt builder (the chat template checked where used)."""
         template = template_text(options.pop("chat_template", None))
         structured = options.pop("structured_outputs", None)
         if structured is not None:  # vLLM's dict, for every prompt (a prompt's own `structured_outputs` wins)
@@ -156,16 +169,8 @@ class LLM:
             cfg = job_config({"model": self.config.model, **self.options, **options})
         if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
             check_chat_template(template or self.tokenizer.chat_template)
-        builder = PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
-                                images=self._images, image_base=Path.cwd(), model_name=self.loaded.name)
-        with self._lock:
-            try:
-                results = self._generate(cfg, builder, records)
-            except BaseException:  # e.g. Ctrl-C in a notebook: rows are left in the engine; start clean next time
-                self._engine = None
-                raise
-        self._chat_hint(cfg, records, results)
-        return results
+        return cfg, PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
+                                  images=self._images, image_base=Path.cwd(), model_name=self.loaded.name)
 
     def _chat_hint(self, cfg: JobConfig, records: list[dict | str], results: list[Result]) -> None:
         """Plain prompts into a model with a chat template that ended at their first token (an instruct model's
@@ -319,16 +324,25 @@ class LLMStage:
 
     def __init__(self, model: str = "smollm2", engine: dict | None = None, **options: Any):
         """`engine`: LLM(...) keywords (dtype, kv_cache_gb, max_num_seqs, ...); `options`: generate()'s (sampling
-        parameters, chat, chat_template, system_prompt)."""
-        self.llm = LLM(model, **(engine or {}))
-        self.options = options
+        parameters, chat, chat_template, system_prompt). Batches given at once (Ray Data's `max_concurrency` in
+        `ray_remote_args`) share the engine's steps (job/row_server.py)."""
+        llm = self.llm = LLM(model, **(engine or {}))
+        check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "LLMStage()")
+        cfg, builder = llm._prepare([], dict(options))
+
+        def reset() -> None:
+            llm._engine = None
+
+        self.server = RowServer(lambda: llm.engine, llm.tokenizer, cfg, builder, reset)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         names = list(batch)
         rows = [{k: _plain(v) for k, v in zip(names, values)} for values in zip(*(batch[k] for k in names))]
         # the prompt's fields go to the engine; every column comes back as it was
-        results = self.llm.generate([{k: v for k, v in row.items() if k in PROMPT_KEYS and v is not None}
-                                     for row in rows], **self.options)
+        records = prompt_records([{k: v for k, v in row.items() if k in PROMPT_KEYS and v is not None} for row in rows])
+        if any(isinstance(r, dict) and r.get("messages") is not None for r in records):
+            check_chat_template(self.server.builder.chat_template or self.llm.tokenizer.chat_template)
+        results = self.server.submit(records)
         out = {k: list(batch[k]) for k in names}
         for column, field in zip(STAGE_COLUMNS, ("text", "finish_reason", "prompt_tokens", "completion_tokens",
                                                   "error")):

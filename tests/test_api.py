@@ -335,3 +335,40 @@ def test_help_of_generate_says_what_it_takes_returns_and_raises():
                  "Returns one Result per prompt", "Raises ConfigError", "ModelLoadError", "ChatHintWarning"):
         assert said in doc, said
     assert "conversation" in batchjob.LLM.chat.__doc__ and "conversation" in batchjob.chat.__doc__
+
+
+def test_the_ray_data_stage_runs_batches_given_at_once_in_shared_steps(tiny_model_dir):
+    """LLMStage called from several threads at once (Ray Data's max_concurrency): the batches share the engine's
+    steps, and each batch's text equals a generate() of that batch alone (a row's random stream is its place in its
+    own batch); other columns come back as they were."""
+    import threading
+
+    import numpy as np
+
+    model = str(tiny_model_dir("llama"))
+    options = dict(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+    stage = batchjob.LLMStage(model, engine={"max_num_seqs": 32, "kv_cache_gb": 0.05}, **options)
+    batches = [{"id": np.array([f"b{b}r{i}" for i in range(8)]),
+                "prompt": np.array([f"Batch {b} row {i}: the quick brown fox" for i in range(8)])} for b in range(3)]
+    engine, seen = stage.llm.engine, []
+    step = engine.run_step
+
+    def counted():
+        out = step()
+        if engine.last_step is not None:
+            seen.append(len(engine.last_step.seqs))
+        return out
+
+    engine.run_step = counted
+    got: dict[int, dict] = {}
+    threads = [threading.Thread(target=lambda b=b: got.__setitem__(b, stage(batches[b]))) for b in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    alone = batchjob.LLM(model, max_num_seqs=32, kv_cache_gb=0.05)
+    for b, batch in enumerate(batches):
+        want = alone.generate([{"prompt": str(p)} for p in batch["prompt"]], **options)
+        assert got[b]["generated_text"] == [r.text for r in want], b
+        assert list(got[b]["id"]) == list(batch["id"]) and got[b]["error"] == [None] * 8
+    assert max(seen) > 8  # rows of more than one batch in one step

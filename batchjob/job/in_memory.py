@@ -3,6 +3,7 @@
 (job/row_driver.py), one `Result` each, in input order."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,18 +64,26 @@ def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuil
     """The job's row loop in memory: rows enter the engine with the read-ahead a job uses, their random streams
     from (seed, row), and leave through the same RowDriver as a job's rows. A record that is a string is not a
     prompt: the string says why."""
-    base = cfg.sampling_defaults()
     results: list[Result | None] = [None] * len(records)
-    driver: RowDriver[int] = RowDriver(engine, tokenizer, truncate=cfg.truncate)
+    run_rows(engine, tokenizer, cfg, builder, ((i, i, r) for i, r in enumerate(records)), results.__setitem__)
+    return results  # every row has its Result once the engine is idle
+
+
+def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, rows: Iterator[tuple[Any, int, dict | str]],
+             done: Callable[[Any, Result], None]) -> None:
+    """The row loop over `rows` (key, row index for the random stream, record), read as the engine has room:
+    `done(key, result)` for each, until the engine is idle and `rows` gives no more for now (an iterator may give
+    more on a later call: job/row_server.py feeds several callers' rows into one loop so)."""
+    base = cfg.sampling_defaults()
+    driver: RowDriver = RowDriver(engine, tokenizer, truncate=cfg.truncate)
     columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
                }.get(cfg.task, ALL_COLUMNS)
-    todo = iter(enumerate(records))
 
     def refill() -> None:
-        while engine.num_waiting() < cfg.read_ahead_rows and (item := next(todo, None)) is not None:
-            index, record = item
+        while engine.num_waiting() < cfg.read_ahead_rows and (item := next(rows, None)) is not None:
+            key, index, record = item
             if isinstance(record, str):
-                results[index] = failed(record)
+                done(key, failed(record))
                 continue
             try:
                 ids = builder.token_ids(record)
@@ -86,17 +95,16 @@ def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuil
                     raise start
                 params = row_sampling(record, base, in_memory=True)
             except RowError as e:
-                results[index] = failed(str(e))
+                done(key, failed(str(e)))
                 continue
-            err = driver.add(index, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start,
+            err = driver.add(key, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start,
                              images=images)
             if err:
-                results[index] = failed(err, prompt_tokens=len(ids))
+                done(key, failed(err, prompt_tokens=len(ids)))
 
     for step in driver.steps(refill):
-        for done in step.rows:
-            results[done.key] = result_of(done.row, done.outputs)
-    return results  # every row has its Result once the engine is idle
+        for row in step.rows:
+            done(row.key, result_of(row.row, row.outputs))
 
 
 def score_records(prompts: Any, continuations: Any) -> list[dict | str]:
