@@ -52,18 +52,20 @@ def import_ray():
     return ray
 
 
-def shard_command(job_file: Path, index: int, count: int, opts: RayOptions, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "batchjob", "run", str(job_file), "--shard", f"{index}/{count}",
-            "--threads", str(max(1, opts.cpus_per_shard)), "--no-progress", *overrides]
+def shard_args(job_file: Path, index: int, count: int, opts: RayOptions, overrides: list[str]) -> list[str]:
+    """`batchjob run`'s arguments for one shard (the worker runs them with its own interpreter)."""
+    return ["run", str(job_file.resolve()), "--shard", f"{index}/{count}", "--threads", str(max(1, opts.cpus_per_shard)),
+            "--no-progress", *overrides]
 
 
-def run_shard(cmd: list[str], cwd: str, index: int, stop_file: str) -> ShardOutcome:
-    """The task's body, on a Ray worker: the shard's `batchjob run` as a child that dies with this worker
-    (PR_SET_PDEATHSIG), so a retry never meets an orphan holding the shard's lock. When the driver stops, it writes
-    `stop_file` in the (shared) output folder: the child gets SIGTERM, drains and commits (exit 75). Raises on a
-    failed shard so that Ray retries it; returns its outcome when it finished or drained."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_die_with_parent)
+def run_shard(args: list[str], cwd: str, index: int, stop_file: str) -> ShardOutcome:
+    """The task's body, on a Ray worker: the shard's `batchjob run` (this worker's Python: a node's may differ from
+    the driver's) as a child that dies with this worker (PR_SET_PDEATHSIG), so a retry never meets an orphan holding
+    the shard's lock. When the driver stops, it writes `stop_file` in the (shared) output folder: the child gets
+    SIGTERM, drains and commits (exit 75). Raises on a failed shard so that Ray retries it; returns its outcome when
+    it finished or drained."""
+    proc = subprocess.Popen([sys.executable, "-m", "batchjob", *args], cwd=cwd if os.path.isdir(cwd) else None,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
     err, told = "", False
     while True:
         try:
@@ -163,7 +165,7 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, overrides: list[st
                                          max_retries=opts.max_retries, retry_exceptions=True)
     cwd, stop_file = os.getcwd(), output.resolve() / STOP_FILE
     stop_file.unlink(missing_ok=True)  # an earlier driver's stop, done with
-    refs = {task.remote(shard_command(job_file, k, count, opts, overrides), cwd, k, str(stop_file)): k for k in todo}
+    refs = {task.remote(shard_args(job_file, k, count, opts, overrides), cwd, k, str(stop_file)): k for k in todo}
     pending, last = list(refs), 0.0
     stopping = threading.Event()  # Ctrl-C or SIGTERM (handlers set after ray.init, which installs its own)
     previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
