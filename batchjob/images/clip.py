@@ -75,6 +75,26 @@ class ClipPreprocessor:
         return np.ascontiguousarray(x)
 
 
+def rescale_normalize(rgb: np.ndarray, rescale_factor: float | None, mean: tuple[float, ...] | None,
+                      std: tuple[float, ...] | None) -> np.ndarray:
+    """[H, W, 3] uint8 -> float32 [3, H, W], rescaled (in float64, then float32) and normalised per channel (in
+    float32) as transformers' PIL backend does; the Idefics3 and Qwen2-VL preprocessors' last step."""
+    x = np.moveaxis(rgb, -1, 0)
+    if rescale_factor is not None:
+        x = (x.astype(np.float64) * rescale_factor).astype(np.float32)
+    if mean is not None:
+        x = x.astype(np.float32)  # a no-op after rescaling; uint8 -> float32 otherwise, as transformers does
+        x = ((x.T - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)).T
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def per_channel(value: float | list[float] | None) -> tuple[float, ...]:
+    """A per-channel mean or std as a tuple: one number for every channel (transformers' rule), null as ()."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (float(value),) * 3
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, any transparency composited onto white (transformers' convert_to_rgb)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:

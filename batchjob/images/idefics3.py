@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from batchjob.images.clip import to_rgb
+from batchjob.images.clip import per_channel, rescale_normalize, to_rgb
 
 MAX_IMAGE_SIZE = 4096  # transformers' absolute cap on the resized image's longest edge
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -51,7 +51,8 @@ class Idefics3Preprocessor:
         factor = cfg.get("rescale_factor", 1 / 255)
         if rescale and factor is None:
             raise ValueError("rescale_factor: null with do_rescale")
-        mean, std = _rgb(cfg.get("image_mean", IMAGENET_STANDARD)), _rgb(cfg.get("image_std", IMAGENET_STANDARD))
+        mean = per_channel(cfg.get("image_mean", IMAGENET_STANDARD))
+        std = per_channel(cfg.get("image_std", IMAGENET_STANDARD))
         if normalize and (len(mean) != 3 or len(std) != 3):
             raise ValueError(f"image_mean/image_std: need 3 values (or one) for RGB, got {mean!r} / {std!r}")
         resample = cfg.get("resample", Image.Resampling.LANCZOS)
@@ -76,37 +77,23 @@ class Idefics3Preprocessor:
         if self.longest_edge is not None:
             img = self._resize(img, *_fit_longest_edge(img.height, img.width, self.longest_edge))
         if not self.split:
-            return [self._values(np.array(self._resize(img, m, m)))], 0, 0
+            return [self._pixels(np.array(self._resize(img, m, m)))], 0, 0
         img = self._resize(img, *_multiples_of(img.height, img.width, m))
         h, w = img.height, img.width
         if h <= m and w <= m:
-            return [self._values(np.array(img))], 0, 0
+            return [self._pixels(np.array(img))], 0, 0
         rows, cols = (h - m) // m + 1, (w - m) // m + 1
         full = np.array(img)  # [H, W, 3] uint8
         crops = [full[r * m:(r + 1) * m, c * m:(c + 1) * m] for r in range(rows) for c in range(cols)]
         crops.append(np.array(self._resize(img, m, m)))
-        return [self._values(c) for c in crops], rows, cols
+        return [self._pixels(c) for c in crops], rows, cols
 
     def _resize(self, img: Image.Image, h: int, w: int) -> Image.Image:
         return img.resize((w, h), resample=self.resample)
 
-    def _values(self, rgb: np.ndarray) -> np.ndarray:
-        """[H, W, 3] uint8 -> float32 [3, H, W], rescaled and normalised as transformers' PIL backend does."""
-        x = np.moveaxis(rgb, -1, 0)
-        if self.rescale_factor is not None:
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.mean is not None:
-            x = x.astype(np.float32)  # a no-op after rescaling; uint8 -> float32 otherwise, as transformers does
-            mean, std = np.array(self.mean, dtype=np.float32), np.array(self.std, dtype=np.float32)
-            x = ((x.T - mean) / std).T
-        return np.ascontiguousarray(x, dtype=np.float32)
+    def _pixels(self, rgb: np.ndarray) -> np.ndarray:
+        return rescale_normalize(rgb, self.rescale_factor, self.mean, self.std)
 
-
-def _rgb(value: float | list[float] | None) -> tuple[float, ...]:
-    """A per-channel mean or std as a tuple: one number for every channel (transformers' rule), null as ()."""
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (float(value),) * 3
 
 
 def _fit_longest_edge(height: int, width: int, max_len: int) -> tuple[int, int]:

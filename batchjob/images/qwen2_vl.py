@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from batchjob.images.clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, to_rgb
+from batchjob.images.clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, per_channel, rescale_normalize, to_rgb
 
 MIN_PIXELS = 56 * 56  # transformers' Qwen2VLImageProcessor defaults
 MAX_PIXELS = 28 * 28 * 1280
@@ -84,7 +84,8 @@ class Qwen2VLPreprocessor:
         factor = cfg.get("rescale_factor", 1 / 255)
         if rescale and factor is None:
             raise ValueError("rescale_factor: null with do_rescale")
-        mean, std = _rgb(cfg.get("image_mean", OPENAI_CLIP_MEAN)), _rgb(cfg.get("image_std", OPENAI_CLIP_STD))
+        mean = per_channel(cfg.get("image_mean", OPENAI_CLIP_MEAN))
+        std = per_channel(cfg.get("image_std", OPENAI_CLIP_STD))
         if normalize and (len(mean) != 3 or len(std) != 3):
             raise ValueError(f"image_mean/image_std: need 3 values (or one) for RGB, got {mean!r} / {std!r}")
         return cls(
@@ -109,7 +110,7 @@ class Qwen2VLPreprocessor:
         one image and its image_grid_thw row."""
         img = to_rgb(image)
         h, w = self.resized_size(img.height, img.width)
-        x = self._values(np.array(img.resize((w, h), resample=self.resample)))  # [3, h, w] float32
+        x = self._pixels(np.array(img.resize((w, h), resample=self.resample)))  # [3, h, w] float32
         c, p, m, t = x.shape[0], self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
@@ -121,23 +122,9 @@ class Qwen2VLPreprocessor:
         t, h, w = grid
         return t * h * w // self.merge_size ** 2
 
-    def _values(self, rgb: np.ndarray) -> np.ndarray:
-        """[H, W, 3] uint8 -> float32 [3, H, W], rescaled and normalised as transformers' PIL backend does."""
-        x = np.moveaxis(rgb, -1, 0)
-        if self.rescale_factor is not None:
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.mean is not None:
-            x = x.astype(np.float32)  # a no-op after rescaling; uint8 -> float32 otherwise, as transformers does
-            mean, std = np.array(self.mean, dtype=np.float32), np.array(self.std, dtype=np.float32)
-            x = ((x.T - mean) / std).T
-        return np.ascontiguousarray(x, dtype=np.float32)
+    def _pixels(self, rgb: np.ndarray) -> np.ndarray:
+        return rescale_normalize(rgb, self.rescale_factor, self.mean, self.std)
 
-
-def _rgb(value: float | list[float] | None) -> tuple[float, ...]:
-    """A per-channel mean or std as a tuple: one number for every channel (transformers' rule), null as ()."""
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (float(value),) * 3
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MIN_PIXELS,

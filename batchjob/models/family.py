@@ -59,3 +59,14 @@ class Family:
     # a checkpoint's weight name -> the one weight_shapes uses, where checkpoints of the family name weights
     # several ways (LLaVA: llava-hf's on the Hub, transformers 4's and 5's saves); None: as stored
     canonical_name: Callable[[str], str] | None = None
+
+
+def prefix_renamer(renames: tuple[tuple[str, str], ...]) -> Callable[[str], str]:
+    """A Family.canonical_name from (checkpoint prefix, ours) pairs: the first prefix a name starts with is replaced;
+    a name no prefix matches is kept."""
+    def canonical_name(name: str) -> str:
+        for old, new in renames:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+    return canonical_name

@@ -13,18 +13,14 @@ import torch
 from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
-from batchjob.models.family import BuildSpec, Family, ModelParts
+from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
 from batchjob.models.vision.idefics3 import TOWER, Idefics3ImageEncoder, Idefics3VisionConfig
 
 # transformers' names (in memory and saved) -> ours
 _RENAMES = (("model.text_model.", "model."), ("model.vision_model.", TOWER), ("model.connector.", "connector."))
 
 
-def canonical_name(name: str) -> str:
-    for old, new in _RENAMES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
+canonical_name = prefix_renamer(_RENAMES)
 
 
 def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:

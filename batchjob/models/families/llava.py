@@ -12,7 +12,7 @@ import torch
 from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
-from batchjob.models.family import BuildSpec, Family, ModelParts
+from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
 from batchjob.models.vision.llava import PROJECTOR, TOWER, LlavaImageEncoder, LlavaVisionConfig
 
 # checkpoint prefix -> ours (the first that matches): llava-hf's names on the Hub are ours for the vision parts;
@@ -24,11 +24,7 @@ _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "mode
             ("model.multi_modal_projector.", PROJECTOR))
 
 
-def canonical_name(name: str) -> str:
-    for old, new in _RENAMES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
+canonical_name = prefix_renamer(_RENAMES)
 
 
 def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:

@@ -14,7 +14,7 @@ import torch
 from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
-from batchjob.models.family import BuildSpec, Family, ModelParts
+from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
 from batchjob.models.step_context import DECODER_FEATURES, ModelFeature
 from batchjob.models.vision.qwen2_vl import VISUAL, Qwen2VLImageEncoder, Qwen2VLVisionConfig
 
@@ -22,11 +22,7 @@ from batchjob.models.vision.qwen2_vl import VISUAL, Qwen2VLImageEncoder, Qwen2VL
 _RENAMES = (("model.language_model.", "model."), ("model.visual.", VISUAL))
 
 
-def canonical_name(name: str) -> str:
-    for old, new in _RENAMES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
+canonical_name = prefix_renamer(_RENAMES)
 
 
 def parse_hf(cfg: dict, arch: str, source: str) -> ModelConfig:
