@@ -27,6 +27,10 @@ class AttentionMetadata:
     # host copies when the tensors live on a GPU (query_start_loc and seq_lens as lists, block_tables as a
     # CPU tensor): plans read these, never the device tensors (no sync inside the forward)
     host: dict | None = None
+    # int32 [tokens] or None: the key position (exclusive) each query token sees up to, where it is past the token
+    # itself (a token of a Gemma 3 image sees its whole image: bidirectional runs of one row's prompt, computed in
+    # one step); None, or a value <= the token's position + 1: causal. Decodes are always causal.
+    key_ends: torch.Tensor | None = None
 
 
 class KernelSet:

@@ -61,7 +61,7 @@ class NativeKernels(KernelSet):
             shape = {"HEAD_DIM": head_dim, "GQA": gqa, "GROUP": group4(head_dim)}
             specs += [("paged_attention_quant.cpp", shape), ("kv_quant_store.cpp", shape)]
         lib, fused, *quant = (_load(path) for path in build_all(specs, log=log))
-        self._attention = _fn(lib.bj_paged_attention, [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _F, _I, _I])
+        self._attention = _fn(lib.bj_paged_attention, [_P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _F, _I, _I, _P])
         self._store_kv = _fn(lib.bj_store_kv, [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I])
         self._add_rms_norm = _fn(fused.bj_add_rms_norm, [_P, _I64, _P, _P, _P, _I, _I, _F, _I, _I])
         self._rotary = _fn(fused.bj_rotary, [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I])
@@ -72,7 +72,7 @@ class NativeKernels(KernelSet):
         if quant:
             attention, store = quant
             self._attention_quant = _fn(attention.bj_paged_attention_quant, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _P, _P,
-                                                                             _I, _I, _I, _I, _I, _F, _F, _I, _I, _I])
+                                                                             _I, _I, _I, _I, _I, _F, _F, _I, _I, _I, _P])
             self._store_quant = _fn(store.bj_store_kv_quant, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I])
             self._load_quant = _fn(store.bj_load_kv_quant, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P])
         self.head_dim, self.gqa, self.dtype = head_dim, gqa, dtype
@@ -206,19 +206,20 @@ class NativeKernels(KernelSet):
         q = _rows_contiguous(q)
         out = torch.empty((t, h, d), dtype=q.dtype)
         bt = meta.block_tables
+        ends = None if meta.key_ends is None else meta.key_ends.data_ptr()  # int32 [tokens]
         if isinstance(k_cache, PackedKV):
             _check(self._attention_quant(
                 q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.codes.data_ptr(), v_cache.codes.data_ptr(),
                 k_cache.scales.data_ptr(), v_cache.scales.data_ptr(), bt.data_ptr(), bt.shape[1],
                 meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.shape[0], h,
                 k_cache.codes.shape[1], k_cache.scales.shape[3], window or 0, scale, cap, k_cache.bits, self.dtype_code,
-                torch.get_num_threads()), "paged attention over a quantized cache")
+                torch.get_num_threads(), ends), "paged attention over a quantized cache")
             return out
         _check(self._attention(
             q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             bt.data_ptr(), bt.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
             meta.seq_lens.shape[0], h, k_cache.shape[1], k_cache.shape[3], window or 0, scale, cap, self.dtype_code,
-            torch.get_num_threads()), "paged attention")
+            torch.get_num_threads(), ends), "paged attention")
         return out
 
 

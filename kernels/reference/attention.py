@@ -8,6 +8,9 @@ so its result moves by an ulp with a row's batch-mates; the native kernel's does
 the native ones) makes every row a group of its own with its exact context: a row's result then depends on its own
 tokens only, not on its batch (batch-invariant, docs/design/determinism.md), at the cost of one SDPA call per row
 and layer.
+
+`meta.key_ends` (an image's tokens seeing each other both ways: Gemma 3) widens a query's keys past itself; its rows
+run in the masked group.
 """
 from __future__ import annotations
 
@@ -125,8 +128,13 @@ class _TorchPlan:
         # (no mask) in groups of similar length; chunks that continue a row (chunked prefill, prefix-cache
         # hits) need the causal mask offset by what is cached, and go together in one masked group
         pre = [(r, qsl[r], qsl[r + 1] - qsl[r], seq_lens[r] - (qsl[r + 1] - qsl[r])) for r in range(nd, len(seq_lens))]
-        fresh = sorted((p for p in pre if p[3] == 0 and not window), key=lambda p: p[2])
-        cont = [p for p in pre if p[3] != 0 or window]
+        # key_ends: tokens that see keys past themselves (an image's bidirectional run) need the masked group too
+        ends = host["key_ends"] if "key_ends" in host else (None if meta.key_ends is None else meta.key_ends.cpu())
+        self.key_ends = ends
+        wide = set() if ends is None else {p[0] for p in pre if bool(
+            (ends[p[1]:p[1] + p[2]] > torch.arange(p[3] + 1, p[3] + p[2] + 1)).any())}
+        fresh = sorted((p for p in pre if p[3] == 0 and not window and p[0] not in wide), key=lambda p: p[2])
+        cont = [p for p in pre if p[3] != 0 or window or p[0] in wide]
         for a, b in groups(len(fresh), min_rows=4):
             self.prefill_groups.append(self._prefill_group(fresh[a:b], tables, None, device))
         for a, b in (groups(len(cont), min_rows=len(cont)) if cont else []):
@@ -158,7 +166,10 @@ class _TorchPlan:
         length = int((starts + counts).max())
         keys = torch.arange(length)
         qpos = starts[:, None] + q_off[None, :]  # [S, Qmax] absolute positions
-        mask = keys[None, None, :] <= qpos[:, :, None]
+        kend = qpos + 1  # each query's keys end: causal, or past itself where key_ends says so
+        if self.key_ends is not None:
+            kend = torch.maximum(kend, torch.where(valid, self.key_ends.long()[gather], 0))
+        mask = keys[None, None, :] < kend[:, :, None]
         if window:
             mask &= keys[None, None, :] > (qpos[:, :, None] - window)
         mask &= valid[:, :, None]

@@ -1,7 +1,7 @@
 """Triton paged attention: the KV store by slot mapping, decode (GQA-packed tiles, fixed 512-token splits
 merged by log-sum-exp in split order) and prefill/extend (query tiles attending causally to their own
-tokens and the row's cached prefix through the block table), with the optional sliding window and logit
-soft-cap. Must equal kernels/reference/attention.py (store_kv, paged_attention_torch with its window and softcap)."""
+tokens and the row's cached prefix through the block table, or past themselves where `meta.key_ends` says:
+an image's bidirectional run), with the optional sliding window and logit soft-cap. Must equal kernels/reference/attention.py (store_kv, paged_attention_torch with its window and softcap)."""
 from __future__ import annotations
 
 import torch
@@ -133,9 +133,9 @@ if triton is not None:
 
     @triton.jit
     def _prefill_kernel(Q, K, V, KS, VS, O, BT, SEQ, QSL, TILE_ROW, TILE_START, scale, softcap, stride_q, stride_o,
-                        stride_bt, num_heads, num_kv_heads, window, G: tl.constexpr, D: tl.constexpr,
+                        stride_bt, num_heads, num_kv_heads, window, KEND, G: tl.constexpr, D: tl.constexpr,
                         D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                        GROUP: tl.constexpr, SOFTCAP: tl.constexpr):
+                        GROUP: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KEND: tl.constexpr):
         tile = tl.program_id(0)
         head = tl.program_id(1)
         h = head // G
@@ -154,6 +154,10 @@ if triton is not None:
         q = tl.load(Q + tok[:, None] * stride_q + head * D + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
         last = tl.minimum(t0 + BLOCK_M, qe) - 1
         hi = first_pos + (last - qs) + 1  # keys [lo, hi) cover every query of the tile
+        kend = qpos + 1  # each query's keys end: causal, or past itself where KEND says so (an image's run)
+        if HAS_KEND:
+            kend = tl.maximum(kend, tl.load(KEND + tok, mask=qm, other=0))
+            hi = tl.maximum(hi, tl.max(tl.where(qm, kend, 0), 0))
         lo = 0
         if window > 0:
             lo = tl.maximum(first_pos + (t0 - qs) - window + 1, 0)
@@ -171,7 +175,7 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             if SOFTCAP:
                 s = tanh(s / softcap) * softcap
-            visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < hi)
+            visible = (kpos[None, :] < kend[:, None]) & (kpos[None, :] < hi)
             if window > 0:
                 visible = visible & (kpos[None, :] > qpos[:, None] - window)
             m, s_sum, acc = _online_softmax(tl.where(visible, s, float("-inf")), v, m, s_sum, acc)
@@ -223,8 +227,10 @@ def attention(q, k_cache, v_cache, meta, scale, block_size: int, window=None, so
     if plan.num_tiles:
         _prefill_kernel[(plan.num_tiles, h)](
             q, kc, vc, ks, vs, out, bt, meta.seq_lens, meta.query_start_loc, plan.tile_row, plan.tile_start, scale,
-            cap, q.stride(0), out.stride(0), bt.stride(0), h, hkv, window or 0, G=g, D=d, D_PAD=pow2(d),
-            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant, GROUP=group, SOFTCAP=softcap is not None)
+            cap, q.stride(0), out.stride(0), bt.stride(0), h, hkv, window or 0,
+            meta.key_ends if meta.key_ends is not None else meta.query_start_loc, G=g, D=d, D_PAD=pow2(d),
+            BLOCK_M=plan.block_m, BLOCK=block_size, QUANT=quant, GROUP=group, SOFTCAP=softcap is not None,
+            HAS_KEND=meta.key_ends is not None)
     return out
 
 

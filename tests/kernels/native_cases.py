@@ -47,13 +47,16 @@ def random_rows(spec, kv_heads, gqa, head_dim, dtype, seed=0) -> list[Row]:
             for c, n in spec]
 
 
-def attend(kernels, rows: list[Row], block_size: int, window=None, dtype=None, seed=0, softcap=None) -> list[torch.Tensor]:
+def attend(kernels, rows: list[Row], block_size: int, window=None, dtype=None, seed=0, softcap=None,
+           key_ends: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Every row's attention output for its new tokens: K/V stored through the backend's own store_kv
     (each backend lays its cache out its own way) into shuffled blocks, rows in the given order
-    (decodes first, as the model runner lays them out); `window`, `softcap` as the attention op takes them."""
+    (decodes first, as the model runner lays them out); `window`, `softcap`, `key_ends` (the metadata's) as the
+    attention op takes them."""
     dtype = dtype or rows[0].q.dtype
     kv_heads, head_dim = rows[0].k.shape[1:]
     num_blocks, slots, meta = paged_step(rows, block_size, seed)
+    meta.key_ends = key_ends
     ks, vs = kernels.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
     kc, vc = torch.zeros(ks, dtype=dtype), torch.zeros(vs, dtype=dtype)
     for r, s in zip(rows, slots):

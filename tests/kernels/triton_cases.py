@@ -44,9 +44,14 @@ def random_step(spec, kv_heads, gqa, head_dim, block_size, dtype, device, seed=0
     return q.to(device), k.to(device), v.to(device), torch.tensor(ctx_slots, device=device), len(perm), meta
 
 
-def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, softcap=None):
+def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, softcap=None, runs=None):
+    """`runs`: per row, [start, end) runs of positions whose tokens see the whole run (the metadata's key_ends)."""
     kern = TritonKernels(head_dim, gqa, dtype, block_size)
     q, k, v, slots, nb, meta = random_step(spec, 2, gqa, head_dim, block_size, dtype, device, seed=head_dim + gqa)
+    ends = None if runs is None else torch.tensor(
+        [next((e for s, e in spans if s <= p < e), 0) for (c, n), spans in zip(spec, runs) for p in range(c, c + n)],
+        dtype=torch.int32)
+    meta.key_ends = None if ends is None else ends.to(device)
     shape, _ = kern.kv_cache_shapes(nb, block_size, 2, head_dim)
     kc, vc = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     kern.store_kv(k, v, kc, vc, slots)
@@ -55,7 +60,7 @@ def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, 
     assert torch.equal(kc.float().cpu(), ref_k) and torch.equal(vc.float().cpu(), ref_v), "KV store"
     out = kern.attention(q, kc, vc, meta, head_dim ** -0.5, window, softcap)
     ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
-                                 meta.slot_mapping.cpu(), meta.num_decodes)
+                                 meta.slot_mapping.cpu(), meta.num_decodes, key_ends=ends)
     ref = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window, softcap)
     tol = {torch.float32: 2e-5 if device == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
     err = (out.float().cpu() - ref).abs().max().item()
@@ -63,6 +68,10 @@ def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, 
     if window:  # the window is applied: rows with longer contexts come out otherwise without it
         full = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, None, softcap)
         assert (full - ref).abs().max().item() > 100 * tol, "the window changed nothing"
+    if runs:  # the runs are seen whole: causal attention comes out otherwise
+        ref_meta.key_ends, ref_meta.plans = None, {}
+        causal = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window, softcap)
+        assert (causal - ref).abs().max().item() > 100 * tol, "the image runs changed nothing"
     if softcap:  # the cap is applied: the scores (~N(0, 1)) come out otherwise uncapped
         uncapped = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window)
         assert (uncapped - ref).abs().max().item() > 100 * tol, "the soft-cap changed nothing"
@@ -73,6 +82,9 @@ def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, 
 SPEC = [(0, 1), (37, 1), (700, 1), (1100, 1), (0, 9), (0, 40), (33, 20), (90, 17)]
 ATTENTION = [(hd, g, bs, dt) for hd, g, bs in [(64, 1, 16), (64, 3, 32), (80, 4, 16), (128, 3, 16), (128, 1, 32), (80, 1, 32)]
              for dt in (torch.float32, torch.float16)]
+# bidirectional runs per row of SPEC (absolute positions): in a fresh prompt, in a continued chunk from its first
+# token, and one that began in the cached prefix
+RUNS = [[], [], [], [], [], [(3, 30)], [(30, 45)], [(92, 107)]]
 # the logit soft-cap (Gemma 2, head_dim 256; a cap of 2 bends these ~N(0, 1) scores), alone and with a window
 # (head_dim, gqa, block size, dtype, window): each shape and dtype, each with and without a window, in 4 cases
 SOFTCAP = [(64, 3, 32, torch.float32, None), (80, 1, 16, torch.float16, 48), (256, 2, 16, torch.float32, 48),
@@ -89,6 +101,9 @@ def run(device: str, only: str | None = None) -> int:
         name = f"attention d{hd} g{g} b{bs} {str(dt)[6:]} softcap 2" + (f" window {window}" if window else "")
         cases.append((name, lambda hd=hd, g=g, bs=bs, dt=dt, w=window:
                       attention_case(hd, g, bs, dt, device, SPEC, w, softcap=2.0)))
+    for dt, window in ((torch.float32, None), (torch.float16, 48)):  # an image's tokens see each other (Gemma 3)
+        name = f"attention d64 g3 b16 {str(dt)[6:]} image runs" + (f" window {window}" if window else "")
+        cases.append((name, lambda dt=dt, w=window: attention_case(64, 3, 16, dt, device, SPEC, w, runs=RUNS)))
     for dt in (torch.float32, torch.float16):
         cases.append((f"norms {str(dt)[6:]}", lambda dt=dt: norm_case(dt, device)))
         cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))

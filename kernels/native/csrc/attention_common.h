@@ -65,9 +65,12 @@ struct Args {
   int64_t q_token_stride;  // elements between consecutive tokens of q
   int max_blocks, num_heads, num_kv_heads, block_size, window;
   Logits logits;
+  // per query token, the key position (exclusive) it sees up to where that is past itself (an image's tokens see
+  // the whole image both ways: Gemma 3); nullptr or a value <= position + 1: causal
+  const int32_t* key_ends;
 };
 
-// One query row: its query vector, its keys [lo, hi) (causal end, sliding-window start), its running
+// One query row: its query vector, its keys [lo, hi) (causal end or key_ends', sliding-window start), its running
 // softmax max m and sum l, and its D fp32 accumulators.
 struct Row {
   const void* q;
@@ -93,7 +96,7 @@ inline int init_rows(const Args& A, int row, int h, int tb, int te, Row* rows, f
     w.acc = acc[r];
     w.m = -INFINITY;
     w.l = 0.0f;
-    w.hi = pos + 1;
+    w.hi = A.key_ends != nullptr && A.key_ends[t] > pos + 1 ? A.key_ends[t] : pos + 1;
     w.lo = A.window > 0 && pos + 1 > A.window ? pos + 1 - A.window : 0;
     *klo = w.lo < *klo ? w.lo : *klo;
     *khi = w.hi > *khi ? w.hi : *khi;

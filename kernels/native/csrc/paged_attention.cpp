@@ -230,15 +230,17 @@ int bj_has_bf16() {  // bf16 dot products in hardware (AVX512-BF16); elsewhere t
 #endif
 }
 
-// dtype: 0 = fp32, 1 = bf16 (q, caches and out all of it); softcap: the logit soft-cap (0 = none). Returns 0,
+// dtype: 0 = fp32, 1 = bf16 (q, caches and out all of it); softcap: the logit soft-cap (0 = none); key_ends: per
+// query token, the end of its keys where past itself (Args), or nullptr. Returns 0,
 // or -1 for an unsupported dtype.
 int bj_paged_attention(const void* q, int64_t q_token_stride, void* out, const void* k_cache, const void* v_cache,
                        const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                        const int32_t* query_start_loc, int num_rows, int num_heads, int num_kv_heads,
-                       int block_size, int window, float scale, float softcap, int dtype, int num_threads) {
+                       int block_size, int window, float scale, float softcap, int dtype, int num_threads,
+                       const int32_t* key_ends) {
   if (num_heads != num_kv_heads * G || block_size % TILE != 0 || softcap < 0) return -2;
   Args A{q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_token_stride,
-         max_blocks, num_heads, num_kv_heads, block_size, window, Logits::make(scale, softcap)};
+         max_blocks, num_heads, num_kv_heads, block_size, window, Logits::make(scale, softcap), key_ends};
   if (dtype == 0) {
     run<F32>(A, num_rows, num_threads);
     return 0;

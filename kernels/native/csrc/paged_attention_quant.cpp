@@ -329,16 +329,17 @@ void run_item(const Args& A, const Scales& S, int row, int h, int tb, int te) {
 
 extern "C" {
 
-// bits 8 or 4; dtype of q and out: 0 = fp32, 1 = bf16; softcap: the logit soft-cap (0 = none). Returns 0, or
+// bits 8 or 4; dtype of q and out: 0 = fp32, 1 = bf16; softcap: the logit soft-cap (0 = none); key_ends as
+// bj_paged_attention's. Returns 0, or
 // < 0 for arguments it does not take.
 int bj_paged_attention_quant(const void* q, int64_t q_token_stride, void* out, const void* k_codes, const void* v_codes,
                              const void* k_scales, const void* v_scales, const int32_t* block_tables, int max_blocks,
                              const int32_t* seq_lens, const int32_t* query_start_loc, int num_rows, int num_heads,
                              int num_kv_heads, int block_size, int window, float scale, float softcap, int bits,
-                             int dtype, int num_threads) {
+                             int dtype, int num_threads, const int32_t* key_ends) {
   if (num_heads != num_kv_heads * G || block_size % TILE != 0 || softcap < 0) return -2;
   Args A{q, out, k_codes, v_codes, block_tables, seq_lens, query_start_loc, q_token_stride,
-         max_blocks, num_heads, num_kv_heads, block_size, window, Logits::make(scale, softcap)};
+         max_blocks, num_heads, num_kv_heads, block_size, window, Logits::make(scale, softcap), key_ends};
   const Scales S{(const uint16_t*)k_scales, (const uint16_t*)v_scales};
   auto go = [&](auto bits_tag, auto type_tag) {
     constexpr int B = decltype(bits_tag)::value;
