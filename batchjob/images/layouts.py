@@ -1,13 +1,13 @@
 """What one image becomes in a prompt, per family: the token ids that replace the chat template's image token, and
-the placeholder runs among them with the pixel values each run's encoder output comes from (one run for LLaVA's
-and Qwen2-VL's image; one per tile for Idefics3's split image). The ids and pixel values are those of the family's
+the placeholder runs among them with the pixel values each run's encoder output comes from (one run for LLaVA's,
+Qwen2-VL's and Gemma 3's image; one per tile for Idefics3's split image). The ids and pixel values are those of the family's
 transformers processor (tests/images/)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 from PIL import Image
@@ -18,15 +18,30 @@ from batchjob.images.qwen2_vl import Qwen2VLPreprocessor
 
 
 class ImageLayout(Protocol):
-    image_token_id: int  # the chat template's image token (a placeholder too)
+    image_token_id: int  # the chat template's image token (a placeholder too, but for Gemma 3's)
+    bidirectional: bool  # a placeholder run's tokens attend to each other both ways (Gemma 3)
 
     def place(self, image: Image.Image) -> tuple[list[int], list[tuple[int, int, np.ndarray]]]:
         """(the ids the image token becomes, [(a placeholder run's start in them, its length, its pixel values)])."""
         ...
 
+    def template_text(self, text: str) -> str:
+        """A rendered chat template's text as the family's processor rewrites it before tokenizing (Gemma 3 puts blank
+        lines around each image; the others leave it as it is)."""
+        ...
+
+
+class _AsRendered:
+    """The layouts whose processor tokenizes the rendered template as it is, with causal image runs."""
+    __slots__ = ()
+    bidirectional: ClassVar[bool] = False
+
+    def template_text(self, text: str) -> str:
+        return text
+
 
 @dataclass(frozen=True, slots=True)
-class LlavaLayout:
+class LlavaLayout(_AsRendered):
     """The image token repeated once per row of the encoder's output, all from one resized, cropped image."""
     image_token_id: int
     tokens_per_image: int
@@ -37,7 +52,7 @@ class LlavaLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class Idefics3Layout:
+class Idefics3Layout(_AsRendered):
     """Idefics3Processor's layout: each tile as `<fake_token_around_image><row_r_col_c>` and its placeholders, a
     newline after each row of tiles, then the global image; the text tokenized once per grid shape."""
     image_token_id: int
@@ -78,7 +93,7 @@ def image_settings(folder: Path) -> dict | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen2VLLayout:
+class Qwen2VLLayout(_AsRendered):
     """One `<|image_pad|>` per merged patch block (the template writes the vision start and end tokens around the
     image token); the patches carry their grid, [t, h, w, patch dims], for the encoder and the M-RoPE positions."""
     image_token_id: int
@@ -90,6 +105,42 @@ class Qwen2VLLayout:
         return [self.image_token_id] * n, [(0, n, flat.reshape(*grid, flat.shape[-1]))]
 
 
+@dataclass(frozen=True, slots=True)
+class Gemma3Layout:
+    """Gemma3Processor's layout: the template's `<start_of_image>` becomes blank lines, itself, one
+    `<image_soft_token>` per row of the encoder's output and `<end_of_image>`, blank lines; the blank lines are written
+    into the text before tokenizing, as the processor does (they merge with the newlines around them). The image is
+    resized to the tower's square without a crop; its placeholders attend to each other both ways."""
+    image_token_id: int  # <start_of_image>
+    placeholder_id: int  # <image_soft_token>
+    end_id: int  # <end_of_image>
+    tokens_per_image: int
+    start_text: str  # <start_of_image> as text
+    preprocessor: ClipPreprocessor
+    bidirectional: ClassVar[bool] = True
+
+    def place(self, image: Image.Image) -> tuple[list[int], list[tuple[int, int, np.ndarray]]]:
+        ids = [self.image_token_id] + [self.placeholder_id] * self.tokens_per_image + [self.end_id]
+        return ids, [(1, self.tokens_per_image, self.preprocessor.pixel_values(image))]
+
+    def template_text(self, text: str) -> str:
+        return text.replace(self.start_text, f"\n\n{self.start_text}\n\n")
+
+
+def gemma3_layout(extra: dict, settings: dict, tokenizer) -> Gemma3Layout:
+    if settings.get("do_pan_and_scan"):
+        raise ValueError("do_pan_and_scan: Gemma 3's pan-and-scan crops are not supported (turn it off)")
+    size = settings.get("size") or {}
+    if "height" not in size or "width" not in size:
+        raise ValueError(f"size {size}: Gemma 3's processor resizes to a fixed height and width")
+    seq = settings.get("image_seq_length", extra["tokens_per_image"])
+    if seq != extra["tokens_per_image"]:
+        raise ValueError(f"image_seq_length {seq}; the model's projector gives {extra['tokens_per_image']} per image")
+    start = tokenizer.decode([extra["boi_token_id"]], skip_special_tokens=False)
+    prep = ClipPreprocessor.from_config({**settings, "do_center_crop": False})
+    return Gemma3Layout(extra["boi_token_id"], extra["image_token_id"], extra["eoi_token_id"], seq, start, prep)
+
+
 def layout_for(architecture: str, extra: dict, folder: Path, settings: dict, tokenizer) -> ImageLayout:
     """The layout of a vision-language model's folder, from its image processor's settings. ValueError names a setting
     we cannot honour."""
@@ -99,6 +150,8 @@ def layout_for(architecture: str, extra: dict, folder: Path, settings: dict, tok
         if prep.merge_size != extra["mrope_merge"]:
             raise ValueError(f"merge_size {prep.merge_size}; the model's vision tower merges {extra['mrope_merge']}")
         return Qwen2VLLayout(token, prep)
+    if architecture == "gemma3_vl":
+        return gemma3_layout(extra, settings, tokenizer)
     per_run = extra["tokens_per_image"]
     if architecture == "idefics3":
         processor = folder / PROCESSOR_SETTINGS

@@ -59,7 +59,7 @@ class ImageRows:
             placed, runs = self.layout.place(img.image)
             for k, (start, length, pixels) in enumerate(runs):
                 digest = img.digest if len(runs) == 1 else hashlib.sha256(f"{img.digest}:{k}".encode()).hexdigest()
-                slots.append(ImageSlot(len(out) + start, length, digest, pixels))
+                slots.append(ImageSlot(len(out) + start, length, digest, pixels, self.layout.bidirectional))
             out.extend(placed)
             prev = pos + 1
         out.extend(ids[prev:])

@@ -222,7 +222,7 @@ class PromptBuilder:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
         except Exception as e:  # template errors are the row's problem, not the job's
             raise RowError(f"chat template failed: {e}") from None
-        return "chat", text
+        return "chat", text if self.images is None else self.images.layout.template_text(text)
 
     def continuation_starts(self, records: list[dict], ids: list[list[int] | RowError]) -> list[int | None | RowError]:
         """Score rows with a continuation: where it starts in the row's token ids, as lm-evaluation-harness

@@ -13,11 +13,11 @@ from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
 from batchjob.models.family import BuildSpec, Family
-from batchjob.models.families import gemma, idefics3, llama, llava, moe, olmo2, phi3, qwen2_vl
+from batchjob.models.families import gemma, gemma3, idefics3, llama, llava, moe, olmo2, phi3, qwen2_vl
 
 
 FAMILIES: list[Family] = [llama.FAMILY, gemma.FAMILY, phi3.FAMILY, olmo2.FAMILY, moe.FAMILY, llava.FAMILY, idefics3.FAMILY,
-                          qwen2_vl.FAMILY]
+                          qwen2_vl.FAMILY, gemma3.FAMILY]
 
 
 def supported() -> list[str]:

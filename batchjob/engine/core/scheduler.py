@@ -116,6 +116,15 @@ class Scheduler:
             return None
         if n + 1 > limit:
             return f"prompt has {n} tokens; at most {limit - 1} fit ({self._cap_why(limit)}; prompt + 1 generated token must fit)"
+        return self._run_too_long(seq)
+
+    def _run_too_long(self, seq: Sequence) -> str | None:
+        """Why an image run that must be computed in one step (bidirectional) never fits a step's token budget."""
+        budget = self.config.max_num_batched_tokens
+        for k, img in enumerate(seq.images):
+            if img.bidirectional and img.length > budget:
+                return (f"image {k} is {img.length} tokens that attend to each other and must be computed in one step; "
+                        f"max_num_batched_tokens is {budget}: raise it to at least {img.length}")
         return None
 
     def _cap_why(self, limit: int) -> str:
@@ -143,6 +152,8 @@ class Scheduler:
             if not seq.params.prefill_only and (seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len):
                 continue  # its last token (a step in flight is sampling it) ends it: nothing to compute
             n = self._chunk(seq, step.token_budget)
+            if n == 0:
+                continue  # an image run that must go whole waits for a step with room for it
             if seq.draft and n == 1:  # speculative proposals: only into free budget and free blocks
                 k = min(len(seq.draft), step.token_budget - 1)
                 if k > 0 and self._grow(seq, seq.num_computed + 1 + k):
@@ -164,6 +175,8 @@ class Scheduler:
             if not self._admit(seq, step):  # may preempt rows scheduled above: their tokens come back
                 break
             n = self._chunk(seq, step.token_budget)
+            if n == 0:
+                break  # admitted; its first chunk (a whole image run) waits for the next step's budget
             self._grow(seq, seq.num_computed + n)  # fits: admission counted the whole row
             self._schedule(step, seq, n)
         return step
@@ -206,8 +219,20 @@ class Scheduler:
             seq.first_scheduled_at = self.clock()
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_tokens - seq.num_computed, budget)
-        return min(n, self.config.prefill_chunk) if self.config.prefill_chunk else n
+        """Tokens of `seq` to compute in this step: what is left, within the budget and the prefill chunk. A chunk
+        never ends inside a bidirectional image run: it ends before the run, or (starting in it) takes the run's
+        rest whole if the budget holds it, else nothing this step (0)."""
+        start = seq.num_computed
+        n = min(seq.num_tokens - start, budget)
+        if self.config.prefill_chunk:
+            n = min(n, self.config.prefill_chunk)
+        for img in seq.images:
+            first, end = img.offset, img.offset + img.length
+            if img.bidirectional and first < start + n < end:
+                if first > start:
+                    return first - start
+                return end - start if end - start <= budget else 0
+        return n
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.pool.blocks_for(num_tokens) - len(seq.block_table)

@@ -193,6 +193,9 @@ class ImageSlot:
     length: int  # placeholder tokens: one per row of the encoder's output
     digest: str  # SHA-256 of the image (batchjob/images/sources.py)
     pixel_values: object  # numpy float32 [3, H, W]; this module stays numpy-free
+    # the run's tokens attend to each other both ways (Gemma 3): the scheduler computes the run in one step, never
+    # split by chunked prefill, and its tokens see the whole run (AttentionMetadata.key_ends)
+    bidirectional: bool = False
 
 
 class SeqStatus(enum.Enum):

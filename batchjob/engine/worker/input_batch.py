@@ -119,7 +119,29 @@ def step_inputs(rows: list[CachedRow], block_size: int, host_copies: bool) -> St
     last = [0] * len(rows)
     for i, end in zip(order, ends):
         last[i] = end
+    meta.key_ends = key_ends(rows, last, len(input_ids))
+    if meta.key_ends is not None and meta.host is not None:
+        meta.host["key_ends"] = meta.key_ends
     return StepInputs(input_ids, positions, meta, last, waiting)
+
+
+def key_ends(rows: list[CachedRow], last: list[int], num_tokens: int) -> torch.Tensor | None:
+    """int32 [tokens]: for each token of a bidirectional image run computed in this step, the run's end (its keys
+    reach past itself to the whole run); 0 elsewhere (causal). None: no such run in the step. The scheduler computes
+    a run in one step (engine/core/scheduler.py _chunk), so the run's end is within its row's context."""
+    out = None
+    for i, row in enumerate(rows):
+        start, n = row.num_computed, row.num_new
+        if not row.images or start >= row.num_prompt:
+            continue
+        first = last[i] - n + 1  # the flat index of position `start`
+        for img in row.images:
+            lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
+            if img.bidirectional and lo < hi:
+                if out is None:
+                    out = np.zeros(num_tokens, dtype=np.int32)
+                out[first + lo - start:first + hi - start] = img.offset + img.length
+    return None if out is None else torch.from_numpy(out)
 
 
 def flatten(rows: list[tuple[list[int], int, list[int]]], bs: int, host_copies: bool):

@@ -54,6 +54,8 @@ class ModelRunner:
         stage = self.staging.to_device
         for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
             setattr(meta, name, stage(name, getattr(meta, name)))
+        if meta.key_ends is not None:  # a step with a bidirectional image run (Gemma 3); its host copy stays
+            meta.key_ends = stage("key_ends", meta.key_ends)
         return stage("input_ids", input_ids), stage("positions", positions)
 
     def _staged(self, mask) -> tuple[torch.Tensor, torch.Tensor] | None:

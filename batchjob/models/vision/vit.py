@@ -39,6 +39,7 @@ class VisionConfig:
     class_token: bool = True  # CLIP prepends a class embedding; SigLIP does not
     pre_norm: bool = True  # CLIP's pre_layrnorm after the embeddings
     post_norm: bool = False  # the encoder's last hidden states normed (Idefics3's tower; CLIP's norms only its pooled output)
+    pooling_head: bool = False  # SigLIP's attention-pooling head is in the checkpoint (never run: dropped at build)
 
     @classmethod
     def from_hf(cls, d: dict, source: str) -> VisionConfig:
@@ -81,6 +82,13 @@ class VisionConfig:
                 out[f"{lp}{norm}.weight"], out[f"{lp}{norm}.bias"] = (h,), (h,)
             out[f"{lp}mlp.fc1.weight"], out[f"{lp}mlp.fc1.bias"] = (i, h), (i,)
             out[f"{lp}mlp.fc2.weight"], out[f"{lp}mlp.fc2.bias"] = (h, i), (h,)
+        if self.pooling_head:  # SiglipMultiheadAttentionPoolingHead's
+            hp = f"{prefix}head."
+            out.update({f"{hp}probe": (1, 1, h), f"{hp}attention.in_proj_weight": (3 * h, h),
+                        f"{hp}attention.in_proj_bias": (3 * h,), f"{hp}attention.out_proj.weight": (h, h),
+                        f"{hp}attention.out_proj.bias": (h,), f"{hp}layernorm.weight": (h,), f"{hp}layernorm.bias": (h,),
+                        f"{hp}mlp.fc1.weight": (i, h), f"{hp}mlp.fc1.bias": (i,), f"{hp}mlp.fc2.weight": (h, i),
+                        f"{hp}mlp.fc2.bias": (h,)})
         return out
 
 
