@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 
-ROPE_SCALINGS = ("llama3",)  # the rope_scaling types the rotary tables implement (kernels/reference/rotary.py)
+ROPE_SCALINGS = ("llama3", "linear")  # the rope_scaling types the rotary tables implement (kernels/reference/rotary.py)
 
 
 def rope_of(cfg: dict, source: str, key: str | None = None) -> tuple[float | None, dict | None]:

@@ -25,7 +25,7 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position (no per-step recomputation)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
-        """`scaling`: HF's rope_scaling dict (llama3 or longrope). Longrope has a table for its short factors
+        """`scaling`: HF's rope_scaling dict (llama3, linear or longrope). Longrope has a table for its short factors
         and one for its long ones; `use_long` chooses (models/config.py LongRope says when)."""
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         self.long: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -35,7 +35,9 @@ class RotaryEmbedding:
             (self.cos, self.sin), self.short, self.long = short, short, long
             return
         inv_freq = 1.0 / (theta ** shape)
-        if scaling is not None:
+        if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "linear":  # positions / factor (Gemma 3)
+            inv_freq = inv_freq / scaling["factor"]
+        elif scaling is not None:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         self.cos, self.sin = _table(inv_freq, max_positions, 1.0, dtype)
 

@@ -27,7 +27,9 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 def make_gemma3(window: int = 12, seed: int = 5):
     text = dict(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=window,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention"], rms_norm_eps=1e-6)
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"], rms_norm_eps=1e-6,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})  # the 4B-27B's
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
                   image_size=SIDE)
     cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=RUN,
@@ -130,6 +132,24 @@ def test_greedy_tokens_are_transformers_batched_alone_and_with_a_small_budget(hf
     assert run(model, [0, 1, 2, 3]) == want
     assert [run(model, [i])[0] for i in range(4)] == want  # alone = batched
     assert run(model, [0, 1, 2, 3], budget=RUN + 3) == want  # a chunk ends before a run or takes it whole
+
+
+def test_a_prefix_hit_ending_inside_an_image_run_gives_the_same_tokens(hf_gemma3):
+    """The same row again: its first two blocks (tokens 0-15) are cached, so its computation resumes inside the image
+    run (positions 4-19): the run's rest goes whole in one step and sees the cached part of the run."""
+    engine = Engine(ours(hf_gemma3), [], EngineConfig(num_blocks=256, block_size=8, enable_prefix_caching=True))
+    ids, seeds = rows()[0]
+    want, hits = reference(hf_gemma3, ids, seeds), []
+    for _ in range(2):
+        seq = engine.submit(EngineRequest(ids, GREEDY, seed=0, row_index=0, images=slots(ids, seeds)))
+        got, hit = None, 0
+        while engine.has_work:
+            for r in engine.run_step():
+                got = list(r.output_ids)
+            hit += engine.last_stats.prefix_hit_tokens if engine.last_stats else 0
+        assert isinstance(seq, int) and got == want
+        hits.append(hit)
+    assert hits == [0, 16]
 
 
 def test_a_run_longer_than_the_token_budget_fails_its_row_alone(hf_gemma3):
