@@ -23,7 +23,7 @@ import pyarrow as pa
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"  # run with task = "embed"; `input` is one or more texts (or token id lists)
-COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "encoding_format"]
+COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "encoding_format", "chat_template_kwargs"]
 MAX_INPUTS = 2048  # inputs per embeddings request, as OpenAI's limit
 ENCODING_FORMATS = ("float", "base64")
 
@@ -34,7 +34,8 @@ _UNSUPPORTED = {"stream", "tools", "tool_choice", "functions", "function_call", 
                 "reasoning_effort", "web_search_options", "best_of", "echo", "suffix"}
 # read here, not passed on as sampling parameters (the rest of a body is: OpenAI's sampling fields, which are named
 # as ours, and vLLM's extra ones, each checked by the job as a row's sampling parameter)
-_READ_HERE = {"messages", "prompt", "logprobs", "top_logprobs", "max_completion_tokens", "response_format"}
+_READ_HERE = {"messages", "prompt", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
+              "chat_template_kwargs"}
 
 
 REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
@@ -86,7 +87,8 @@ def request_record(line) -> dict:
             sampling[key] = value
     if unsupported:
         raise ValueError(f"body.{unsupported[0]}: not supported by batchjob")
-    record = {"custom_id": cid, "endpoint": url, "messages": None, "prompt": None, "sampling": sampling}
+    record = {"custom_id": cid, "endpoint": url, "messages": None, "prompt": None, "sampling": sampling,
+              "chat_template_kwargs": body.get("chat_template_kwargs") if chat else None}  # vLLM's extra field
     if chat:
         if body.get("max_completion_tokens") is not None:
             sampling["max_tokens"] = body["max_completion_tokens"]
@@ -211,6 +213,10 @@ def response_line(row: dict, model: str, created: int) -> dict:
     choices = [_chat_choice(c) if chat else _text_choice(c) for c in completions]
     usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
              "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}
+    if "reasoning_tokens" in row:  # a reasoning parser's job: the thinking beside the answer (vLLM's field name)
+        usage["completion_tokens_details"] = {"reasoning_tokens": row["reasoning_tokens"] or 0}
+        if chat:
+            choices[0]["message"]["reasoning_content"] = row.get("reasoning")
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices, "usage": usage}
     line["response"] = {"status_code": 200, "request_id": f"req_{rid}", "body": body}

@@ -13,6 +13,7 @@ from enum import Enum
 from pathlib import Path
 
 from batchjob.engine.config import speculative_config
+from batchjob.reasoning.parsers import check_parser_name
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 from batchjob.job.modes import SpeculativeMethod, Task
 from batchjob.job.options import FIELDS, JobConfig, Table, mode_of, names_in, scalar_types
@@ -109,6 +110,13 @@ def validate(cfg: JobConfig) -> JobConfig:
             raise ConfigError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
     if cfg.image_column is not None and cfg.task != Task.GENERATE:
         raise ConfigError(f"image_column: images are read by generate rows only (this job's task is {cfg.task})")
+    if cfg.max_reasoning_tokens is not None and cfg.reasoning_parser is None:
+        raise ConfigError("max_reasoning_tokens: needs reasoning_parser (qwen3, deepseek_r1 or auto), which knows where "
+                          "the model's thinking ends")
+    if cfg.reasoning_parser is not None:
+        check_parser_name(cfg.reasoning_parser, ConfigError)
+        if cfg.task != Task.GENERATE:
+            raise ConfigError(f"reasoning_parser: splits generated text (this job's task is {cfg.task})")
     if cfg.temperature < 0:
         raise ConfigError(f"temperature: must be >= 0, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
@@ -247,6 +255,8 @@ def _coerce(name: str, value):
         return value
     if name == "stop":
         return _stop_strings(value)
+    if name == "chat_template_kwargs":
+        return template_kwargs(value, "chat_template_kwargs", ConfigError)
     if typing.get_origin(base) is list:  # a flag gives them comma-separated
         return _list(name, value, typing.get_args(base)[0])
     return value
@@ -287,3 +297,22 @@ def _list(name: str, value, item: type) -> list:
         return [item(v) for v in value]
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected a list of {'integers' if item is int else 'strings'}, got {value!r}") from None
+
+
+RESERVED_TEMPLATE_KEYS = ("messages", "add_generation_prompt")  # set by batchjob for every row
+
+
+def template_kwargs(value, where: str, error: type[Exception]) -> dict:
+    """Chat template variables: a JSON object, or its text; `error(message)` names `where` when it is not one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise error(f"{where}: invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: expected an object of chat template variables, e.g. {{\"enable_thinking\": false}}, "
+                    f"got {type(value).__name__}")
+    taken = [k for k in value if k in RESERVED_TEMPLATE_KEYS]
+    if taken:
+        raise error(f"{where}: {taken[0]!r} is set by batchjob for every row; leave it out")
+    return value

@@ -12,7 +12,7 @@ from batchjob.job.engine_setup import lanes_of
 from batchjob.job.error_budget import ErrorBudget
 from batchjob.images.sources import fetch_many
 from batchjob.job.images import ImageRows
-from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
+from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
 from batchjob.job.row_driver import RowDriver, StepDone
 from batchjob.models.loader import LoadedModel
 from batchjob.job.streams import Stream
@@ -27,7 +27,7 @@ class RowFeed:
 
     def __init__(self, cfg: JobConfig, loaded: LoadedModel, engine: Engine, use_messages: dict[int, bool],
                  template: str | None, lane_column_out: bool, summary: JobSummary, images: ImageRows | None = None,
-                 image_bases: dict[int, Path] | None = None):
+                 image_bases: dict[int, Path] | None = None, reasoning=None):
         """`images`: a vision-language model's image facts (None: text only); `image_bases`: per source (by id),
         the folder a relative image path starts from (its input file's)."""
         self.cfg = cfg
@@ -42,7 +42,8 @@ class RowFeed:
         self.params = {lane["name"]: cfg.sampling_defaults(lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = cfg.sampling_defaults()
         # rows in the engine, known by (stream, row index, kept columns), and the loop that runs them
-        self.driver: RowDriver[tuple[Stream, int, dict]] = RowDriver(engine, loaded.tokenizer, truncate=cfg.truncate)
+        self.driver: RowDriver[tuple[Stream, int, dict]] = RowDriver(engine, loaded.tokenizer, truncate=cfg.truncate,
+                                                                     reasoning=reasoning)
         self.dropped = 0  # rows read but put back by a stop
         self.draining = False  # stopping: no more rows are read, the running ones finish
         self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
@@ -124,6 +125,7 @@ class RowFeed:
                     if builder.images is not None:
                         expanded, images = builder.with_images(record, ids[0], fetched)
                         ids = [expanded]
+                    params = budgeted(params, self.driver.reasoning, ids[0])
                 except RowError as e:
                     self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))
                     continue

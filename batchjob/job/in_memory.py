@@ -11,13 +11,15 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.requests import RequestOutput
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
-from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
+from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
 from batchjob.job.prompt_records import is_token_ids, prompt_records
-from batchjob.job.results import Completion, OutputColumns, PendingRow
+from batchjob.job.results import REASONING, REASONING_TOKENS, Completion, OutputColumns, PendingRow
 from batchjob.job.row_driver import RowDriver
+from batchjob.reasoning.parsers import job_parser
 
 ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
 EMBED_COLUMNS = OutputColumns(embedding=True)
+REASONING_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True, reasoning=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,8 @@ class Result:
     continuation_tokens: int | None = None
     is_greedy: bool | None = None
     prompt_top_logprobs: list | None = None  # score(prompt_logprobs=k > 0): the top k per position (None first)
+    reasoning: str | None = None  # with a reasoning parser: the first completion's thinking (`text` is its answer)
+    reasoning_tokens: int | None = None
 
 
 RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_logprob", "continuation_tokens",
@@ -57,7 +61,7 @@ def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
                   completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
                   completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
                   embedding=fields["extra"].get("embedding"),
-                  **{name: fields["extra"].get(name) for name in RESULT_SCORE_FIELDS})
+                  **{name: fields["extra"].get(name) for name in (*RESULT_SCORE_FIELDS, REASONING, REASONING_TOKENS)})
 
 
 def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
@@ -75,9 +79,10 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
     `done(key, result)` for each, until the engine is idle and `rows` gives no more for now (an iterator may give
     more on a later call: job/row_server.py feeds several callers' rows into one loop so)."""
     base = cfg.sampling_defaults()
-    driver: RowDriver = RowDriver(engine, tokenizer, truncate=cfg.truncate)
+    reasoning, _ = job_parser(cfg.reasoning_parser, tokenizer, builder.chat_template)
+    driver: RowDriver = RowDriver(engine, tokenizer, truncate=cfg.truncate, reasoning=reasoning)
     columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
-               }.get(cfg.task, ALL_COLUMNS)
+               }.get(cfg.task, REASONING_COLUMNS if reasoning is not None else ALL_COLUMNS)
 
     def refill() -> None:
         while engine.num_waiting() < cfg.read_ahead_rows and (item := next(rows, None)) is not None:
@@ -93,7 +98,7 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
                 start = builder.continuation_starts([record], [ids])[0] if cfg.task == Task.SCORE else None
                 if isinstance(start, RowError):
                     raise start
-                params = row_sampling(record, base, in_memory=True)
+                params = budgeted(row_sampling(record, base, in_memory=True), reasoning, ids)
             except RowError as e:
                 done(key, failed(str(e)))
                 continue

@@ -57,6 +57,12 @@ class JobConfig:
         "Jinja chat template file overriding the model's own", api=Api.CHAT, fingerprint=ALWAYS)
     system_prompt: str | None = opt(None,
         'system message prepended to chat rows that have none', api=Api.CHAT, fingerprint=ALWAYS)
+    chat_template_kwargs: str | dict | None = opt(None,
+        "variables for the chat template, a JSON object (e.g. {\"enable_thinking\": false}); a row's own "
+        "`chat_template_kwargs` column adds to them; any key is passed as vLLM passes it", api=Api.CHAT, fingerprint=WHEN_SET)
+    reasoning_parser: str | None = opt(None,
+        "split each answer's thinking into the `reasoning` column: qwen3, deepseek_r1, or auto (from the chat "
+        "template and vocabulary) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)
     limit_images_per_prompt: int | None = opt(None, "most images a chat row may carry (vLLM's limit_mm_per_prompt); "
         "a row with more fails alone (default: no limit)", api=Api.CHAT, fingerprint=WHEN_SET, bounds=Bounds(1))
     image_column: str | None = opt(None, "column of each row's images (bytes, a path or url, a datasets Image, a "
@@ -126,6 +132,9 @@ class JobConfig:
     n: int = opt(1,
         'completions per row, each with its own random stream (default: 1)',
         table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
+    max_reasoning_tokens: int | None = opt(None,
+        "thinking budget: once a row has thought this many tokens it is made to close its thinking and answer "
+        "(needs reasoning_parser; default: none)", table=SAMPLING, api=Api.SAMPLING, fingerprint=WHEN_SET, bounds=Bounds(1))
 
     # structured_outputs
     json_schema: str | dict | None = opt(None,

@@ -10,17 +10,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchjob.job.config import JobConfig
+from batchjob.job.config import JobConfig, template_kwargs
 from batchjob.job.modes import Task
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 from batchjob.images.sources import Fetched, ImageError, column_count, from_column
 from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part, part_url
+from batchjob.reasoning.budget import with_budget
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "pooling")  # pooling: the job's task
 SAMPLING_COLUMN = "sampling"
+TEMPLATE_KWARGS_COLUMN = "chat_template_kwargs"  # a row's chat template variables (over the job's)
 TEXT_FIELDS = ("stop",)  # parameters whose value may be plain text
 
 
@@ -218,11 +220,21 @@ class PromptBuilder:
             if isinstance(value, list):
                 return "ids", self._given_ids(value)
             return "prompt", self.config.embed_prefix + self._prompt_text(record)
+        variables = self.template_variables(record)
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template)
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template,
+                                                      **variables)
         except Exception as e:  # template errors are the row's problem, not the job's
             raise RowError(f"chat template failed: {e}") from None
         return "chat", text if self.images is None else self.images.layout.template_text(text)
+
+    def template_variables(self, record: dict) -> dict:
+        """The chat template's variables for a row: the job's chat_template_kwargs, then the row's own column's."""
+        own = record.get(TEMPLATE_KWARGS_COLUMN)
+        if own is None:
+            return self.config.chat_template_kwargs or {}
+        return {**(self.config.chat_template_kwargs or {}),
+                **template_kwargs(own, self._named(TEMPLATE_KWARGS_COLUMN), RowError)}
 
     def continuation_starts(self, records: list[dict], ids: list[list[int] | RowError]) -> list[int | None | RowError]:
         """Score rows with a continuation: where it starts in the row's token ids, as lm-evaluation-harness
@@ -355,6 +367,14 @@ def row_sampling(record: dict, base: SamplingParams, in_memory: bool = False) ->
         raise RowError(str(e)) from None
     except ValueError as e:
         raise RowError(f"sampling parameter {e}") from None
+
+
+def budgeted(params: SamplingParams, reasoning, prompt_ids: list[int]) -> SamplingParams:
+    """A row's parameters with its thinking budget made its grammar (reasoning/budget.py); RowError says why not."""
+    try:
+        return with_budget(params, reasoning, prompt_ids)
+    except ValueError as e:
+        raise RowError(str(e)) from None
 
 
 def _from_text(name: str, value):

@@ -26,6 +26,8 @@ SCORE_COLUMNS = (PROMPT_LOGPROBS, PROMPT_LOGPROB_SUM, CONTINUATION_LOGPROB, CONT
 COMPLETIONS = "completions"  # list<struct{index, text, finish_reason, completion_tokens, logprobs}>; n > 1 only
 OPENAI_COLUMNS = ("custom_id", "endpoint")  # carried from an OpenAI Batch input for the JSONL output
 ENCODING_FORMAT = "encoding_format"  # and an embeddings request's (float | base64)
+REASONING, REASONING_TOKENS = "reasoning", "reasoning_tokens"  # a reasoning parser's: the thinking (string, null when
+# the row did not think) and its tokens (generated_text is then the answer alone)
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +41,7 @@ class OutputColumns:
     score: bool = False  # task = "score": SCORE_COLUMNS
     top_logprobs: bool = False  # score rows with prompt_logprobs > 0: PROMPT_TOP_LOGPROBS
     prompt_logprobs: bool = False  # generate rows: PROMPT_LOGPROBS as token entries
+    reasoning: bool = False  # a reasoning parser splits the thinking out: REASONING and REASONING_TOKENS
 
     @property
     def types(self) -> dict:
@@ -46,6 +49,8 @@ class OutputColumns:
         import pyarrow as pa
 
         types = {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
+        if self.reasoning:
+            types.update({REASONING: pa.string(), REASONING_TOKENS: pa.int32()})
         if self.embeddings:
             types[EMBEDDINGS] = pa.list_(pa.list_(pa.float32()))
         if self.score:
@@ -55,7 +60,7 @@ class OutputColumns:
 
     @property
     def names(self) -> list[str]:
-        return [*self.keep, *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
+        return [*self.keep, *([REASONING, REASONING_TOKENS] if self.reasoning else []), *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
                 *([EMBEDDING] if self.embedding else []), *([EMBEDDINGS] if self.embeddings else []),
                 *([PROMPT_LOGPROBS] if self.prompt_logprobs else []),
                 *(SCORE_COLUMNS if self.score else ()), *([PROMPT_TOP_LOGPROBS] if self.top_logprobs else [])]
@@ -81,7 +86,8 @@ class OutputColumns:
                            "sampling/n column in its first lines); set n in the job")
 
 
-def output_columns(keep: list[str], defaults: SamplingParams, input_columns: list[str], openai: bool) -> OutputColumns:
+def output_columns(keep: list[str], defaults: SamplingParams, input_columns: list[str], openai: bool,
+                   reasoning: bool = False) -> OutputColumns:
     per_row = openai or has_row_sampling(input_columns)
     embed, score = defaults.pooling is not None, defaults.max_tokens == 0
     openai_keep = (*OPENAI_COLUMNS, ENCODING_FORMAT) if embed else OPENAI_COLUMNS
@@ -91,7 +97,8 @@ def output_columns(keep: list[str], defaults: SamplingParams, input_columns: lis
                          completions=generate and (per_row or defaults.n > 1), embedding=embed and not openai,
                          embeddings=embed and openai, score=score,
                          top_logprobs=score and bool(defaults.prompt_logprobs),
-                         prompt_logprobs=generate and (per_row or defaults.prompt_logprobs is not None))
+                         prompt_logprobs=generate and (per_row or defaults.prompt_logprobs is not None),
+                         reasoning=generate and reasoning)
     clash = set(keep) & set(cols.names[len(keep):])
     if clash:
         from batchjob.job.config import ConfigError
@@ -132,6 +139,8 @@ class Completion:
     error: str | None = None  # finish_reason "error": why (a structured row's grammar that did not compile)
     embedding: list[float] | None = None  # an embed row's vector
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs: (logprob, argmax, top) per prompt token from the second
+    reasoning: str | None = None  # a reasoning parser's split: the thinking (text is then the answer alone)
+    reasoning_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -148,12 +157,18 @@ class PendingRow:
     def __post_init__(self) -> None:
         self.done = [None] * self.n
 
-    def add(self, index: int, out: RequestOutput, tokenizer, token_text: TokenText) -> bool:
-        """Record completion `index`; True once all n are in."""
-        text = out.stop_text if out.stop_text is not None else tokenizer.decode(list(out.output_ids))
+    def add(self, index: int, out: RequestOutput, tokenizer, token_text: TokenText, reasoning=None) -> bool:
+        """Record completion `index`; True once all n are in. `reasoning`: the job's reasoning parser
+        (batchjob/reasoning/parsers.py), which splits the thinking from the answer."""
         lps = token_text.logprobs(out.logprobs) if out.logprobs is not None else None
+        thought, thought_tokens = None, 0
+        if reasoning is not None and out.finish_reason != "error":
+            split = reasoning.split(out.output_ids, tokenizer.decode, reasoning.opened_by(out.prompt_ids), out.stop_text)
+            text, thought, thought_tokens = split.content, split.reasoning, split.reasoning_tokens
+        else:
+            text = out.stop_text if out.stop_text is not None else tokenizer.decode(list(out.output_ids))
         self.done[index] = Completion(index, text, out.finish_reason, out.num_output, lps, out.output_ids, out.error,
-                                      out.embedding, out.prompt_logprobs)
+                                      out.embedding, out.prompt_logprobs, thought, thought_tokens)
         self.prompt_tokens = self.prompt_tokens + out.num_prompt if self.several_prompts else out.num_prompt
         self.prompt_ids, self.token_text = out.prompt_ids, token_text
         return all(c is not None for c in self.done)
@@ -164,6 +179,8 @@ class PendingRow:
         out = {"text": first.text, "reason": first.finish_reason, "prompt_tokens": self.prompt_tokens,
                "completion_tokens": sum(c.completion_tokens for c in self.done), "extra": {},
                "error": next((c.error for c in self.done if c.error), None)}
+        if self.columns.reasoning:
+            out["extra"].update({REASONING: first.reasoning, REASONING_TOKENS: first.reasoning_tokens})
         if self.columns.logprobs:
             out["extra"][LOGPROBS] = first.logprobs
         if self.columns.embedding:

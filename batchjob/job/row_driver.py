@@ -30,9 +30,11 @@ class StepDone(Generic[Key]):
 
 
 class RowDriver(Generic[Key]):
-    def __init__(self, engine: Engine, tokenizer, truncate: bool = False):
+    def __init__(self, engine: Engine, tokenizer, truncate: bool = False, reasoning=None):
+        """`reasoning`: the reasoning parser that splits each completion's thinking (reasoning/parsers.py), or None."""
         self.engine = engine
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.truncate = truncate  # embed rows: a prompt past the context keeps its first max_model_len tokens
         self.token_text = TokenText(tokenizer)
         self._by_id: dict[int, tuple[Key, PendingRow, list[RequestOutput | None], int]] = {}  # request id -> (key, row, outputs, c)
@@ -80,7 +82,7 @@ class RowDriver(Generic[Key]):
         """Record a finished request; the row once its last completion is in."""
         key, row, outputs, c = self._by_id.pop(output.request_id)
         outputs[c] = output
-        if not row.add(c, output, self.tokenizer, self.token_text):
+        if not row.add(c, output, self.tokenizer, self.token_text, self.reasoning):
             return None
         self.num_rows -= 1
         return DoneRow(key, row, outputs)

@@ -40,6 +40,7 @@ from batchjob.job.stats import StatsRecorder
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
+from batchjob.reasoning.parsers import job_parser
 from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
 from batchjob.job.summary import ChatHint, JobSummary, start_line
 
@@ -80,6 +81,7 @@ class Job:
         lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         if self.nothing_to_compute:  # every input is empty: the model is described from its files, not loaded
             described = job.describe(cfg.model)
+            self.reasoning, self.reasoning_name = None, None
             self.model_facts = ModelFacts(described.identity, job.dtype_name, job.quantization(described))
             self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
             self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != Task.GENERATE)
@@ -95,6 +97,7 @@ class Job:
             sources = [self._claim_shard(*sources[0])]
         if any(self.use_messages.values()) or cfg.chat or cfg.image_column is not None:  # a broken template fails the job once
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
+        self.reasoning, self.reasoning_name = job_parser(cfg.reasoning_parser, self.loaded.tokenizer, template)
         self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
                                   prefill_only=cfg.task != Task.GENERATE, model=self.loaded.name)
@@ -105,7 +108,7 @@ class Job:
                 self.summary.other_models.update(reader.other_models(served))
         bases = {id(source): Path(path).parent for source, path, *_ in sources}  # relative image paths start here
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary,
-                            images, bases)
+                            images, bases, self.reasoning)
         self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
 
@@ -144,8 +147,12 @@ class Job:
             if failure is not None:  # a rerun exits as the job did: cron and retry loops see the failure
                 raise failure
             return self.summary
-        print(start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
-                         self.before[0], self.summary.output), file=sys.stderr, flush=True)
+        line = start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
+                          self.before[0], self.summary.output)
+        if self.reasoning_name is not None:
+            auto = " (auto)" if cfg.reasoning_parser == "auto" else ""
+            line += f"; reasoning parser: {self.reasoning_name}{auto}"
+        print(line, file=sys.stderr, flush=True)
         self.progress = self._progress(total)
         for stream in self.streams:
             stream.rows = uncommitted_rows(stream, cfg.limit)

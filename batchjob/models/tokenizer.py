@@ -80,6 +80,10 @@ class Tokenizer:
                     ids.insert(0, self.bos_token_id)
         return out
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary written as its text (`<think>`), or None."""
+        return self.backend.token_to_id(token)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -75,6 +75,9 @@ class SamplingParams:
     n: int = 1  # completions per row; the job runs each as its own Sequence
     seed: int | None = None  # a row's own seed: replaces the key derived from (job seed, row index)
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must match (engine/structured/)
+    # a reasoning model's thinking budget, in tokens: the job turns it into the row's grammar once the prompt is known
+    # (batchjob/reasoning/budget.py); the engine runs that grammar and never reads this field
+    max_reasoning_tokens: int | None = None
     pooling: PoolingParams | None = None  # an embed row: prefill only, pooled hidden states instead of tokens
 
     @property
@@ -131,6 +134,8 @@ class SamplingParams:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}] (or null = off), got {self.prompt_logprobs}")
+        if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 1:
+            raise ValueError(f"max_reasoning_tokens: must be >= 1 (or null = no budget), got {self.max_reasoning_tokens}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
         if self.pooling is not None:
@@ -144,7 +149,7 @@ class SamplingParams:
                              "structured_outputs do not apply")
 
 
-_INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs")
+_INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs", "max_reasoning_tokens")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOLS = ("include_stop_str_in_output", "ignore_eos")
 

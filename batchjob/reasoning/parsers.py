@@ -1,0 +1,112 @@
+"""Reasoning parsers: a completion's thinking split from its answer, as vLLM's reasoning parsers and llama.cpp's
+`--reasoning-format` split them, with the thinking's token count (OpenAI's `reasoning_tokens`).
+
+- `qwen3` (Qwen3, QwQ, SmolLM3, Phi-4-reasoning, and the Qwen3 thinking releases whose template opens `<think>`
+  itself): the thinking is what comes before `</think>` (a leading `<think>` dropped). Without `</think>` the
+  completion is all thinking if it was thinking (the prompt ended inside `<think>`, or the completion opened it: a
+  budget or max_tokens cut it short), else it is all answer (the model did not think: `enable_thinking` off).
+- `deepseek_r1` (DeepSeek-R1 and its distills): the same, except that a completion without `</think>` is all
+  thinking (R1's templates open `<think>` in the prompt; early ones let the model think without writing it).
+
+The thinking and the answer are stripped of the blank lines around them (`<think>\\n...\\n</think>\\n\\n`)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batchjob.errors import ConfigError
+
+PARSERS = ("qwen3", "deepseek_r1")  # --reasoning-parser's names besides auto
+LATER = {"gpt_oss": "gpt-oss's harmony channels (analysis / final)"}  # named in the issue, not built yet
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    reasoning: str | None  # None: the completion did not think
+    content: str  # the answer (may be empty: it thought until max_tokens)
+    reasoning_tokens: int  # tokens of the thinking, tags left out
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkParser:
+    """A `<think>...</think>` family's parser, with the tags' token ids in this model's vocabulary."""
+    name: str
+    start_id: int
+    end_id: int
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def opened_by(self, prompt_ids) -> bool:
+        """Whether the prompt leaves the completion inside `<think>`: its last `<think>` comes after its last
+        `</think>` (a template that opens thinking itself; earlier turns' closed thinking does not count)."""
+        for t in reversed(prompt_ids):
+            if t == self.end_id:
+                return False
+            if t == self.start_id:
+                return True
+        return False
+
+    def split(self, output_ids, decode, opened: bool, stop_text: str | None = None) -> Split:
+        """`output_ids`: the completion's token ids; `decode(ids)` their text; `opened`: the prompt left it inside
+        `<think>`; `stop_text`: the completion's text where a stop string cut it (its ids may run past it)."""
+        ids = list(output_ids)
+        first = 1 if ids and ids[0] == self.start_id else 0
+        try:
+            end = ids.index(self.end_id, first)
+        except ValueError:
+            end = None
+        if end is None:
+            if not (opened or first or self.name == "deepseek_r1"):
+                return Split(None, decode(ids) if stop_text is None else stop_text, 0)
+            text = decode(ids[first:]) if stop_text is None else stop_text.lstrip().removeprefix(self.start)
+            return Split(text.strip("\n"), "", len(ids) - first)
+        content = decode(ids[end + 1:])
+        if stop_text is not None:  # the answer as the stop string cut it
+            content = stop_text.partition(self.end)[2] if self.end in stop_text else content
+        return Split(decode(ids[first:end]).strip("\n"), content.lstrip(), end - first)
+
+
+class ReasoningParserError(ConfigError):
+    """A reasoning parser that does not fit the model, or an unknown one: the message names the option."""
+
+
+def job_parser(name: str | None, tokenizer, template: str | None) -> tuple[ThinkParser | None, str | None]:
+    """The job's parser and the name it resolved to ("none" when auto finds none); (None, None) without one.
+    `tokenizer`: the model's (models/tokenizer.py); `template`: the chat template the job renders with."""
+    if name is None:
+        return None, None
+    return reasoning_parser(name, tokenizer.token_id, template or tokenizer.chat_template)
+
+
+def reasoning_parser(name: str, token_id: Callable[[str], int | None], template: str | None) -> tuple[ThinkParser | None, str]:
+    """(the parser for `--reasoning-parser NAME` on a model whose vocabulary gives `token_id(text)` and with this chat
+    template, the name it resolved to). `auto` picks from the template and vocabulary, None where the model does not
+    think."""
+    if name == "auto":
+        name = detect(token_id, template)
+        if name is None:
+            return None, "none"
+    check_parser_name(name)
+    start, end = token_id("<think>"), token_id("</think>")
+    if start is None or end is None:
+        raise ReasoningParserError(f"reasoning_parser {name!r}: the model's vocabulary has no <think> and </think> "
+                                   "tokens, so it does not think in that format (leave reasoning_parser unset)")
+    return ThinkParser(name, start, end), name
+
+
+def check_parser_name(name: str, error: type[Exception] | None = None) -> None:
+    """Raises `error` (ReasoningParserError) naming the choices for a name that is not one, or not built yet."""
+    error = error or ReasoningParserError
+    if name in LATER:
+        raise error(f"reasoning_parser {name!r}: {LATER[name]} is not implemented yet; choices: auto, "
+                    f"{', '.join(PARSERS)}")
+    if name != "auto" and name not in PARSERS:
+        raise error(f"reasoning_parser {name!r} is unknown; choices: auto, {', '.join(PARSERS)}")
+
+
+def detect(token_id: Callable[[str], int | None], template: str | None) -> str | None:
+    """The parser a model's chat template and vocabulary call for: DeepSeek-R1's template (its fullwidth
+    `<｜Assistant｜>` turns) -> deepseek_r1; `<think>` and `</think>` in the vocabulary -> qwen3; else None."""
+    if token_id("<think>") is None or token_id("</think>") is None:
+        return None
+    return "deepseek_r1" if template and "｜Assistant｜" in template else "qwen3"
