@@ -25,6 +25,7 @@ from batchjob.job.chat_templates import check_chat_template, template_text
 from batchjob.job.keywords import api_words, check_names, job_config
 from batchjob.job.modes import Task
 from batchjob.job.options import Api, api_keywords
+from batchjob.job.tool_rows import ToolRows
 from batchjob.job.prompt_builder import PromptBuilder
 from batchjob.job.prompt_records import PROMPT_KEYS, conversation_records, prompt_records
 from batchjob.job.images import ImageRows
@@ -170,7 +171,8 @@ class LLM:
         if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
             check_chat_template(template or self.tokenizer.chat_template)
         return cfg, PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
-                                  images=self._images, image_base=Path.cwd(), model_name=self.loaded.name)
+                                  images=self._images, image_base=Path.cwd(), model_name=self.loaded.name,
+                                  tool_rows=ToolRows.of(cfg.tool_parser, self.tokenizer, template))
 
     def _chat_hint(self, cfg: JobConfig, records: list[dict | str], results: list[Result]) -> None:
         """Plain prompts into a model with a chat template that ended at their first token (an instruct model's

@@ -23,19 +23,20 @@ import pyarrow as pa
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"  # run with task = "embed"; `input` is one or more texts (or token id lists)
-COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "encoding_format", "chat_template_kwargs"]
+COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "encoding_format", "chat_template_kwargs",
+           "tools", "tool_choice", "parallel_tool_calls"]
 MAX_INPUTS = 2048  # inputs per embeddings request, as OpenAI's limit
 ENCODING_FORMATS = ("float", "base64")
 
 # accepted and without effect on a batch run
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls", "modalities"}
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "modalities"}
 # OpenAI's request fields that batchjob does not honour: refused when set (left off: false, null or empty)
-_UNSUPPORTED = {"stream", "tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "prediction",
+_UNSUPPORTED = {"stream", "functions", "function_call", "logit_bias", "audio", "prediction",
                 "reasoning_effort", "web_search_options", "best_of", "echo", "suffix"}
 # read here, not passed on as sampling parameters (the rest of a body is: OpenAI's sampling fields, which are named
 # as ours, and vLLM's extra ones, each checked by the job as a row's sampling parameter)
 _READ_HERE = {"messages", "prompt", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
-              "chat_template_kwargs"}
+              "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"}
 
 
 REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
@@ -88,7 +89,11 @@ def request_record(line) -> dict:
     if unsupported:
         raise ValueError(f"body.{unsupported[0]}: not supported by batchjob")
     record = {"custom_id": cid, "endpoint": url, "messages": None, "prompt": None, "sampling": sampling,
-              "chat_template_kwargs": body.get("chat_template_kwargs") if chat else None}  # vLLM's extra field
+              "chat_template_kwargs": body.get("chat_template_kwargs") if chat else None,  # vLLM's extra field
+              "tools": body.get("tools") if chat else None, "tool_choice": body.get("tool_choice") if chat else None,
+              "parallel_tool_calls": body.get("parallel_tool_calls") if chat else None}
+    if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        raise ValueError(f"body.tools: tool calls are {CHAT} requests")
     if chat:
         if body.get("max_completion_tokens") is not None:
             sampling["max_tokens"] = body["max_completion_tokens"]
@@ -217,6 +222,9 @@ def response_line(row: dict, model: str, created: int) -> dict:
         usage["completion_tokens_details"] = {"reasoning_tokens": row["reasoning_tokens"] or 0}
         if chat:
             choices[0]["message"]["reasoning_content"] = row.get("reasoning")
+    if chat and row.get("tool_calls"):  # a tool parser's job: the calls, and what is left of the answer (or null)
+        choices[0]["message"]["tool_calls"] = row["tool_calls"]
+        choices[0]["message"]["content"] = row["generated_text"] or None
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices, "usage": usage}
     line["response"] = {"status_code": 200, "request_id": f"req_{rid}", "body": body}

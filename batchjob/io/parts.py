@@ -25,7 +25,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("completion_tokens", pa.int32()),
     pa.field("error", pa.string()),
 ])
-FINISH_REASONS = ("stop", "length", "error")
+FINISH_REASONS = ("stop", "length", "error", "tool_calls")  # tool_calls: stopped after calls (a tool parser's)
 PART_FORMATS = tuple(PartFormat)
 PART_NAME = re.compile(r"part-(\d{5,})\.(arrow|parquet)")
 TEMP_NAME = re.compile(r"\.(part-\d{5,}\.(arrow|parquet)|manifest\.json(\.prev)?)\.tmp")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from batchjob.engine.config import speculative_config
 from batchjob.reasoning.parsers import check_parser_name
+from batchjob.tools.parsers import PARSERS as TOOL_PARSERS
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 from batchjob.job.modes import SpeculativeMethod, Task
 from batchjob.job.options import FIELDS, JobConfig, Table, mode_of, names_in, scalar_types
@@ -113,6 +114,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     if cfg.max_reasoning_tokens is not None and cfg.reasoning_parser is None:
         raise ConfigError("max_reasoning_tokens: needs reasoning_parser (qwen3, deepseek_r1 or auto), which knows where "
                           "the model's thinking ends")
+    if cfg.tool_parser is not None and cfg.tool_parser not in ("auto", *TOOL_PARSERS):
+        raise ConfigError(f"tool_parser {cfg.tool_parser!r} is unknown; choices: auto, {', '.join(TOOL_PARSERS)}")
     if cfg.reasoning_parser is not None:
         check_parser_name(cfg.reasoning_parser, ConfigError)
         if cfg.task != Task.GENERATE:

@@ -13,6 +13,7 @@ from batchjob.job.error_budget import ErrorBudget
 from batchjob.images.sources import fetch_many
 from batchjob.job.images import ImageRows
 from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
+from batchjob.job.tool_rows import ToolRows
 from batchjob.job.row_driver import RowDriver, StepDone
 from batchjob.models.loader import LoadedModel
 from batchjob.job.streams import Stream
@@ -27,14 +28,15 @@ class RowFeed:
 
     def __init__(self, cfg: JobConfig, loaded: LoadedModel, engine: Engine, use_messages: dict[int, bool],
                  template: str | None, lane_column_out: bool, summary: JobSummary, images: ImageRows | None = None,
-                 image_bases: dict[int, Path] | None = None, reasoning=None):
+                 image_bases: dict[int, Path] | None = None, reasoning=None, tool_rows: ToolRows | None = None):
         """`images`: a vision-language model's image facts (None: text only); `image_bases`: per source (by id),
         the folder a relative image path starts from (its input file's)."""
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = loaded.tokenizer
         self.builders = {key: PromptBuilder(cfg, loaded.tokenizer, uses, template, images=images,
-                                            image_base=(image_bases or {}).get(key), model_name=loaded.name)
+                                            image_base=(image_bases or {}).get(key), model_name=loaded.name,
+                                            tool_rows=tool_rows)
                          for key, uses in use_messages.items()}
         self.lane_column_out = lane_column_out
         self.summary = summary
@@ -42,8 +44,9 @@ class RowFeed:
         self.params = {lane["name"]: cfg.sampling_defaults(lane.get("max_tokens")) for lane in cfg.lanes}
         self.default_params = cfg.sampling_defaults()
         # rows in the engine, known by (stream, row index, kept columns), and the loop that runs them
-        self.driver: RowDriver[tuple[Stream, int, dict]] = RowDriver(engine, loaded.tokenizer, truncate=cfg.truncate,
-                                                                     reasoning=reasoning)
+        self.driver: RowDriver[tuple[Stream, int, dict]] = RowDriver(
+            engine, loaded.tokenizer, truncate=cfg.truncate, reasoning=reasoning,
+            tool_parser=None if tool_rows is None else tool_rows.parser)
         self.dropped = 0  # rows read but put back by a stop
         self.draining = False  # stopping: no more rows are read, the running ones finish
         self.one_token_stops = (0, 0)  # (rows finished without error, of those: ended at their first token)
@@ -126,18 +129,21 @@ class RowFeed:
                         expanded, images = builder.with_images(record, ids[0], fetched)
                         ids = [expanded]
                     params = budgeted(params, self.driver.reasoning, ids[0])
+                    tools = builder.tool_request(record)
+                    params = builder.constrained(params, tools)
                 except RowError as e:
                     self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))
                     continue
-                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where, images)
+                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where, images, tools)
 
     def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, prompts: list[list[int]],
                  params: SamplingParams, continuation_start: int | None = None, where: str | None = None,
-                 images: tuple = ()) -> None:
+                 images: tuple = (), tools=None) -> None:
         """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each); `where`:
-        the row's place as its source names it, said in its error."""
+        the row's place as its source names it, said in its error; `tools`: its ToolRequest."""
         err = self.driver.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
-                            row_index=row_index, lane=lane, continuation_start=continuation_start, images=images)
+                            row_index=row_index, lane=lane, continuation_start=continuation_start, images=images,
+                            tools=tools)
         if err:
             self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=sum(map(len, prompts)))
 

@@ -13,13 +13,13 @@ from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
 from batchjob.job.prompt_records import is_token_ids, prompt_records
-from batchjob.job.results import REASONING, REASONING_TOKENS, Completion, OutputColumns, PendingRow
+from batchjob.job.results import (REASONING, REASONING_TOKENS, TOOL_CALL_ERROR, TOOL_CALLS, Completion, OutputColumns,
+                                  PendingRow)
 from batchjob.job.row_driver import RowDriver
 from batchjob.reasoning.parsers import job_parser
 
 ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
 EMBED_COLUMNS = OutputColumns(embedding=True)
-REASONING_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True, reasoning=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,8 @@ class Result:
     prompt_top_logprobs: list | None = None  # score(prompt_logprobs=k > 0): the top k per position (None first)
     reasoning: str | None = None  # with a reasoning parser: the first completion's thinking (`text` is its answer)
     reasoning_tokens: int | None = None
+    tool_calls: list[dict] | None = None  # with a tool parser: the answer's calls (`text` is what is left of it)
+    tool_call_error: str | None = None  # why the answer's call did not parse (`text` is then the raw answer)
 
 
 RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_logprob", "continuation_tokens",
@@ -61,7 +63,8 @@ def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
                   completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
                   completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
                   embedding=fields["extra"].get("embedding"),
-                  **{name: fields["extra"].get(name) for name in (*RESULT_SCORE_FIELDS, REASONING, REASONING_TOKENS)})
+                  **{name: fields["extra"].get(name) for name in (*RESULT_SCORE_FIELDS, REASONING, REASONING_TOKENS, TOOL_CALLS,
+                                                                  TOOL_CALL_ERROR)})
 
 
 def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
@@ -80,9 +83,11 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
     more on a later call: job/row_server.py feeds several callers' rows into one loop so)."""
     base = cfg.sampling_defaults()
     reasoning, _ = job_parser(cfg.reasoning_parser, tokenizer, builder.chat_template)
-    driver: RowDriver = RowDriver(engine, tokenizer, truncate=cfg.truncate, reasoning=reasoning)
+    tool_parser = None if builder.tool_rows is None else builder.tool_rows.parser
+    driver: RowDriver = RowDriver(engine, tokenizer, truncate=cfg.truncate, reasoning=reasoning, tool_parser=tool_parser)
     columns = {Task.EMBED: EMBED_COLUMNS, Task.SCORE: OutputColumns(score=True, top_logprobs=bool(base.prompt_logprobs))
-               }.get(cfg.task, REASONING_COLUMNS if reasoning is not None else ALL_COLUMNS)
+               }.get(cfg.task, OutputColumns(logprobs=True, completions=True, prompt_logprobs=True,
+                                             reasoning=reasoning is not None, tools=tool_parser is not None))
 
     def refill() -> None:
         while engine.num_waiting() < cfg.read_ahead_rows and (item := next(rows, None)) is not None:
@@ -99,11 +104,13 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
                 if isinstance(start, RowError):
                     raise start
                 params = budgeted(row_sampling(record, base, in_memory=True), reasoning, ids)
+                tools = builder.tool_request(record) if isinstance(record, dict) else None
+                params = builder.constrained(params, tools)
             except RowError as e:
                 done(key, failed(str(e)))
                 continue
             err = driver.add(key, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start,
-                             images=images)
+                             images=images, tools=tools)
             if err:
                 done(key, failed(err, prompt_tokens=len(ids)))
 

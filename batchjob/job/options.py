@@ -63,6 +63,9 @@ class JobConfig:
     reasoning_parser: str | None = opt(None,
         "split each answer's thinking into the `reasoning` column: qwen3, deepseek_r1, or auto (from the chat "
         "template and vocabulary) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)
+    tool_parser: str | None = opt(None,
+        "parse the calls in answers to rows with `tools` into the `tool_calls` column: hermes, llama3_json, mistral, "
+        "pythonic, or auto (from the chat template) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)
     limit_images_per_prompt: int | None = opt(None, "most images a chat row may carry (vLLM's limit_mm_per_prompt); "
         "a row with more fails alone (default: no limit)", api=Api.CHAT, fingerprint=WHEN_SET, bounds=Bounds(1))
     image_column: str | None = opt(None, "column of each row's images (bytes, a path or url, a datasets Image, a "

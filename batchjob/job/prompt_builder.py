@@ -16,7 +16,11 @@ from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOu
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 from batchjob.images.sources import Fetched, ImageError, column_count, from_column
 from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part, part_url
+from batchjob.job.chat_messages import chat_message
+from batchjob.job.row_error import RowError
+from batchjob.job.tool_rows import ToolRows, tools_refused
 from batchjob.reasoning.budget import with_budget
+from batchjob.tools.requests import ToolRequest
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
 
@@ -24,10 +28,6 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.
 SAMPLING_COLUMN = "sampling"
 TEMPLATE_KWARGS_COLUMN = "chat_template_kwargs"  # a row's chat template variables (over the job's)
 TEXT_FIELDS = ("stop",)  # parameters whose value may be plain text
-
-
-class RowError(ValueError):
-    pass
 
 
 @dataclass(slots=True)
@@ -40,6 +40,7 @@ class PromptBuilder:
     images: ImageRows | None = None  # a vision-language model's image facts; None: a text-only model
     image_base: Path | None = None  # where an image's relative path starts: the input file's folder
     model_name: str = "this model"  # as errors name it
+    tool_rows: ToolRows | None = None  # the job's tool parser (tool_parser); None: rows with tools fail
 
     def _named(self, key: str) -> str:
         return named(key, self.in_memory)
@@ -229,12 +230,37 @@ class PromptBuilder:
         return "chat", text if self.images is None else self.images.layout.template_text(text)
 
     def template_variables(self, record: dict) -> dict:
-        """The chat template's variables for a row: the job's chat_template_kwargs, then the row's own column's."""
+        """The chat template's variables for a row: the job's chat_template_kwargs, then the row's own column's, and
+        the row's tools."""
         own = record.get(TEMPLATE_KWARGS_COLUMN)
-        if own is None:
-            return self.config.chat_template_kwargs or {}
-        return {**(self.config.chat_template_kwargs or {}),
-                **template_kwargs(own, self._named(TEMPLATE_KWARGS_COLUMN), RowError)}
+        variables = self.config.chat_template_kwargs or {}
+        if own is not None:
+            variables = {**variables, **template_kwargs(own, self._named(TEMPLATE_KWARGS_COLUMN), RowError)}
+        request = self.tool_request(record)
+        if request is not None:
+            variables = {**variables, "tools": [t.definition for t in request.tools]}
+        return variables
+
+    def constrained(self, params: SamplingParams, request: ToolRequest | None) -> SamplingParams:
+        """A row's parameters with its call grammar where its tool_choice forces a call (job/tool_rows.py)."""
+        if self.tool_rows is None or request is None:
+            return params
+        try:
+            return self.tool_rows.constrain(params, request)
+        except ValueError as e:
+            raise RowError(str(e)) from None
+
+    def tool_request(self, record: dict) -> ToolRequest | None:
+        """The row's tools and tool_choice (None: it has none); RowError says why they cannot run."""
+        if self.tool_rows is None:
+            refused = tools_refused(record)
+            if refused:
+                raise RowError(refused)
+            return None
+        try:
+            return self.tool_rows.request(record)
+        except ValueError as e:
+            raise RowError(str(e)) from None
 
     def continuation_starts(self, records: list[dict], ids: list[list[int] | RowError]) -> list[int | None | RowError]:
         """Score rows with a continuation: where it starts in the row's token ids, as lm-evaluation-harness
@@ -303,36 +329,6 @@ class PromptBuilder:
 def named(key: str, in_memory: bool = False) -> str:
     """How a message names where a value came from: a job's input column, or a key of the API's prompt."""
     return key if in_memory else f"column {key!r}"
-
-
-def chat_message(message, index: int, where: str, images: bool = False, model: str = "this model") -> dict:
-    """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
-    accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
-    does) and the `developer` role (its newer name for `system`). The other keys are kept. `where`: the
-    column (or the API's key) the messages came from. `images`: the model takes images: a content with image
-    parts stays a list of parts, each image as `{"type": "image"}` (as transformers' processors give templates)."""
-    where = f"{where}: message {index}"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RowError(f"{where} needs string 'role' and 'content'")
-    content = message.get("content")
-    if isinstance(content, list):
-        for k, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in IMAGE_PARTS and not images:
-                raise RowError(f"{where}: content part {k} is an image ({kind}): {model} is a text-only model; images "
-                               "need a vision-language model (docs/reference/models.md)")
-            if kind not in IMAGE_PARTS and (kind != "text" or not isinstance(part.get("text"), str)):
-                got = f"type {kind!r}" if isinstance(kind, str) else "no text"
-                raise RowError(f"{where}: content part {k} has {got}; only text and image parts are supported")
-        if images and any(part.get("type") in IMAGE_PARTS for part in content):
-            content = [{"type": "image"} if part["type"] in IMAGE_PARTS else {"type": "text", "text": part["text"]}
-                       for part in content]
-        else:
-            content = "\n".join(part["text"] for part in content)
-    if not isinstance(content, (str, list)):
-        raise RowError(f"{where} needs string 'role' and 'content'")
-    role = "system" if message["role"] == "developer" else message["role"]
-    return {**message, "role": role, "content": content}
 
 
 def row_sampling(record: dict, base: SamplingParams, in_memory: bool = False) -> SamplingParams:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from batchjob.engine.requests import RequestOutput, SamplingParams
 from batchjob.job.prompt_builder import RowError, has_row_sampling
+from batchjob.tools.parsers import PARSE
+from batchjob.tools.requests import ToolRequest
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
 EMBEDDING = "embedding"  # list<float32>; task = "embed" only
@@ -26,6 +28,8 @@ SCORE_COLUMNS = (PROMPT_LOGPROBS, PROMPT_LOGPROB_SUM, CONTINUATION_LOGPROB, CONT
 COMPLETIONS = "completions"  # list<struct{index, text, finish_reason, completion_tokens, logprobs}>; n > 1 only
 OPENAI_COLUMNS = ("custom_id", "endpoint")  # carried from an OpenAI Batch input for the JSONL output
 ENCODING_FORMAT = "encoding_format"  # and an embeddings request's (float | base64)
+TOOL_CALLS, TOOL_CALL_ERROR = "tool_calls", "tool_call_error"  # a tool parser's: OpenAI's calls, or why a call did
+# not parse (generated_text then keeps the raw answer)
 REASONING, REASONING_TOKENS = "reasoning", "reasoning_tokens"  # a reasoning parser's: the thinking (string, null when
 # the row did not think) and its tokens (generated_text is then the answer alone)
 
@@ -42,6 +46,7 @@ class OutputColumns:
     top_logprobs: bool = False  # score rows with prompt_logprobs > 0: PROMPT_TOP_LOGPROBS
     prompt_logprobs: bool = False  # generate rows: PROMPT_LOGPROBS as token entries
     reasoning: bool = False  # a reasoning parser splits the thinking out: REASONING and REASONING_TOKENS
+    tools: bool = False  # a tool parser reads calls: TOOL_CALLS and TOOL_CALL_ERROR
 
     @property
     def types(self) -> dict:
@@ -51,6 +56,10 @@ class OutputColumns:
         types = {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
         if self.reasoning:
             types.update({REASONING: pa.string(), REASONING_TOKENS: pa.int32()})
+        if self.tools:
+            function = pa.struct([("name", pa.string()), ("arguments", pa.string())])
+            call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
+            types.update({TOOL_CALLS: pa.list_(call), TOOL_CALL_ERROR: pa.string()})
         if self.embeddings:
             types[EMBEDDINGS] = pa.list_(pa.list_(pa.float32()))
         if self.score:
@@ -60,7 +69,8 @@ class OutputColumns:
 
     @property
     def names(self) -> list[str]:
-        return [*self.keep, *([REASONING, REASONING_TOKENS] if self.reasoning else []), *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
+        return [*self.keep, *([REASONING, REASONING_TOKENS] if self.reasoning else []),
+                *([TOOL_CALLS, TOOL_CALL_ERROR] if self.tools else []), *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
                 *([EMBEDDING] if self.embedding else []), *([EMBEDDINGS] if self.embeddings else []),
                 *([PROMPT_LOGPROBS] if self.prompt_logprobs else []),
                 *(SCORE_COLUMNS if self.score else ()), *([PROMPT_TOP_LOGPROBS] if self.top_logprobs else [])]
@@ -87,7 +97,7 @@ class OutputColumns:
 
 
 def output_columns(keep: list[str], defaults: SamplingParams, input_columns: list[str], openai: bool,
-                   reasoning: bool = False) -> OutputColumns:
+                   reasoning: bool = False, tools: bool = False) -> OutputColumns:
     per_row = openai or has_row_sampling(input_columns)
     embed, score = defaults.pooling is not None, defaults.max_tokens == 0
     openai_keep = (*OPENAI_COLUMNS, ENCODING_FORMAT) if embed else OPENAI_COLUMNS
@@ -98,7 +108,7 @@ def output_columns(keep: list[str], defaults: SamplingParams, input_columns: lis
                          embeddings=embed and openai, score=score,
                          top_logprobs=score and bool(defaults.prompt_logprobs),
                          prompt_logprobs=generate and (per_row or defaults.prompt_logprobs is not None),
-                         reasoning=generate and reasoning)
+                         reasoning=generate and reasoning, tools=generate and tools)
     clash = set(keep) & set(cols.names[len(keep):])
     if clash:
         from batchjob.job.config import ConfigError
@@ -141,6 +151,8 @@ class Completion:
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs: (logprob, argmax, top) per prompt token from the second
     reasoning: str | None = None  # a reasoning parser's split: the thinking (text is then the answer alone)
     reasoning_tokens: int = 0
+    tool_calls: list[dict] | None = None  # a tool parser's: the answer's calls (text is then what is left of it)
+    tool_call_error: str | None = None  # why the answer's call did not parse (text is then the raw answer)
 
 
 @dataclass(slots=True, eq=False)
@@ -153,13 +165,16 @@ class PendingRow:
     several_prompts: bool = False  # an OpenAI embeddings line: one request per input (prompt_tokens: all of them)
     prompt_ids: tuple[int, ...] = ()
     token_text: TokenText | None = None
+    tools: ToolRequest | None = None  # the row's tools and tool_choice (a tool parser's job)
 
     def __post_init__(self) -> None:
         self.done = [None] * self.n
 
-    def add(self, index: int, out: RequestOutput, tokenizer, token_text: TokenText, reasoning=None) -> bool:
+    def add(self, index: int, out: RequestOutput, tokenizer, token_text: TokenText, reasoning=None,
+            tool_parser: str | None = None) -> bool:
         """Record completion `index`; True once all n are in. `reasoning`: the job's reasoning parser
-        (batchjob/reasoning/parsers.py), which splits the thinking from the answer."""
+        (batchjob/reasoning/parsers.py), which splits the thinking from the answer; `tool_parser`: the job's tool
+        parser (batchjob/tools/parsers.py), which reads the answer's calls where the row has tools."""
         lps = token_text.logprobs(out.logprobs) if out.logprobs is not None else None
         thought, thought_tokens = None, 0
         if reasoning is not None and out.finish_reason != "error":
@@ -167,8 +182,17 @@ class PendingRow:
             text, thought, thought_tokens = split.content, split.reasoning, split.reasoning_tokens
         else:
             text = out.stop_text if out.stop_text is not None else tokenizer.decode(list(out.output_ids))
-        self.done[index] = Completion(index, text, out.finish_reason, out.num_output, lps, out.output_ids, out.error,
-                                      out.embedding, out.prompt_logprobs, thought, thought_tokens)
+        calls = error = None
+        reason = out.finish_reason
+        if tool_parser is not None and self.tools is not None and self.tools.choice != "none" and reason != "error":
+            parsed = PARSE[tool_parser](text, out.output_ids)
+            calls, error = parsed.calls, parsed.error
+            if calls is not None:
+                text, reason = parsed.content, "tool_calls" if reason == "stop" else reason
+            elif error is None and self.tools.forced:
+                error = f"tool_choice {self.tools.choice!r}: the answer has no tool call"
+        self.done[index] = Completion(index, text, reason, out.num_output, lps, out.output_ids, out.error,
+                                      out.embedding, out.prompt_logprobs, thought, thought_tokens, calls, error)
         self.prompt_tokens = self.prompt_tokens + out.num_prompt if self.several_prompts else out.num_prompt
         self.prompt_ids, self.token_text = out.prompt_ids, token_text
         return all(c is not None for c in self.done)
@@ -181,6 +205,8 @@ class PendingRow:
                "error": next((c.error for c in self.done if c.error), None)}
         if self.columns.reasoning:
             out["extra"].update({REASONING: first.reasoning, REASONING_TOKENS: first.reasoning_tokens})
+        if self.columns.tools:
+            out["extra"].update({TOOL_CALLS: first.tool_calls, TOOL_CALL_ERROR: first.tool_call_error})
         if self.columns.logprobs:
             out["extra"][LOGPROBS] = first.logprobs
         if self.columns.embedding:

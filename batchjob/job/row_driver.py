@@ -30,11 +30,13 @@ class StepDone(Generic[Key]):
 
 
 class RowDriver(Generic[Key]):
-    def __init__(self, engine: Engine, tokenizer, truncate: bool = False, reasoning=None):
-        """`reasoning`: the reasoning parser that splits each completion's thinking (reasoning/parsers.py), or None."""
+    def __init__(self, engine: Engine, tokenizer, truncate: bool = False, reasoning=None, tool_parser: str | None = None):
+        """`reasoning`: the reasoning parser that splits each completion's thinking (reasoning/parsers.py), or None;
+        `tool_parser`: the tool parser that reads the calls of rows with tools (tools/parsers.py), or None."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.reasoning = reasoning
+        self.tool_parser = tool_parser
         self.truncate = truncate  # embed rows: a prompt past the context keeps its first max_model_len tokens
         self.token_text = TokenText(tokenizer)
         self._by_id: dict[int, tuple[Key, PendingRow, list[RequestOutput | None], int]] = {}  # request id -> (key, row, outputs, c)
@@ -42,7 +44,7 @@ class RowDriver(Generic[Key]):
 
     def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
             seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None,
-            images: tuple = ()) -> str | None:
+            images: tuple = (), tools=None) -> str | None:
         """Queue a row's n requests; their random streams come from (seed, row_index, completion). `prompts`: the
         row's prompt ids (one list), or several (an OpenAI embeddings line: one embed request per input).
         Returns the error (and queues nothing) when a prompt can never run. `continuation_start`: a score
@@ -52,7 +54,7 @@ class RowDriver(Generic[Key]):
         assert not many or params.n == 1, "a row of several prompts has one completion per prompt"
         if self.truncate and params.pooling is not None:
             inputs = [ids[:self.engine.max_model_len] for ids in inputs]
-        row = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many)
+        row = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many, tools=tools)
         requests = [EngineRequest(ids, params, seed, row_index, c, lane, images) for c, ids in enumerate(inputs)]
         for c, request in enumerate(requests if many else ()):
             err = self.engine.never_fits(request)
@@ -82,7 +84,7 @@ class RowDriver(Generic[Key]):
         """Record a finished request; the row once its last completion is in."""
         key, row, outputs, c = self._by_id.pop(output.request_id)
         outputs[c] = output
-        if not row.add(c, output, self.tokenizer, self.token_text, self.reasoning):
+        if not row.add(c, output, self.tokenizer, self.token_text, self.reasoning, self.tool_parser):
             return None
         self.num_rows -= 1
         return DoneRow(key, row, outputs)

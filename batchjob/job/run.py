@@ -40,6 +40,7 @@ from batchjob.job.stats import StatsRecorder
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
+from batchjob.job.tool_rows import ToolRows
 from batchjob.reasoning.parsers import job_parser
 from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
 from batchjob.job.summary import ChatHint, JobSummary, start_line
@@ -98,6 +99,7 @@ class Job:
         if any(self.use_messages.values()) or cfg.chat or cfg.image_column is not None:  # a broken template fails the job once
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         self.reasoning, self.reasoning_name = job_parser(cfg.reasoning_parser, self.loaded.tokenizer, template)
+        tool_rows = ToolRows.of(cfg.tool_parser, self.loaded.tokenizer, template)
         self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
                                   prefill_only=cfg.task != Task.GENERATE, model=self.loaded.name)
@@ -108,7 +110,7 @@ class Job:
                 self.summary.other_models.update(reader.other_models(served))
         bases = {id(source): Path(path).parent for source, path, *_ in sources}  # relative image paths start here
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary,
-                            images, bases, self.reasoning)
+                            images, bases, self.reasoning, tool_rows)
         self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
 

@@ -39,7 +39,7 @@ def open_streams(cfg: JobConfig, sources: list[OpenedInput], model: ModelFacts, 
         keep = [*id_columns(cfg, source, folder), *cfg.keep_columns] + (["lane"] if lane_column_out else [])
         keep = list(dict.fromkeys(keep))  # the id once, first
         columns = output_columns(keep, defaults, source.columns, source.format_name == OpenAIBatchSource.format_name,
-                                 reasoning=cfg.reasoning_parser is not None)
+                                 reasoning=cfg.reasoning_parser is not None, tools=cfg.tool_parser is not None)
         sink = ArrowSink(folder, fingerprint=fingerprint(cfg, source, path, model), keep_columns=columns.names,
                          part_rows=cfg.part_rows, part_seconds=cfg.part_seconds, total_rows=source.num_rows,
                          part_format=cfg.part_format, column_types=columns.types)

@@ -50,7 +50,7 @@ def test_body_fields_map_to_sampling_parameters():
     ({**chat_line("x"), "url": "/v1/embeddings", "body": {"input": []}}, "body.input"),
     ({k: v for k, v in chat_line("x").items() if k != "body"}, "body"),
     (chat_line("x", top_logprobs=3), "top_logprobs"),
-    (chat_line("x", tools=[{"type": "function"}]), "body.tools"),
+    (chat_line("x", functions=[{"name": "f"}]), "body.functions"),  # the legacy name of tools
     (chat_line("x", stream=True), "body.stream"),
     (completion_line("x", prompt=["a", "b"]), "body.prompt"),
     (completion_line("x", echo=True), "body.echo"),

@@ -1,0 +1,73 @@
+"""A job's tool rows (issue 36): the tool parser the job resolved, each row's tools and tool_choice read (a row's
+`tools` and `tool_choice` columns, or an OpenAI Batch body's) for its chat template, and for `required` or a named
+function the call grammar that keeps its decoding inside the parser's syntax. Problems are the row's (RowError)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batchjob.engine.requests import SamplingParams
+from batchjob.engine.structured.spec import StructuredOutputs
+from batchjob.errors import ConfigError
+from batchjob.tools.grammar import CONSTRAINED, call_grammar
+from batchjob.tools.parsers import PARSERS, detect
+from batchjob.tools.requests import ToolRequest, tool_request
+
+TOOLS_COLUMN, TOOL_CHOICE_COLUMN, PARALLEL_COLUMN = "tools", "tool_choice", "parallel_tool_calls"
+
+
+class ToolRowError(ValueError):
+    """A row's tools that cannot run: the message names the field (the prompt builder makes it the row's error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRows:
+    parser: str  # hermes | llama3_json | mistral | pythonic
+    token_id: Callable[[str], int | None]  # the model's vocabulary (a tag that is one token is written as it)
+    renders_tools: bool  # the chat template reads `tools`
+
+    @classmethod
+    def of(cls, name: str | None, tokenizer, template: str | None) -> ToolRows | None:
+        """The job's tool rows for `tool_parser` NAME (None: the job parses no calls). ConfigError for auto on a
+        template whose call syntax is none we know."""
+        if name is None:
+            return None
+        template = template or tokenizer.chat_template
+        if name == "auto":
+            name = detect(template)
+            if name is None:
+                raise ConfigError(f"tool_parser auto: the chat template writes no tool-call syntax batchjob knows; name "
+                                  f"the parser ({', '.join(PARSERS)})")
+        return cls(name, tokenizer.token_id, template is not None and "tools" in template)
+
+    def request(self, record: dict) -> ToolRequest | None:
+        if record.get(TOOLS_COLUMN) is None and record.get(TOOL_CHOICE_COLUMN) is None:
+            return None
+        found = tool_request(record.get(TOOLS_COLUMN), record.get(TOOL_CHOICE_COLUMN), record.get(PARALLEL_COLUMN))
+        if found is not None and not self.renders_tools:
+            raise ToolRowError("tools: the chat template does not render tools (it never reads `tools`); give a "
+                               "template that does (--chat-template)")
+        return found
+
+    def constrain(self, params: SamplingParams, request: ToolRequest | None) -> SamplingParams:
+        """A row's parameters with its call grammar where tool_choice forces a call."""
+        if request is None or not request.forced:
+            return params
+        if self.parser not in CONSTRAINED:
+            raise ToolRowError(f"tool_choice {request.choice!r}: the {self.parser} parser's calls cannot be "
+                               "constrained yet; use tool_choice auto")
+        if params.structured_outputs is not None or params.max_reasoning_tokens is not None:
+            raise ToolRowError(f"tool_choice {request.choice!r}: a forced call with structured outputs or a thinking "
+                               "budget on one row is not supported yet")
+        single = request.choice != "required" or not request.parallel
+        grammar = call_grammar(self.parser, request.forced, single, self.token_id)
+        return dataclasses.replace(params, structured_outputs=StructuredOutputs(kind="grammar", text=grammar))
+
+
+def tools_refused(record: dict) -> str | None:
+    """Why a row with tools cannot run in a job without a tool parser, or None."""
+    if record.get(TOOLS_COLUMN) in (None, []) and record.get(TOOL_CHOICE_COLUMN) in (None, "none"):
+        return None
+    return ("tools: this job parses no tool calls; run it with --tool-parser (hermes, llama3_json, mistral, pythonic, "
+            "or auto)")
