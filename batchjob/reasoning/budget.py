@@ -11,20 +11,10 @@ import dataclasses
 
 from batchjob.engine.requests import SamplingParams
 from batchjob.engine.structured.spec import StructuredOutputs
-from batchjob.reasoning.parsers import ThinkParser
+from batchjob.reasoning.parsers import ReasoningParser
 
 
-def budget_grammar(parser: ThinkParser, budget: int, opened: bool) -> str:
-    """The Lark grammar of a completion that thinks at most `budget` tokens (the tokens between the tags; the
-    newline before `</think>` counts among them), then answers."""
-    think = f"think[max_tokens={budget - 1}]: /(.|\\n)*/\n" if budget > 1 else ""
-    body = "think " if budget > 1 else ""
-    thinking = f'{body}"\\n"? <[{parser.end_id}]> "\\n\\n"'
-    start = thinking if opened else f"(<[{parser.start_id}]> {thinking})?"
-    return f"start: {start} answer\n{think}answer: /(.|\\n)*/\n"
-
-
-def with_budget(params: SamplingParams, parser: ThinkParser | None, prompt_ids) -> SamplingParams:
+def with_budget(params: SamplingParams, parser: ReasoningParser | None, prompt_ids) -> SamplingParams:
     """A row's parameters with its thinking budget as its grammar (unchanged without a budget). ValueError
     ("field: why") for a budget the row cannot have."""
     if params.max_reasoning_tokens is None:
@@ -35,5 +25,5 @@ def with_budget(params: SamplingParams, parser: ThinkParser | None, prompt_ids) 
     if params.structured_outputs is not None:
         raise ValueError("max_reasoning_tokens: a thinking budget and structured outputs on one row are not "
                          "supported yet")
-    grammar = budget_grammar(parser, params.max_reasoning_tokens, parser.opened_by(prompt_ids))
+    grammar = parser.budget_lark(params.max_reasoning_tokens, parser.opened_by(prompt_ids))
     return dataclasses.replace(params, structured_outputs=StructuredOutputs(kind="grammar", text=grammar))

@@ -7,6 +7,7 @@
   budget or max_tokens cut it short), else it is all answer (the model did not think: `enable_thinking` off).
 - `deepseek_r1` (DeepSeek-R1 and its distills): the same, except that a completion without `</think>` is all
   thinking (R1's templates open `<think>` in the prompt; early ones let the model think without writing it).
+- `gpt_oss`: the harmony channels (reasoning/harmony.py): `analysis` is the thinking, `final` the answer.
 
 The thinking and the answer are stripped of the blank lines around them (`<think>\\n...\\n</think>\\n\\n`)."""
 from __future__ import annotations
@@ -15,16 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchjob.errors import ConfigError
+from batchjob.reasoning import harmony
+from batchjob.reasoning.harmony import HarmonyParser
+from batchjob.reasoning.split import Split
 
-PARSERS = ("qwen3", "deepseek_r1")  # --reasoning-parser's names besides auto
-LATER = {"gpt_oss": "gpt-oss's harmony channels (analysis / final)"}  # named in the issue, not built yet
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    reasoning: str | None  # None: the completion did not think
-    content: str  # the answer (may be empty: it thought until max_tokens)
-    reasoning_tokens: int  # tokens of the thinking, tags left out
+PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")  # --reasoning-parser's names besides auto
+LATER: dict[str, str] = {}  # parsers named but not built yet: name -> what they would read
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +62,24 @@ class ThinkParser:
             content = stop_text.partition(self.end)[2] if self.end in stop_text else content
         return Split(decode(ids[first:end]).strip("\n"), content.lstrip(), end - first)
 
+    def budget_lark(self, budget: int, opened: bool) -> str:
+        """The Lark grammar of a completion that thinks at most `budget` tokens (between the tags; the newline before
+        `</think>` counts among them), then answers (reasoning/budget.py)."""
+        think = f"think[max_tokens={budget - 1}]: /(.|\\n)*/\n" if budget > 1 else ""
+        body = "think " if budget > 1 else ""
+        thinking = f'{body}"\\n"? <[{self.end_id}]> "\\n\\n"'
+        start = thinking if opened else f"(<[{self.start_id}]> {thinking})?"
+        return f"start: {start} answer\n{think}answer: /(.|\\n)*/\n"
+
 
 class ReasoningParserError(ConfigError):
     """A reasoning parser that does not fit the model, or an unknown one: the message names the option."""
 
 
-def job_parser(name: str | None, tokenizer, template: str | None) -> tuple[ThinkParser | None, str | None]:
+ReasoningParser = ThinkParser | HarmonyParser  # split, opened_by, budget_lark, name
+
+
+def job_parser(name: str | None, tokenizer, template: str | None) -> tuple[ReasoningParser | None, str | None]:
     """The job's parser and the name it resolved to ("none" when auto finds none); (None, None) without one.
     `tokenizer`: the model's (models/tokenizer.py); `template`: the chat template the job renders with."""
     if name is None:
@@ -78,7 +87,7 @@ def job_parser(name: str | None, tokenizer, template: str | None) -> tuple[Think
     return reasoning_parser(name, tokenizer.token_id, template or tokenizer.chat_template)
 
 
-def reasoning_parser(name: str, token_id: Callable[[str], int | None], template: str | None) -> tuple[ThinkParser | None, str]:
+def reasoning_parser(name: str, token_id: Callable[[str], int | None], template: str | None) -> tuple[ReasoningParser | None, str]:
     """(the parser for `--reasoning-parser NAME` on a model whose vocabulary gives `token_id(text)` and with this chat
     template, the name it resolved to). `auto` picks from the template and vocabulary, None where the model does not
     think."""
@@ -87,6 +96,13 @@ def reasoning_parser(name: str, token_id: Callable[[str], int | None], template:
         if name is None:
             return None, "none"
     check_parser_name(name)
+    if name == "gpt_oss":
+        ids = {t: token_id(t) for t in harmony.TOKENS}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise ReasoningParserError(f"reasoning_parser 'gpt_oss': the model's vocabulary has no {missing[0]} token, so "
+                                       "it does not write harmony channels (leave reasoning_parser unset)")
+        return HarmonyParser.of(ids), name
     start, end = token_id("<think>"), token_id("</think>")
     if start is None or end is None:
         raise ReasoningParserError(f"reasoning_parser {name!r}: the model's vocabulary has no <think> and </think> "
@@ -105,8 +121,11 @@ def check_parser_name(name: str, error: type[Exception] | None = None) -> None:
 
 
 def detect(token_id: Callable[[str], int | None], template: str | None) -> str | None:
-    """The parser a model's chat template and vocabulary call for: DeepSeek-R1's template (its fullwidth
-    `<｜Assistant｜>` turns) -> deepseek_r1; `<think>` and `</think>` in the vocabulary -> qwen3; else None."""
+    """The parser a model's chat template and vocabulary call for: gpt-oss's harmony template (`<|channel|>`) ->
+    gpt_oss; DeepSeek-R1's template (its fullwidth `<｜Assistant｜>` turns) -> deepseek_r1; `<think>` and `</think>` in
+    the vocabulary -> qwen3; else None."""
+    if template and "<|channel|>" in template and token_id("<|channel|>") is not None:
+        return "gpt_oss"
     if token_id("<think>") is None or token_id("</think>") is None:
         return None
     return "deepseek_r1" if template and "｜Assistant｜" in template else "qwen3"

@@ -98,8 +98,8 @@ def test_the_openai_batch_output_has_reasoning_content_and_reasoning_tokens(tmp_
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--reasoning-parser", "qwen4"], "reasoning_parser 'qwen4' is unknown; choices: auto, qwen3, deepseek_r1"),
-    (["--reasoning-parser", "gpt_oss"], "not implemented yet"),
+    (["--reasoning-parser", "qwen4"], "reasoning_parser 'qwen4' is unknown; choices: auto, qwen3, deepseek_r1, gpt_oss"),
+    (["--reasoning-parser", "gpt_oss"], "has no <|start|> token, so it does not write harmony channels"),
     (["--chat-template-kwargs", "{nope"], "chat_template_kwargs: invalid JSON"),
     (["--chat-template-kwargs", '{"add_generation_prompt": false}'], "is set by batchjob for every row"),
 ])
@@ -183,3 +183,56 @@ def test_a_budgeted_job_is_the_same_alone_batched_and_after_sigkill(tmp_path, th
     assert result.exit_code == 0, result.output
     rows = read_results(out).sort_by("row_index").to_pylist()
     assert [(r["reasoning"], r["generated_text"]) for r in rows] == texts["batched"]
+
+
+def test_a_budgeted_job_with_speculative_decoding_and_preemption_gives_the_same_text(tmp_path, thinker):
+    """Prompt-lookup proposals are verified through the budget's grammar token by token (llguidance's
+    validate_tokens does not count a rule's max_tokens); a KV cache too small for every row preempts rows."""
+    (tmp_path / "t.jinja").write_text(QWEN3_THINKING)
+    rows = [chat("one two one two one two " * (1 + i % 3)) for i in range(24)]
+    common = ["--chat-template", tmp_path / "t.jinja", "--reasoning-parser", "qwen3", "--max-reasoning-tokens", 6,
+              "--max-tokens", 20]
+    _, plain = run(tmp_path, thinker, rows, *common, name="plain")
+    _, spec = run(tmp_path, thinker, rows, *common, "--speculative", "ngram", "--num-speculative-tokens", 3, name="spec")
+    _, tight = run(tmp_path, thinker, rows, *common, "--kv-cache-gb", "0.0002", name="tight")
+    stats = [json.loads(x) for x in (tmp_path / "tight" / "stats.jsonl").read_text().splitlines()]
+    assert max(s.get("preempted_total", 0) for s in stats) > 0, stats[-1]
+    want = [(r["reasoning"], r["generated_text"]) for r in plain]
+    assert [(r["reasoning"], r["generated_text"]) for r in spec] == want
+    assert [(r["reasoning"], r["generated_text"]) for r in tight] == want
+    assert all(r["reasoning_tokens"] <= 6 and r["generated_text"] for r in plain)
+
+
+HARMONY = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+           "<|message|>{{ m.content }}<|end|>{% endfor %}"
+           "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random Qwen3 folder whose vocabulary has gpt-oss's harmony tokens (special, as in o200k_harmony)."""
+    from tokenizers import Tokenizer
+
+    folder = tmp_path_factory.mktemp("harmony")
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    _hf_model("qwen3", tok.get_vocab_size(), False).save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 0]}))
+    (folder / "chat_template.jinja").write_text(HARMONY)
+    return folder
+
+
+def test_gpt_oss_channels_with_a_budget(tmp_path, harmony_model):
+    """The harmony grammar: a channel first (analysis, or final at once); analysis at most 6 tokens, then the
+    final channel's answer; `auto` finds gpt_oss from the template."""
+    rows = [chat(f"question {i}") for i in range(8)]
+    result, got = run(tmp_path, harmony_model, rows, "--reasoning-parser", "auto", "--max-reasoning-tokens", 6,
+                      "--max-tokens", 24, "--temperature", 1.0, "--seed", 3)
+    assert "reasoning parser: gpt_oss (auto)" in result.output
+    for row in got:
+        assert row["error"] is None and row["reasoning_tokens"] <= 6
+        assert (row["reasoning"] is None) == (row["reasoning_tokens"] == 0)
+    assert any(r["reasoning"] for r in got)

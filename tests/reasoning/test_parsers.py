@@ -85,3 +85,67 @@ def test_auto_picks_from_the_template_and_vocabulary():
     assert name == "deepseek_r1" and (parser.start_id, parser.end_id) == (5, 6)
     with pytest.raises(ConfigError, match="has no <think> and </think> tokens"):
         reasoning_parser("qwen3", {}.get, None)
+
+
+HARMONY_VOCAB = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "analysis", "final",
+                 "commentary", "assistant", "User", " asks", " 2+2", ".", "The", " answer", " is", " 4", "\n"]
+HID = {t: i for i, t in enumerate(HARMONY_VOCAB)}
+
+
+def hids(*tokens: str) -> list[int]:
+    return [HID[t] for t in tokens]
+
+
+def hdecode(token_ids) -> str:
+    return "".join(HARMONY_VOCAB[i] for i in token_ids)
+
+
+def harmony():
+    from batchjob.reasoning.harmony import TOKENS, HarmonyParser
+
+    return HarmonyParser.of({t: HID[t] for t in TOKENS})
+
+
+def test_gpt_oss_analysis_is_the_thinking_and_final_the_answer():
+    out = hids("<|channel|>", "analysis", "<|message|>", "User", " asks", " 2+2", ".", "<|end|>", "<|start|>",
+               "assistant", "<|channel|>", "final", "<|message|>", "The", " answer", " is", " 4", "<|return|>")
+    split = harmony().split(out, hdecode, opened=False)
+    assert split.reasoning == "User asks 2+2." and split.content == "The answer is 4" and split.reasoning_tokens == 4
+    direct = harmony().split(hids("<|channel|>", "final", "<|message|>", "The", " answer"), hdecode, opened=False)
+    assert direct.reasoning is None and direct.content == "The answer"
+    cut = harmony().split(hids("<|channel|>", "analysis", "<|message|>", "User", " asks"), hdecode, opened=False)
+    assert cut.reasoning == "User asks" and cut.content == "" and cut.reasoning_tokens == 2
+    plain = harmony().split(hids("The", " answer"), hdecode, opened=False)
+    assert plain.reasoning is None and plain.content == "The answer"
+
+
+def test_gpt_oss_opened_by_a_prompt_inside_analysis():
+    p = harmony()
+    assert not p.opened_by(hids("<|start|>", "assistant"))
+    inside = hids("<|start|>", "assistant", "<|channel|>", "analysis", "<|message|>")
+    assert p.opened_by(inside)
+    split = p.split(hids("User", " asks", "<|end|>", "<|start|>", "assistant", "<|channel|>", "final", "<|message|>",
+                         "The", " answer"), hdecode, p.opened_by(inside))
+    assert split.reasoning == "User asks" and split.content == "The answer" and split.reasoning_tokens == 2
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_budget_grammars_stop_the_thinking_at_the_budget(smollm2_loaded, opened):
+    """On SmolLM2's vocabulary (<think>, </think> played by two of its special tokens that are not EOS): within the
+    budget a row may close its thinking; past it, only the closing tokens are allowed."""
+    import llguidance
+
+    from batchjob.engine.structured.grammar import GrammarTokenizer
+
+    tok = smollm2_loaded.tokenizer
+    start, end = tok.token_id("<repo_name>"), tok.token_id("<file_sep>")
+    parser = ThinkParser("qwen3", start, end)
+    gt = GrammarTokenizer.from_tokenizer(tok)
+    grammar = llguidance.LLMatcher.grammar_from_lark(parser.budget_lark(4, opened))
+    think = tok.encode(" one two three four five six", add_special_tokens=False)
+    head = [] if opened else [start]
+    ok = head + think[:3] + [end] + tok.encode("\n\nyes", add_special_tokens=False)
+    m = llguidance.LLMatcher(gt.ll, grammar, log_level=0)
+    assert m.try_consume_tokens(ok) == len(ok)
+    m = llguidance.LLMatcher(gt.ll, grammar, log_level=0)  # (validate_tokens does not count max_tokens: the engine consumes)
+    assert m.try_consume_tokens(head + think[:6]) == len(head) + 3  # the 4th thinking token must close it

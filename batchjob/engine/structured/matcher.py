@@ -87,18 +87,26 @@ class Matcher:
     def fill_draft(self, rows: torch.Tensor, draft: Sequence[int]) -> int:
         """Masks for verifying a speculative proposal: `rows[j]` (j = 0..len(draft)) gets the mask after the
         row's tokens plus draft[:j]. Returns how many draft tokens fit (n); rows past n are all-allowed (their
-        positions are rejected anyway, since draft[n] is masked at row n). The matcher ends where it began."""
+        positions are rejected anyway, since draft[n] is masked at row n). The matcher does not move."""
         draft = list(draft)
         if rows.shape[0] < len(draft) + 1:
             raise ValueError(f"fill_draft: {len(draft)} draft tokens need {len(draft) + 1} rows, got {rows.shape[0]}")
-        n = self.validate_prefix(draft)
-        for j in range(n + 1):
-            self.fill(rows[j])
-            if j < n and not self.consume(draft[j]):
-                raise RuntimeError("grammar matcher: a validated draft token was refused")
-        self.rollback(n)
+        # on a copy, token by token: llguidance's validate_tokens does not count a rule's max_tokens, nor can it roll
+        # back past one (a thinking budget: reasoning/budget.py)
+        walker = self._copy()
+        n = 0
+        for j in range(len(draft) + 1):
+            walker.fill(rows[j])
+            if j == len(draft) or not walker.consume(draft[j]):
+                break
+            n += 1
         rows[n + 1:len(draft) + 1].fill_(ALL_ALLOWED)
         return n
+
+    def _copy(self) -> Matcher:
+        twin = Matcher.__new__(Matcher)
+        twin.grammar, twin._eos, twin._m, twin.num_tokens = self.grammar, self._eos, self._m.deep_copy(), self.num_tokens
+        return twin
 
     def can_end(self) -> bool:
         """EOS is allowed now: the tokens so far are a complete match."""
