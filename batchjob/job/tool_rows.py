@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from batchjob.engine.requests import SamplingParams
 from batchjob.engine.structured.spec import StructuredOutputs
 from batchjob.errors import ConfigError
-from batchjob.tools.grammar import CONSTRAINED, call_grammar
+from batchjob.tools.grammar import AUTO_CONSTRAINED, CONSTRAINED, auto_grammar, call_grammar
 from batchjob.tools.parsers import PARSERS, detect
 from batchjob.tools.requests import ToolRequest, tool_request
 
@@ -51,9 +51,17 @@ class ToolRows:
         return found
 
     def constrain(self, params: SamplingParams, request: ToolRequest | None) -> SamplingParams:
-        """A row's parameters with its call grammar where tool_choice forces a call."""
-        if request is None or not request.forced:
+        """A row's parameters with its call grammar: where tool_choice forces a call, its syntax; for auto, free text
+        or calls constrained from their opening tag (hermes, mistral; a row with its own grammar or a thinking budget
+        keeps it, its calls parsed as written)."""
+        if request is None or request.choice == "none":
             return params
+        if request.choice == "auto":
+            if self.parser not in AUTO_CONSTRAINED or params.structured_outputs is not None \
+                    or params.max_reasoning_tokens is not None:
+                return params
+            grammar = auto_grammar(self.parser, request.tools, not request.parallel, self.token_id)
+            return dataclasses.replace(params, structured_outputs=StructuredOutputs(kind="grammar", text=grammar))
         if self.parser not in CONSTRAINED:
             raise ToolRowError(f"tool_choice {request.choice!r}: the {self.parser} parser's calls cannot be "
                                "constrained yet; use tool_choice auto")

@@ -124,3 +124,22 @@ def test_call_grammars_take_valid_calls_only(parser, good, bad, smollm2_loaded):
         m = llguidance.LLMatcher(gt.ll, grammar, log_level=0)
         ids = smollm2_loaded.tokenizer.encode(text, add_special_tokens=False)
         assert (m.validate_tokens(ids) == len(ids)) is ok, text
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("Hello there, no call.", True),
+    ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>', True),
+    ('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', False),  # no such tool
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "far too long a query"}}\n</tool_call>', False),
+])
+def test_an_auto_grammar_takes_free_text_or_valid_calls(text, ok, smollm2_loaded):
+    """tool_choice auto: free text, or a call constrained from its opening tag on."""
+    from batchjob.engine.structured.grammar import GrammarTokenizer
+    from batchjob.tools.grammar import auto_grammar
+
+    tools = tool_request([WEATHER, SEARCH], "auto").tools
+    gt = GrammarTokenizer.from_tokenizer(smollm2_loaded.tokenizer)
+    grammar = llguidance.LLMatcher.grammar_from_lark(auto_grammar("hermes", tools, False, smollm2_loaded.tokenizer.token_id))
+    m = llguidance.LLMatcher(gt.ll, grammar, log_level=0)
+    ids = smollm2_loaded.tokenizer.encode(text, add_special_tokens=False)
+    assert (m.try_consume_tokens(ids) == len(ids) and m.is_accepting()) is ok, text
