@@ -5,6 +5,8 @@ drop_waiting_requests); tests and benchmarks may also add Sequences they built a
 `generate`)."""
 from __future__ import annotations
 
+import hashlib
+
 import time
 from dataclasses import dataclass
 
@@ -89,6 +91,9 @@ class Engine:
         num_host = config.num_host_blocks or config.swap_space_bytes // per_block
         self.model = model
         self.config = config  # read, never changed: derived limits live on the engine and its scheduler
+        # each LoRA adapter's prefix-cache root: its rows' prefixes are keyed apart from the base model's and each other's
+        adapters = model.adapters.adapters if model.adapters is not None else []
+        self._lora_roots = [hashlib.sha256(b"lora\0" + a.digest.encode()).digest() for a in adapters]
         self.eos = frozenset(eos_token_ids)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.host_pool = BlockPool(num_host, config.block_size) if num_host else None
@@ -152,7 +157,8 @@ class Engine:
         return Sequence(self._next_id, request.prompt_ids, p, lane=request.lane, detokenizer=detok,
                         # a greedy row draws nothing: no key (1 us a row saved)
                         rng_key=0 if p.greedy else sequence_key(p, request.seed, request.row_index, request.completion),
-                        images=request.images)
+                        images=request.images, lora=request.lora,
+                        prefix_root=self._lora_roots[request.lora] if request.lora >= 0 else b"")
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row. Returns an error message (and queues nothing) when the row can never run. A
@@ -161,6 +167,8 @@ class Engine:
         err = self.scheduler.never_fits(seq)
         if err is None and seq.images:
             err = self._images_error(seq)
+        if err is None and not -1 <= seq.lora < len(self._lora_roots):
+            err = f"lora slot {seq.lora}: the model has {len(self._lora_roots)} adapters"
         if err is None and seq.params.prefill_only and self.proposer is not None:
             err = "an embed or scoring row cannot run with speculative decoding (it generates nothing)"
         if err is None and seq.params.structured_outputs is not None:

@@ -24,6 +24,7 @@ class EngineRequest(NamedTuple):  # NamedTuples: immutable, and cheap to make (o
     completion: int = 0  # which of the row's n completions (or of an embeddings line's inputs)
     lane: str = "default"
     images: tuple[ImageSlot, ...] = ()  # the prompt's images: their placeholder runs, digests and pixel values
+    lora: int = -1  # the LoRA adapter's slot on the model (batchjob/lora/apply.py); -1: the base model
 
 
 class RequestOutput(NamedTuple):

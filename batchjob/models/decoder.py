@@ -39,6 +39,7 @@ class DecoderLM:
         self.features = features  # what a step may carry (the family's declaration)
         # a vision-language family's: pixel values [B, 3, S, S] -> [B, tokens per image, hidden] (models/vision/)
         self.image_encoder = image_encoder
+        self.adapters = None  # LoRA adapters put on the model (batchjob/lora/apply.py AdapterSet), or None
         self.layers = layers
         self.embed = embed
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
@@ -74,6 +75,8 @@ class DecoderLM:
     def forward(self, step: StepContext) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
         step.check(self.features, self.config.architecture)
+        if self.adapters is not None:
+            self.adapters.begin(step.adapter_ids)
         ops, eps, positions, meta = self.kernels, self.config.rms_norm_eps, step.positions, step.meta
         h = self.embeddings(step)  # the residual stream, updated in place by add_rms_norm
         rotaries = self.rotaries

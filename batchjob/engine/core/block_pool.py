@@ -115,7 +115,7 @@ class BlockPool:
         bs = self.block_size
         full = seq.num_computed // bs
         if self.enable_caching and full > len(seq.block_hashes):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.prefix_root
             new = block_hashes(seq.token_ids[:full * bs], bs, len(seq.block_hashes), parent, seq.images)
             for i, h in enumerate(new, start=len(seq.block_hashes)):
                 self.register(seq.block_table[i], h)

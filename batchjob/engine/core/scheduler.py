@@ -46,6 +46,7 @@ class SchedulerConfig:
     aging: float = 0.0  # priority points gained per second of waiting; 0 = reach the top lane at max_wait
     max_model_len: int = 1 << 30  # capped further by the model's context and the KV pool (Scheduler.max_model_len)
     lanes: list[Lane] = field(default_factory=lambda: [Lane()])
+    max_loras: int = 8  # distinct LoRA adapters in one step (vLLM's max_loras); rows of another wait a step
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class Step:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     token_budget: int = 0  # tokens not yet given to a row while the step is scheduled
+    loras: set[int] = field(default_factory=set)  # the LoRA adapter slots of the step's rows
 
     @property
     def num_tokens(self) -> int:
@@ -152,8 +154,8 @@ class Scheduler:
             if not seq.params.prefill_only and (seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len):
                 continue  # its last token (a step in flight is sampling it) ends it: nothing to compute
             n = self._chunk(seq, step.token_budget)
-            if n == 0:
-                continue  # an image run that must go whole waits for a step with room for it
+            if n == 0 or not self._lora_fits(seq, step):
+                continue  # an image run that must go whole waits for a step with room for it; so does an adapter
             if seq.draft and n == 1:  # speculative proposals: only into free budget and free blocks
                 k = min(len(seq.draft), step.token_budget - 1)
                 if k > 0 and self._grow(seq, seq.num_computed + 1 + k):
@@ -172,6 +174,8 @@ class Scheduler:
                 break  # its last token: it comes back (recomputed or swapped in) once that token is known
             if len(self.running) >= max_seqs and not self._evict_lower(seq, step, slots=True):
                 break
+            if not self._lora_fits(seq, step):
+                break  # the step has max_loras adapters already: the head waits for the next step
             if not self._admit(seq, step):  # may preempt rows scheduled above: their tokens come back
                 break
             n = self._chunk(seq, step.token_budget)
@@ -211,12 +215,18 @@ class Scheduler:
     # mechanics
 
     def _schedule(self, step: Step, seq: Sequence, n: int) -> None:
+        if seq.lora >= 0:
+            step.loras.add(seq.lora)
         step.seqs.append(seq)
         step.num_new.append(n)
         step.token_budget -= n
         self.queues.charge(seq, n)
         if seq.first_scheduled_at is None:
             seq.first_scheduled_at = self.clock()
+
+    def _lora_fits(self, seq: Sequence, step: Step) -> bool:
+        """Whether `seq`'s adapter is in the step already or there is room for one more (max_loras)."""
+        return seq.lora < 0 or seq.lora in step.loras or len(step.loras) < self.config.max_loras
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute in this step: what is left, within the budget and the prefill chunk. A chunk
@@ -316,7 +326,7 @@ class Scheduler:
             # prefix for them (as vLLM skips the cache for prompt_logprobs requests)
             reads = (pool.enable_caching and (p.pooling is None or p.pooling.reads_prefix_cache)
                      and p.prompt_logprobs is None)
-            hashes = block_hashes(seq.token_ids, pool.block_size, images=seq.images) if reads else []
+            hashes = block_hashes(seq.token_ids, pool.block_size, parent=seq.prefix_root, images=seq.images) if reads else []
             hits = pool.cached_prefix(hashes[: (seq.num_tokens - 1) // pool.block_size])
             need = pool.blocks_for(seq.num_tokens + grows) - len(hits) + sum(pool.ref[b] == 0 for b in hits)
             step.prefix_query_tokens += seq.num_tokens

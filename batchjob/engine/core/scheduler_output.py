@@ -29,6 +29,7 @@ class NewRow(NamedTuple):  # NamedTuples: immutable, and made at C speed (a step
     rng_key: int
     stop_token_set: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: masked until min_tokens
     images: tuple[ImageSlot, ...] = ()  # the prompt's images (their encoder outputs are the worker's to compute)
+    lora: int = -1  # its LoRA adapter's slot (-1: the base model)
 
 
 class RowUpdate(NamedTuple):
@@ -86,7 +87,7 @@ class WorkerView:
             sent = sent_of.get(seq_id)
             if sent is None:
                 new_rows.append(NewRow(seq_id, len(seq.prompt_ids), tokens, table, seq.params, seq.rng_key,
-                                       seq.stop_token_set, seq.images))
+                                       seq.stop_token_set, seq.images, seq.lora))
                 sent_of[seq_id] = [len(tokens), table, len(table)]
             else:
                 held, old, blocks = sent

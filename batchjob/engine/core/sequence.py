@@ -243,6 +243,8 @@ class Sequence:
     error: str | None = None  # finish_reason "error": why (a grammar that does not compile)
     embedding: list[float] | None = None  # embed rows, once finished: the pooled (and normalised) vector
     images: tuple[ImageSlot, ...] = ()  # images in the prompt, in order (a vision-language model's rows)
+    lora: int = -1  # its LoRA adapter's slot (-1: the base model)
+    prefix_root: bytes = b""  # the parent of its first block's prefix-cache key: an adapter's rows key their own prefixes
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -32,6 +32,7 @@ class CachedRow:
     penalties: PenaltyState | None = None  # the sampler's token counts (engine/sample/penalties.py)
     pooled: torch.Tensor | None = None  # embed rows: the pooling over the chunks computed so far (pooler.py)
     images: tuple[ImageSlot, ...] = ()  # the prompt's images
+    lora: int = -1  # its LoRA adapter's slot (-1: the base model)
     # their encoder outputs [length, hidden], computed at the first step that reads any of an image's placeholders
     # and kept until the prompt is computed (chunked prefill may split a run); encoder.py
     encoded: dict[int, torch.Tensor] | None = None  # made by the first image row's step (no dict for text rows)
@@ -59,7 +60,7 @@ class InputBatch:
             rows[seq_id].block_table.clear()  # the blocks went back to the pool: a resumed row is sent its new table
         for new in out.new_rows:
             rows[new.seq_id] = CachedRow(new.seq_id, new.num_prompt, list(new.token_ids), list(new.block_table),
-                                         new.params, new.rng_key, new.stop_token_set, images=new.images)
+                                         new.params, new.rng_key, new.stop_token_set, images=new.images, lora=new.lora)
         for u in out.updates:
             row = rows[u.seq_id]
             row.token_ids.extend(u.new_token_ids)
@@ -96,6 +97,7 @@ class StepInputs:
     meta: AttentionMetadata
     last: list[int]  # batch index of each step row's last token, in the step's row order
     placeholder_rows: list[int] = field(default_factory=list)  # step rows whose last input is a placeholder
+    adapter_ids: torch.Tensor | None = None  # int32 [tokens]: each token's LoRA slot (-1: base); None: no adapter
 
 
 def step_inputs(rows: list[CachedRow], block_size: int, host_copies: bool) -> StepInputs:
@@ -122,7 +124,13 @@ def step_inputs(rows: list[CachedRow], block_size: int, host_copies: bool) -> St
     meta.key_ends = key_ends(rows, last, len(input_ids))
     if meta.key_ends is not None and meta.host is not None:
         meta.host["key_ends"] = meta.key_ends
-    return StepInputs(input_ids, positions, meta, last, waiting)
+    adapters = None
+    if any(row.lora >= 0 for row in rows):
+        adapters = torch.full((len(input_ids),), -1, dtype=torch.int32)
+        for i, row in enumerate(rows):
+            if row.lora >= 0:
+                adapters[last[i] - row.num_new + 1:last[i] + 1] = row.lora
+    return StepInputs(input_ids, positions, meta, last, waiting, adapters)
 
 
 def key_ends(rows: list[CachedRow], last: list[int], num_tokens: int) -> torch.Tensor | None:

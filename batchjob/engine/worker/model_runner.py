@@ -89,7 +89,7 @@ class ModelRunner:
         embeds = any(r.params.pooling is not None for r in step)
         # rows scoring prompt positions in this step (a decode-only step has none)
         scores = any(r.params.prompt_logprobs is not None and r.num_computed < r.num_prompt - 1 for r in step)
-        if (graphs is not None and not embeds and not scores and graphs.fits(out.num_new)
+        if (graphs is not None and not embeds and not scores and inputs.adapter_ids is None and graphs.fits(out.num_new)
                 and all(r.num_sampled == 1 for r in step)):  # every row computes one token and samples it
             t0 = time.perf_counter()
             logits = graphs.run(input_ids, positions, meta, fill)
@@ -110,8 +110,10 @@ class ModelRunner:
                 sampling.extend([r] * r.num_sampled)
         t0 = time.perf_counter()
         image_embeds = step_embeds(self.model, step, last, input_ids, self.encoder) if any(r.images for r in step) else None
+        adapter_ids = None if inputs.adapter_ids is None else self.staging.to_device("adapter_ids", inputs.adapter_ids)
         hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, inputs_embeds=image_embeds,
-                                                input_ids=None if image_embeds is not None else input_ids))
+                                                input_ids=None if image_embeds is not None else input_ids,
+                                                adapter_ids=adapter_ids))
         # the logits stay on the model's device: sampling runs there and only token ids come back
         logits = self.model.raw_logits(hidden[self.staging.to_device("logit_rows", torch.tensor(at))]) if rows else None
         pooled = pool_step(hidden, step, last) if embeds else []
