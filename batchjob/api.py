@@ -48,7 +48,7 @@ SCORE_OPTIONS = api_keywords(Api.SCORE)  # score()'s keywords besides the contin
 ENGINE_OPTIONS = api_keywords(Api.ENGINE)
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
-SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs",)
+SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs", "lora")  # lora: an adapter of LLM(adapters=...)
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
 
 
@@ -141,6 +141,9 @@ class LLM:
                 raise
 
     def _run(self, records: list[dict | str], options: dict) -> list[Result]:
+        lora = options.pop("lora", None)  # the adapter of every prompt that names none (vLLM's lora_request)
+        if lora is not None:
+            records = [{"lora": lora, **r} if isinstance(r, dict) else r for r in records]
         cfg, builder = self._prepare(records, options)
         with self._lock:
             try:
@@ -172,7 +175,8 @@ class LLM:
             check_chat_template(template or self.tokenizer.chat_template)
         return cfg, PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
                                   images=self._images, image_base=Path.cwd(), model_name=self.loaded.name,
-                                  tool_rows=ToolRows.of(cfg.tool_parser, self.tokenizer, template))
+                                  tool_rows=ToolRows.of(cfg.tool_parser, self.tokenizer, template),
+                                  adapters=None if self._models[0].adapters is None else self._models[0].adapters.slots)
 
     def _chat_hint(self, cfg: JobConfig, records: list[dict | str], results: list[Result]) -> None:
         """Plain prompts into a model with a chat template that ended at their first token (an instruct model's

@@ -24,7 +24,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"  # run with task = "embed"; `input` is one or more texts (or token id lists)
 COLUMNS = ["custom_id", "endpoint", "messages", "prompt", "sampling", "input", "encoding_format", "chat_template_kwargs",
-           "tools", "tool_choice", "parallel_tool_calls"]
+           "tools", "tool_choice", "parallel_tool_calls", "model"]
 MAX_INPUTS = 2048  # inputs per embeddings request, as OpenAI's limit
 ENCODING_FORMATS = ("float", "base64")
 
@@ -91,7 +91,8 @@ def request_record(line) -> dict:
     record = {"custom_id": cid, "endpoint": url, "messages": None, "prompt": None, "sampling": sampling,
               "chat_template_kwargs": body.get("chat_template_kwargs") if chat else None,  # vLLM's extra field
               "tools": body.get("tools") if chat else None, "tool_choice": body.get("tool_choice") if chat else None,
-              "parallel_tool_calls": body.get("parallel_tool_calls") if chat else None}
+              "parallel_tool_calls": body.get("parallel_tool_calls") if chat else None,
+              "model": body.get("model")}  # a LoRA adapter's name picks it (as vLLM's server does)
     if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
         raise ValueError(f"body.tools: tool calls are {CHAT} requests")
     if chat:

@@ -260,6 +260,8 @@ def _coerce(name: str, value):
         return _stop_strings(value)
     if name == "chat_template_kwargs":
         return template_kwargs(value, "chat_template_kwargs", ConfigError)
+    if name == "adapters":
+        return adapter_paths(value)
     if typing.get_origin(base) is list:  # a flag gives them comma-separated
         return _list(name, value, typing.get_args(base)[0])
     return value
@@ -319,3 +321,18 @@ def template_kwargs(value, where: str, error: type[Exception]) -> dict:
     if taken:
         raise error(f"{where}: {taken[0]!r} is set by batchjob for every row; leave it out")
     return value
+
+
+def adapter_paths(value) -> dict[str, str]:
+    """`--lora NAME=PATH,...` or the job file's `[lora] adapters = {NAME = "PATH"}` -> {name: path}."""
+    if isinstance(value, str):
+        pairs = {}
+        for item in (x.strip() for x in value.split(",") if x.strip()):
+            name, eq, path = item.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ConfigError(f"lora: {item!r}: expected NAME=PATH (a PEFT adapter folder)")
+            pairs[name.strip()] = path.strip()
+        value = pairs
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items()):
+        raise ConfigError(f"lora adapters: expected {{NAME = \"PATH\", ...}}, got {value!r}")
+    return dict(value)

@@ -7,6 +7,8 @@ from batchjob.job.modes import AsyncScheduling, Preemption, Scheduling, Speculat
 from batchjob.job.resolved import ResolvedJob
 from batchjob.engine.config import EngineConfig, Lane, SchedulerConfig, speculative_config
 from batchjob.engine.engine import Engine
+from batchjob.lora.adapter import read_adapters
+from batchjob.lora.apply import attach
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError
@@ -29,6 +31,8 @@ def build_models(job: ResolvedJob, loaded: LoadedModel) -> tuple[CausalLM, Causa
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
                         kv_cache_dtype=cfg.kv_cache_dtype, quantization=job.quantization(loaded),
                         prequantized=loaded.prequantized)
+    if cfg.adapters:
+        attach(model, read_adapters(cfg.adapters, cfg.max_lora_rank))
     draft = None
     if cfg.speculative == SpeculativeMethod.DRAFT:
         try:
@@ -54,7 +58,7 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
         # a static batch is prefilled whole, then decoded until its longest row ends
         max_num_batched_tokens=1 << 20 if static else cfg.max_num_batched_tokens,
         static_batch=cfg.batch_size if static else 0, admission=cfg.admission, preemption=cfg.preemption,
-        max_wait=cfg.max_wait, lanes=lanes_of(cfg),
+        max_wait=cfg.max_wait, lanes=lanes_of(cfg), max_loras=cfg.max_loras,
         **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),  # else the model's context
     )
     # --kv-cache-gb wins; else 1 GiB on the CPU, and on CUDA what gpu_memory_utilization leaves (kv_budget.py)

@@ -36,7 +36,8 @@ class RowFeed:
         self.tokenizer = loaded.tokenizer
         self.builders = {key: PromptBuilder(cfg, loaded.tokenizer, uses, template, images=images,
                                             image_base=(image_bases or {}).get(key), model_name=loaded.name,
-                                            tool_rows=tool_rows)
+                                            tool_rows=tool_rows,
+                                            adapters=None if engine.model.adapters is None else engine.model.adapters.slots)
                          for key, uses in use_messages.items()}
         self.lane_column_out = lane_column_out
         self.summary = summary
@@ -131,19 +132,20 @@ class RowFeed:
                     params = budgeted(params, self.driver.reasoning, ids[0])
                     tools = builder.tool_request(record)
                     params = builder.constrained(params, tools)
+                    lora = builder.lora_slot(record)
                 except RowError as e:
                     self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))
                     continue
-                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where, images, tools)
+                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where, images, tools, lora)
 
     def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, prompts: list[list[int]],
                  params: SamplingParams, continuation_start: int | None = None, where: str | None = None,
-                 images: tuple = (), tools=None) -> None:
+                 images: tuple = (), tools=None, lora: int = -1) -> None:
         """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each); `where`:
         the row's place as its source names it, said in its error; `tools`: its ToolRequest."""
         err = self.driver.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
                             row_index=row_index, lane=lane, continuation_start=continuation_start, images=images,
-                            tools=tools)
+                            tools=tools, lora=lora)
         if err:
             self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=sum(map(len, prompts)))
 

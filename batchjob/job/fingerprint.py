@@ -42,6 +42,11 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, model: ModelFac
     params.update({name: getattr(cfg, name) for name in WHEN_SET_FIELDS if getattr(cfg, name) != DEFAULTS[name]})
     if model.quantization != Quantization.NONE:  # int8 compute changes the text (absent: the compute dtype, as before)
         params["quantization"] = model.quantization
+    if cfg.adapters:  # each LoRA adapter by content: a retrained adapter under the same path is another job
+        params["adapters"] = {name: [path, *(content_hash(Path(path) / f) for f in ("adapter_config.json",
+                                                                                   "adapter_model.safetensors")
+                                             if (Path(path) / f).is_file())]
+                              for name, path in cfg.adapters.items()}
     structured = cfg.structured_outputs()
     if structured is not None:  # the job's grammar (a schema file's content, not its name); absent: none, as before
         params["structured_outputs"] = structured

@@ -106,11 +106,12 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
                 params = budgeted(row_sampling(record, base, in_memory=True), reasoning, ids)
                 tools = builder.tool_request(record) if isinstance(record, dict) else None
                 params = builder.constrained(params, tools)
+                lora = builder.lora_slot(record) if isinstance(record, dict) else -1
             except RowError as e:
                 done(key, failed(str(e)))
                 continue
             err = driver.add(key, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start,
-                             images=images, tools=tools)
+                             images=images, tools=tools, lora=lora)
             if err:
                 done(key, failed(err, prompt_tokens=len(ids)))
 

@@ -17,6 +17,7 @@ class Table(StrEnum):
     EMBED = "embed"
     ENGINE = "engine"
     OUTPUT = "output"
+    LORA = "lora"
 
 
 class Api(StrEnum):

@@ -63,6 +63,16 @@ class JobConfig:
     reasoning_parser: str | None = opt(None,
         "split each answer's thinking into the `reasoning` column: qwen3, deepseek_r1, or auto (from the chat "
         "template and vocabulary) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)
+    adapters: str | dict | None = opt(None,
+        "LoRA adapters by name: NAME=PATH,... (a PEFT folder, or an org/name in the local Hugging Face cache); "
+        "the job file's [lora] adapters = {NAME = \"PATH\"}", table=Table.LORA, fingerprint=WHEN_SET, flag="--lora",
+        api=Api.ENGINE)
+    lora_column: str = opt("lora", "column naming each row's adapter (null or absent: the base model) (default: lora)",
+        table=Table.LORA, fingerprint=WHEN_SET)
+    max_loras: int = opt(8, "most distinct adapters in one step; rows of another wait a step (default: 8)",
+        table=Table.LORA, bounds=Bounds(1), api=Api.ENGINE)
+    max_lora_rank: int | None = opt(None, "largest adapter rank accepted (default: the largest given)",
+        table=Table.LORA, fingerprint=WHEN_SET, bounds=Bounds(1), api=Api.ENGINE)
     tool_parser: str | None = opt(None,
         "parse the calls in answers to rows with `tools` into the `tool_calls` column: hermes, llama3_json, mistral, "
         "pythonic, or auto (from the chat template) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)

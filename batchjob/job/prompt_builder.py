@@ -41,6 +41,7 @@ class PromptBuilder:
     image_base: Path | None = None  # where an image's relative path starts: the input file's folder
     model_name: str = "this model"  # as errors name it
     tool_rows: ToolRows | None = None  # the job's tool parser (tool_parser); None: rows with tools fail
+    adapters: dict[str, int] | None = None  # the job's LoRA adapters: name -> slot on the model
 
     def _named(self, key: str) -> str:
         return named(key, self.in_memory)
@@ -240,6 +241,21 @@ class PromptBuilder:
         if request is not None:
             variables = {**variables, "tools": [t.definition for t in request.tools]}
         return variables
+
+    def lora_slot(self, record: dict) -> int:
+        """The slot of the adapter the row names (its lora column; an OpenAI request's `model` naming one, as vLLM's
+        server reads it), -1 for the base model; RowError for an adapter the job has not loaded."""
+        col = self.config.lora_column
+        name = record.get(col)
+        if name is None and record.get("model") is not None and self.adapters and record["model"] in self.adapters:
+            name = record["model"]
+        if name is None or name == "":
+            return -1
+        slot = (self.adapters or {}).get(name)
+        if slot is None:
+            have = ", ".join(self.adapters) if self.adapters else "none: load them with --lora NAME=PATH"
+            raise RowError(f"{self._named(col)}: {name!r} is not one of the job's LoRA adapters ({have})")
+        return slot
 
     def constrained(self, params: SamplingParams, request: ToolRequest | None) -> SamplingParams:
         """A row's parameters with its call grammar where its tool_choice forces a call (job/tool_rows.py)."""

@@ -10,7 +10,7 @@ from batchjob.job.prompt_builder import SAMPLING_COLUMN, SAMPLING_FIELDS, TEMPLA
 
 # the keys of a prompt given as a dict: what an input row of a job may carry (vLLM's prompt_token_ids too)
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", SAMPLING_COLUMN, TEMPLATE_KWARGS_COLUMN,
-                         "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_FIELDS})
+                         "tools", "tool_choice", "parallel_tool_calls", "lora", *SAMPLING_FIELDS})
 
 
 def prompt_records(prompts: Any) -> list[dict | str]:

@@ -44,7 +44,7 @@ class RowDriver(Generic[Key]):
 
     def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
             seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None,
-            images: tuple = (), tools=None) -> str | None:
+            images: tuple = (), tools=None, lora: int = -1) -> str | None:
         """Queue a row's n requests; their random streams come from (seed, row_index, completion). `prompts`: the
         row's prompt ids (one list), or several (an OpenAI embeddings line: one embed request per input).
         Returns the error (and queues nothing) when a prompt can never run. `continuation_start`: a score
@@ -55,7 +55,7 @@ class RowDriver(Generic[Key]):
         if self.truncate and params.pooling is not None:
             inputs = [ids[:self.engine.max_model_len] for ids in inputs]
         row = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many, tools=tools)
-        requests = [EngineRequest(ids, params, seed, row_index, c, lane, images) for c, ids in enumerate(inputs)]
+        requests = [EngineRequest(ids, params, seed, row_index, c, lane, images, lora) for c, ids in enumerate(inputs)]
         for c, request in enumerate(requests if many else ()):
             err = self.engine.never_fits(request)
             if err:  # one input that can never run fails the row: none of its inputs enter the engine

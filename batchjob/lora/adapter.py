@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from batchjob.errors import ConfigError
+from batchjob.errors import ConfigError, ModelLoadError
+from batchjob.models.location import resolve_model_path
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # the projections of the families we run, by PEFT's module names (Phi-3 names its fused ones qkv_proj, gate_up_proj)
@@ -89,3 +90,18 @@ def read_adapter(name: str, path: str | Path, max_rank: int | None = None) -> Lo
             raise LoraError(f"{where}: layer {layer} {module}: lora_A and lora_B of rank {rank} are needed")
     digest = hashlib.sha256((folder / CONFIG).read_bytes() + (folder / WEIGHTS).read_bytes()).hexdigest()
     return LoraAdapter(name, str(folder), rank, scale, {k: (a, b) for k, (a, b) in weights.items()}, digest)
+
+
+def read_adapters(paths: dict[str, str], max_rank: int | None = None) -> list[LoraAdapter]:
+    """The job's adapters, in the order given (slot i = the i-th); a path that is no folder may be an org/name in the
+    local Hugging Face cache (models/location.py)."""
+    out = []
+    for name, path in paths.items():
+        folder = Path(path)
+        if not folder.is_dir():
+            try:
+                folder = resolve_model_path(path)
+            except ModelLoadError as e:
+                raise LoraError(f"lora {name!r}: {path}: not a folder, nor in the local Hugging Face cache ({e})") from None
+        out.append(read_adapter(name, folder, max_rank))
+    return out
