@@ -149,3 +149,18 @@ def test_what_is_not_applied_is_refused_at_start_naming_the_adapter_and_field(tm
     result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(tmp_path / "o"),
                                        "--lora", f"bad={adapter}", "--no-progress", *extra])
     assert result.exit_code != 0 and says in result.output and "lora 'bad'" in result.output, result.output
+
+
+def test_the_example_job_runs_with_the_adapter_its_script_writes(tmp_path, smollm2_gguf_path):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    made = subprocess.run([sys.executable, str(repo / "jobs/data/make_lora_adapter.py"), str(tmp_path / "demo")],
+                          capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    result = CliRunner().invoke(main, ["run", str(repo / "jobs/lora.toml"), "--lora", f"demo={tmp_path / 'demo'}",
+                                       "--input", str(repo / "jobs/data/lora.jsonl"), "--output", str(tmp_path / "o"),
+                                       "--max-tokens", "12", "--no-progress"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = read_results(tmp_path / "o").sort_by("row_index").to_pylist()
+    assert [r["error"] for r in rows] == [None] * 4 and rows[0]["generated_text"] != rows[1]["generated_text"]
