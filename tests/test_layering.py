@@ -28,8 +28,12 @@ LAYERS = {
     "batchjob.io": ("batchjob.errors", "batchjob.version"),
     "batchjob.images": ("batchjob.errors",),  # reading and decoding a row's images, pixel values
     "batchjob.cluster": ("batchjob.io", "batchjob.errors"),
+    "batchjob.tools": (),  # a row's tools, the call parsers and grammars: plain data and text
+    "batchjob.reasoning": ("batchjob.engine", "batchjob.errors"),  # thinking split from answers; budgets as grammars
+    "batchjob.lora": ("batchjob.models", "batchjob.kernels", "batchjob.errors"),  # adapters read and put on a model
     "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
-                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.version"),
+                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.version", "batchjob.tools",
+                     "batchjob.reasoning", "batchjob.lora"),
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
                      "batchjob.cluster", "batchjob.images", "batchjob.errors", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from batchjob.engine.core.sequence import ImageSlot, Pooling, PoolingParams, SamplingParams, Sequence
-from batchjob.engine.structured.spec import StructuredOutputsError, from_response_format
+from batchjob.engine.structured.spec import StructuredOutputs, StructuredOutputsError, from_response_format
 
-__all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputsError",
-           "from_response_format"]
+__all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputs",
+           "StructuredOutputsError", "from_response_format"]
 
 
 class EngineRequest(NamedTuple):  # NamedTuples: immutable, and cheap to make (one per row of a job)

@@ -7,8 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchjob.engine.requests import SamplingParams
-from batchjob.engine.structured.spec import StructuredOutputs
+from batchjob.engine.requests import SamplingParams, StructuredOutputs
 from batchjob.errors import ConfigError
 from batchjob.tools.grammar import AUTO_CONSTRAINED, CONSTRAINED, auto_grammar, call_grammar
 from batchjob.tools.parsers import PARSERS, detect

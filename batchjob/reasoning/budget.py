@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from batchjob.engine.requests import SamplingParams
-from batchjob.engine.structured.spec import StructuredOutputs
+from batchjob.engine.requests import SamplingParams, StructuredOutputs
 from batchjob.reasoning.parsers import ReasoningParser
 
 
