@@ -65,6 +65,13 @@ def run(model: Path, rows: list[dict], out: Path, extra: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def text(r: dict) -> str:
+    return (f"  LoRA: W1 ({r['rows']} rows) over {r['adapters']} rank-{r['rank']} adapters on {', '.join(r['targets'])}: "
+            f"{r['lora_s']:.1f} s whole process; the base model {r['base_s']:.1f} s ({r['lora_s'] / r['base_s']:.2f}x, "
+            f"target <= 1.3x); 8 separate jobs on the base model, as merged copies run, {r['separate_jobs_s']:.1f} s "
+            f"({r['separate_jobs_s'] / r['lora_s']:.2f}x ours)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all-linear", action="store_true", help="adapters on every projection, not q_proj and v_proj")
@@ -83,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     separate_s = sum(run(model, rows[k::ADAPTERS], work / f"merged-{k}", []) for k in range(ADAPTERS))
     result = {"rows": len(rows), "adapters": ADAPTERS, "rank": RANK, "targets": targets, "lora_s": lora_s,
               "base_s": base_s, "separate_jobs_s": separate_s}
-    print(f"  LoRA: W1 (64 rows) over {ADAPTERS} rank-{RANK} adapters on {', '.join(targets)}: {lora_s:.1f} s whole "
-          f"process; base model {base_s:.1f} s ({lora_s / base_s:.2f}x, target <= 1.3x); 8 separate jobs (merged "
-          f"copies) {separate_s:.1f} s ({separate_s / lora_s:.2f}x ours)", file=sys.stderr)
+    print(text(result), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import cpu_peers, images, kv_speed, moe, prefill, report, speculative, structured
+from batchjob.bench import cpu_peers, images, kv_speed, lora, moe, prefill, report, speculative, structured
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -254,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         image_rows, err = launch.run_json_module("batchjob.bench.images", ["--rows", str(n)], 3 * args.timeout)
         log(images.text(image_rows) if err is None else f"  failed: {err}")
 
+    lora_rows = None
+    if not args.pipeline_only and not args.quick:
+        log("LoRA: W1 over 8 rank-16 adapters on SmolLM2 vs the base model and 8 separate jobs ...")
+        lora_rows, err = launch.run_json_module("batchjob.bench.lora", [], args.timeout)
+        log(lora.text(lora_rows) if err is None else f"  failed: {err}")
+
     structured_rows = None
     if not args.no_structured and not args.pipeline_only:
         log("structured outputs: a 64-row job with every row JSON-schema constrained vs unconstrained ...")
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
         "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "cpu_peers": peer_rows, "moe": moe_rows, "structured": structured_rows,
-        "prefill": prefill_rows, "images": image_rows,
+        "prefill": prefill_rows, "images": image_rows, "lora": lora_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
             "process_s": "process start (interpreter, imports, model load, warm-up) to ready, plus this workload's generation",
@@ -322,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         log("")
     if image_rows:
         log(images.text(image_rows))
+        log("")
+    if lora_rows:
+        log(lora.text(lora_rows))
         log("")
     if moe_rows:
         log("MoE vs its dense equivalent (same active parameters):")
