@@ -1,9 +1,11 @@
-"""LoRA adapters on a built model: each adapter has a slot; every base matmul an adapter targets is wrapped so that, for
-the step's tokens of each slot, `(x A^T) B^T` is added to its output slice (shrink, then expand; the scale folded
-into B), beside the base matmul (which may be int8: the adapter stays in the compute dtype). Fused projections take
-their parts' deltas in their own output slices (q, k, v of QKV; gate and up). A token's delta comes from its own row
-through matmuls that give the same sums for any number of rows (kernels/linear.py Linear): a row's output does not
-depend on which adapters, or how many rows, share its step."""
+"""LoRA adapters on a built model: each adapter has a slot; every base matmul an adapter targets is wrapped so that
+each token gets `(x A^T) B^T` of its own adapter added beside the base matmul (which may be int8: the adapter stays in
+the compute dtype), the scale folded into B. Fused projections take their parts' deltas in their own output columns
+(q, k, v of QKV; gate and up). The shrink and the expand are one matmul each over every adapter's stacked A and B (a
+token's other slots zeroed between them, as punica's and vLLM's batched LoRA kernels do per segment), through
+matmuls that give the same sums for any number of rows (kernels/linear.py Linear): a row's output does not depend on
+which adapters, or how many rows, share its step; a step costs two small matmuls per targeted projection whatever
+its adapters (measured: 8 adapters as one matmul each per adapter were 1.66x the base job; docs/benchmarks.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,52 +19,45 @@ from batchjob.models.layers import MLP
 from batchjob.models.step_context import ModelFeature
 
 
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One adapter's share of one base matmul: its A (shrink) and scaled B (expand), into output columns [start, end)."""
-    a: Linear
-    b: Linear
-    start: int
-    end: int
-
-
 @dataclass(slots=True, eq=False)
 class AdapterSet:
-    """The adapters on a model, slot i = adapters[i]; `segments`: this step's (slot, token indices), set by the
-    model's forward from the step's adapter ids and read by every wrapped matmul."""
+    """The adapters on a model, slot i = adapters[i]; `keep`: this step's [tokens, slots] one-hot of each token's
+    adapter (all zero for the base model's tokens), set by the model's forward from the step's adapter ids and read
+    by every wrapped matmul; None: no adapter in the step."""
     adapters: list[LoraAdapter]
-    segments: list[tuple[int, torch.Tensor]] | None = None
+    keep: torch.Tensor | None = None
     slots: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = {a.name: i for i, a in enumerate(self.adapters)}
 
-    def begin(self, adapter_ids: torch.Tensor | None) -> None:
-        """The step's segments: for each adapter in it, the indices of its tokens (ascending)."""
+    def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype) -> None:
         if adapter_ids is None:
-            self.segments = None
+            self.keep = None
             return
-        present = sorted(set(adapter_ids.tolist()) - {-1})
-        self.segments = [(s, (adapter_ids == s).nonzero().squeeze(1)) for s in present]
+        ids = adapter_ids.long()
+        self.keep = (torch.nn.functional.one_hot(ids.clamp(min=0), len(self.adapters)) * (ids >= 0)[:, None]).to(dtype)
 
 
 @dataclass(slots=True, eq=False)
 class LoraMatmul:
-    """A base matmul with its adapters' deltas added for their tokens."""
+    """A base matmul with its adapters' deltas: every adapter's A stacked (slot s's ranks in rows [s R, (s+1) R)), one
+    shrink of all tokens; each token's own slot kept (the others zeroed); one expand through every adapter's B laid
+    out block by block over the output columns its parts target. Two matmuls per step whatever the step's adapters,
+    in a layout fixed by the model's slots: a token's result is the same in any step."""
     base: WeightMatmul
-    parts: dict[int, tuple[Part, ...]]  # slot -> parts
+    a: Linear  # [slots * R, in]
+    b: Linear  # [out, slots * R], the scale folded in
+    rank: int  # R: the largest sum of ranks of one adapter's parts here (smaller ones zero-padded)
     adapters: AdapterSet
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, idx in self.adapters.segments or ():
-            parts = self.parts.get(slot)
-            if not parts:
-                continue
-            xs = x.index_select(0, idx)
-            for p in parts:
-                y[idx, p.start:p.end] += p.b(p.a(xs))
-        return y
+        keep = self.adapters.keep
+        if keep is None:
+            return y
+        h = self.a(x).view(x.shape[0], keep.shape[1], self.rank) * keep[:, :, None]
+        return y + self.b(h.view(x.shape[0], -1))
 
 
 def _places(model) -> dict[str, tuple[str, str, int, int, int]]:
@@ -80,7 +75,7 @@ def attach(model, adapters: list[LoraAdapter]) -> AdapterSet:
     """Put `adapters` on `model` (a DecoderLM) as slots 0..n-1; LoraError names an adapter that does not fit it."""
     places, dtype, device = _places(model), model.dtype, model.device
     found = AdapterSet(list(adapters))
-    wrapped: dict[tuple[int, str, str], dict[int, list[Part]]] = {}
+    pieces: dict[tuple[int, str, str], dict[int, list]] = {}  # (layer, block, matmul) -> slot -> [(A, B, start, end)]
     for slot, adapter in enumerate(adapters):
         where = f"lora {adapter.name!r} ({adapter.path})"
         for (layer, module), (a, b) in sorted(adapter.weights.items()):
@@ -92,12 +87,26 @@ def attach(model, adapters: list[LoraAdapter]) -> AdapterSet:
             if a.shape[1] != width or b.shape[0] != end - start:
                 raise LoraError(f"{where}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
                                 f"the base model's {width} -> {end - start} projection (another base model?)")
-            part = Part(Linear(a.to(device=device, dtype=dtype)), Linear((b * adapter.scale).to(device=device, dtype=dtype)),
-                        start, end)
-            wrapped.setdefault((layer, block, name), {}).setdefault(slot, []).append(part)
-    for (layer, block, name), parts in wrapped.items():
+            pieces.setdefault((layer, block, name), {}).setdefault(slot, []).append((a, b * adapter.scale, start, end))
+
+    slots, width = len(adapters), {name: w for name, (_, _, _, _, w) in places.items()}
+    out_of = {("attn", "qkv"): places["qkv_proj"][3], ("attn", "o"): places["o_proj"][3],
+              ("mlp", "gate_up"): places["gate_up_proj"][3], ("mlp", "down"): places["down_proj"][3]}
+    in_of = {("attn", "qkv"): width["qkv_proj"], ("attn", "o"): width["o_proj"],
+             ("mlp", "gate_up"): width["gate_up_proj"], ("mlp", "down"): width["down_proj"]}
+    for (layer, block, name), by_slot in pieces.items():
+        rank = max(sum(a.shape[0] for a, _, _, _ in parts) for parts in by_slot.values())
+        a_all = torch.zeros(slots * rank, in_of[block, name])
+        b_all = torch.zeros(out_of[block, name], slots * rank)
+        for slot, parts in by_slot.items():
+            r = slot * rank
+            for a, b, start, end in parts:
+                a_all[r:r + a.shape[0]] = a
+                b_all[start:end, r:r + a.shape[0]] = b
+                r += a.shape[0]
         holder = getattr(model.layers[layer], block)
-        setattr(holder, name, LoraMatmul(getattr(holder, name), {s: tuple(p) for s, p in parts.items()}, found))
+        setattr(holder, name, LoraMatmul(getattr(holder, name), Linear(a_all.to(device=device, dtype=dtype)),
+                                         Linear(b_all.to(device=device, dtype=dtype)), rank, found))
     model.adapters = found
     model.features = model.features | {ModelFeature.LORA}
     return found
