@@ -115,3 +115,29 @@ def test_bf16_sampled_rows_alone_equal_batched(tmp_path):
     sampled = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True)
     batched = run(model, ROWS, params=sampled, block_size=16)
     assert [run(model, [row], params=sampled, block_size=16, first=i)[0] for i, row in enumerate(ROWS)] == batched
+
+
+def test_adapters_on_int8_weight_matmuls_change_only_their_rows_and_stay_batch_invariant(tmp_path):
+    """Under --quantization int8 the base matmuls are int8 and the adapters stay in the compute dtype: the base rows
+    give the int8 model's own tokens, the adapter rows others, and bf16 sampled rows alone = batched."""
+    base = make_base("llama")
+    paths = save_adapters(base, tmp_path)
+    d = base.config.to_dict()
+    d["architectures"] = [type(base).__name__]
+    config = config_from_hf(d)
+
+    def build(with_adapters: bool):
+        weights = canonical_weights(config, {k: v.detach().clone().to(torch.bfloat16) for k, v in base.state_dict().items()})
+        model = build_model(config, weights, torch.bfloat16, kernels="auto", quantization="int8")
+        if with_adapters:
+            attach(model, [read_adapter(f"a{k}", p) for k, p in enumerate(paths)])
+        return model
+
+    plain, adapted = build(False), build(True)
+    rows = [(p, s) for p in range(len(PROMPTS)) for s in (-1, 1)]
+    want_base = run(plain, [(p, -1) for p in range(len(PROMPTS))])
+    got = run(adapted, rows)
+    assert got[0::2] == want_base and got[1::2] != want_base
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True)
+    batched = run(adapted, rows, params=sampled, block_size=16)
+    assert [run(adapted, [row], params=sampled, block_size=16, first=i)[0] for i, row in enumerate(rows)] == batched
