@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchjob.kernels.reference import elementwise
+from batchjob.kernels.reference import lora as reference_lora
 from batchjob.kernels.reference import norm as reference_norm
 from batchjob.kernels.reference import rotary as reference_rotary
 
@@ -78,6 +79,12 @@ class KernelSet:
     def prepare_rotary(self, rope, positions: torch.Tensor):
         """What `rotary` takes for this step, shared by every layer (a pair with `rotary`)."""
         return rope.table(positions)
+
+    def lora(self, x: torch.Tensor, y: torch.Tensor, weights, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """y (a projection's base output for x) + each token's own adapter's `(x A^T) B^T` (kernels/reference/lora.py):
+        `weights` a LoraWeights, `slots` int32 [T] (-1: none), `keep` [T, slots] their one-hot. The CPU path (one
+        stacked shrink and expand with row-count-invariant matmuls) unless the backend has kernels of its own."""
+        return reference_lora.lora_stacked(x, y, weights, keep)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, prepared) -> tuple[torch.Tensor, torch.Tensor]:
         return reference_rotary.apply_rotary(q, k, *prepared)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchjob.kernels import Linear
+from batchjob.kernels.reference.lora import LoraWeights
 from batchjob.kernels.quantization import WeightMatmul
 from batchjob.lora.adapter import LoraAdapter, LoraError
 from batchjob.models.layers import MLP
@@ -21,17 +21,20 @@ from batchjob.models.step_context import ModelFeature
 
 @dataclass(slots=True, eq=False)
 class AdapterSet:
-    """The adapters on a model, slot i = adapters[i]; `keep`: this step's [tokens, slots] one-hot of each token's
-    adapter (all zero for the base model's tokens), set by the model's forward from the step's adapter ids and read
-    by every wrapped matmul; None: no adapter in the step."""
+    """The adapters on a model, slot i = adapters[i], and this step's: each token's slot (int32 [T], -1: the base
+    model's) and their one-hot [T, slots], set by the model's forward and read by every wrapped matmul (None: no
+    adapter in the step), and the kernel set that computes the deltas (kernels/interface.py KernelSet.lora)."""
     adapters: list[LoraAdapter]
+    ids: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    ops: object = None
     slots: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = {a.name: i for i, a in enumerate(self.adapters)}
 
-    def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype, ops) -> None:
+        self.ids, self.ops = adapter_ids, ops
         if adapter_ids is None:
             self.keep = None
             return
@@ -41,23 +44,18 @@ class AdapterSet:
 
 @dataclass(slots=True, eq=False)
 class LoraMatmul:
-    """A base matmul with its adapters' deltas: every adapter's A stacked (slot s's ranks in rows [s R, (s+1) R)), one
-    shrink of all tokens; each token's own slot kept (the others zeroed); one expand through every adapter's B laid
-    out block by block over the output columns its parts target. Two matmuls per step whatever the step's adapters,
-    in a layout fixed by the model's slots: a token's result is the same in any step."""
+    """A base matmul with its adapters' deltas, computed by the step's kernel set (the CPU path: two matmuls a step
+    over every adapter's stacked A and B, whatever the step's adapters; Triton: per-token shrink and expand)."""
     base: WeightMatmul
-    a: Linear  # [slots * R, in]
-    b: Linear  # [out, slots * R], the scale folded in
-    rank: int  # R: the largest sum of ranks of one adapter's parts here (smaller ones zero-padded)
+    weights: LoraWeights  # every slot's A [slots, R, in] and B [slots, out, R], zero-padded
     adapters: AdapterSet
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        keep = self.adapters.keep
-        if keep is None:
+        a = self.adapters
+        if a.keep is None:
             return y
-        h = self.a(x).view(x.shape[0], keep.shape[1], self.rank) * keep[:, :, None]
-        return y + self.b(h.view(x.shape[0], -1))
+        return a.ops.lora(x, y, self.weights, a.ids, a.keep)
 
 
 def _places(model) -> dict[str, tuple[str, str, int, int, int]]:
@@ -96,17 +94,17 @@ def attach(model, adapters: list[LoraAdapter]) -> AdapterSet:
              ("mlp", "gate_up"): width["gate_up_proj"], ("mlp", "down"): width["down_proj"]}
     for (layer, block, name), by_slot in pieces.items():
         rank = max(sum(a.shape[0] for a, _, _, _ in parts) for parts in by_slot.values())
-        a_all = torch.zeros(slots * rank, in_of[block, name])
-        b_all = torch.zeros(out_of[block, name], slots * rank)
+        a_all = torch.zeros(slots, rank, in_of[block, name])
+        b_all = torch.zeros(slots, out_of[block, name], rank)
         for slot, parts in by_slot.items():
-            r = slot * rank
+            r = 0
             for a, b, start, end in parts:
-                a_all[r:r + a.shape[0]] = a
-                b_all[start:end, r:r + a.shape[0]] = b
+                a_all[slot, r:r + a.shape[0]] = a
+                b_all[slot, start:end, r:r + a.shape[0]] = b
                 r += a.shape[0]
         holder = getattr(model.layers[layer], block)
-        setattr(holder, name, LoraMatmul(getattr(holder, name), Linear(a_all.to(device=device, dtype=dtype)),
-                                         Linear(b_all.to(device=device, dtype=dtype)), rank, found))
+        weights = LoraWeights.of(a_all.to(device=device, dtype=dtype), b_all.to(device=device, dtype=dtype))
+        setattr(holder, name, LoraMatmul(getattr(holder, name), weights, found))
     model.adapters = found
     model.features = model.features | {ModelFeature.LORA}
     return found

@@ -76,7 +76,7 @@ class DecoderLM:
         """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
         step.check(self.features, self.config.architecture)
         if self.adapters is not None:
-            self.adapters.begin(step.adapter_ids, self.dtype)
+            self.adapters.begin(step.adapter_ids, self.dtype, self.kernels)
         ops, eps, positions, meta = self.kernels, self.config.rms_norm_eps, step.positions, step.meta
         h = self.embeddings(step)  # the residual stream, updated in place by add_rms_norm
         rotaries = self.rotaries

@@ -2,7 +2,7 @@
 
 Must equal: kernels/reference/attention.py (store_kv, paged_attention_torch with its window and softcap),
 kernels/reference/norm.py (rms_norm), kernels/reference/rotary.py (apply_rotary) and kernels/reference/elementwise.py
-(silu_mul, gelu_tanh_mul, softcap); argmax stays the reference's (KernelSet's default). Tested by
+(silu_mul, gelu_tanh_mul, softcap) and kernels/reference/lora.py (lora_shrink, lora_expand); argmax stays the reference's (KernelSet's default). Tested by
 tests/kernels/test_triton_kernels.py under the interpreter (TRITON_INTERPRET=1, fp32 and fp16: the interpreter
 computes bf16 on raw bits); on CUDA the same cases run by `python -m tests.kernels.triton_cases --device cuda`.
 Every kernel loads its inputs, computes in fp32 and casts only at the store.
@@ -21,6 +21,7 @@ import torch
 from batchjob.kernels.interface import KernelSet
 from batchjob.kernels.triton import attention as triton_attention
 from batchjob.kernels.triton import elementwise as triton_elementwise
+from batchjob.kernels.triton import lora as triton_lora
 from batchjob.kernels.triton.attention import triton
 
 
@@ -56,6 +57,9 @@ class TritonKernels(KernelSet):
 
     def attention(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None):
         return triton_attention.attention(q, k_cache, v_cache, meta, scale, self.block_size, window, softcap)
+
+    def lora(self, x, y, weights, slots, keep):
+        return triton_lora.lora_expand(y, triton_lora.lora_shrink(x, weights.a, slots), weights.b, slots)
 
     def graph_plan(self, max_context: int) -> dict:
         """Decode plans from shapes alone, for CUDA graphs (batchjob/engine/worker/cuda_graphs.py)."""

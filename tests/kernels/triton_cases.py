@@ -105,6 +105,7 @@ def run(device: str, only: str | None = None) -> int:
         name = f"attention d64 g3 b16 {str(dt)[6:]} image runs" + (f" window {window}" if window else "")
         cases.append((name, lambda dt=dt, w=window: attention_case(64, 3, 16, dt, device, SPEC, w, runs=RUNS)))
     for dt in (torch.float32, torch.float16):
+        cases.append((f"lora shrink and expand {str(dt)[6:]}", lambda dt=dt: lora_case(dt, device)))
         cases.append((f"norms {str(dt)[6:]}", lambda dt=dt: norm_case(dt, device)))
         cases.append((f"rotary {str(dt)[6:]}", lambda dt=dt: rotary_case(dt, device)))
         cases.append((f"silu_mul {str(dt)[6:]}", lambda dt=dt: silu_case(dt, device)))
@@ -136,6 +137,32 @@ def run(device: str, only: str | None = None) -> int:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
     return failed
+
+
+def lora_case(dtype, device):
+    """Per-token LoRA shrink and expand (kernels/triton/lora.py) against the reference: 3 slots of rank 24 (not a power
+    of two), 200 output columns (not a multiple of the tile), tokens of every slot and of none (-1)."""
+    from batchjob.kernels.reference import lora as reference_lora
+    from batchjob.kernels.triton import lora as triton_lora
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 96, generator=g).to(dtype)
+    a = (torch.randn(3, 24, 96, generator=g) * 0.2).to(dtype)
+    b = (torch.randn(3, 200, 24, generator=g) * 0.2).to(dtype)
+    y = torch.randn(9, 200, generator=g).to(dtype)
+    slots = torch.tensor([0, -1, 2, 1, 1, -1, 0, 2, 2], dtype=torch.int32)
+    dev = lambda t: t.to(device)  # noqa: E731
+    h = triton_lora.lora_shrink(dev(x), dev(a), dev(slots))
+    ref_h = reference_lora.lora_shrink(x, a, slots)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    err = (h.float().cpu() - ref_h.float()).abs().max().item()
+    assert err < tol * 10, f"shrink max error {err:.2e}"
+    out = triton_lora.lora_expand(dev(y).clone(), dev(ref_h), dev(b), dev(slots)).float().cpu()
+    ref = reference_lora.lora_expand(y, ref_h, b, slots).float()
+    err = max(err, (out - ref).abs().max().item())
+    assert (out - ref).abs().max().item() < tol * 10, f"expand max error {(out - ref).abs().max().item():.2e}"
+    assert torch.equal(out[slots == -1], y[slots == -1].float()), "a token of no adapter changed"
+    return err
 
 
 def norm_case(dtype, device):
