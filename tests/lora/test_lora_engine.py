@@ -141,3 +141,20 @@ def test_adapters_on_int8_weight_matmuls_change_only_their_rows_and_stay_batch_i
     sampled = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True)
     batched = run(adapted, rows, params=sampled, block_size=16)
     assert [run(adapted, [row], params=sampled, block_size=16, first=i)[0] for i, row in enumerate(rows)] == batched
+
+
+def test_prefix_cache_keys_include_the_adapter(tmp_path):
+    """The same prompt under the base, then an adapter, then the same adapter again: only the last is a hit."""
+    base = make_base("llama")
+    model = ours(base, save_adapters(base, tmp_path))
+    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=4, enable_prefix_caching=True))
+    prompt = PROMPTS[2]
+    hits = []
+    for slot in (-1, 0, 0, 1):
+        engine.submit(EngineRequest(prompt, GREEDY, seed=0, row_index=0, lora=slot))
+        hit = 0
+        while engine.has_work:
+            engine.run_step()
+            hit += engine.last_stats.prefix_hit_tokens if engine.last_stats else 0
+        hits.append(hit)
+    assert hits[0] == hits[1] == hits[3] == 0 and hits[2] == 8  # its full blocks but the last
