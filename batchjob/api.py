@@ -331,24 +331,42 @@ class LLMStage:
     def __init__(self, model: str = "smollm2", engine: dict | None = None, **options: Any):
         """`engine`: LLM(...) keywords (dtype, kv_cache_gb, max_num_seqs, ...); `options`: generate()'s (sampling
         parameters, chat, chat_template, system_prompt). Batches given at once (Ray Data's `max_concurrency` in
-        `ray_remote_args`) share the engine's steps (job/row_server.py)."""
-        llm = self.llm = LLM(model, **(engine or {}))
+        `ray_remote_args`) share the engine's steps (job/row_server.py). The model loads at the first batch, on the
+        thread that runs it: Ray Data calls a stage from a thread of its own, and OpenMP's workers are fast only for
+        the one thread that makes them (libgomp throttles its workers' spinning once a second thread has a team of its
+        own: the stage ran 1.6x slower when the model loaded on the actor's main thread; docs/benchmarks.md)."""
         check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "LLMStage()")
-        cfg, builder = llm._prepare([], dict(options))
+        self._args, self._engine_options, self._options = model, dict(engine or {}), options
+        self._server: RowServer | None = None
+        self._start = threading.Lock()
 
-        def reset() -> None:
-            llm._engine = None
+    @property
+    def llm(self) -> LLM:
+        return self.server.llm
 
-        self.server = RowServer(lambda: llm.engine, llm.tokenizer, cfg, builder, reset)
+    @property
+    def server(self) -> RowServer:
+        with self._start:
+            if self._server is None:
+                llm = LLM(self._args, **self._engine_options)
+                cfg, builder = llm._prepare([], dict(self._options))
+
+                def reset() -> None:
+                    llm._engine = None
+
+                self._server = RowServer(lambda: llm.engine, llm.tokenizer, cfg, builder, reset)
+                self._server.llm = llm
+            return self._server
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         names = list(batch)
         rows = [{k: _plain(v) for k, v in zip(names, values)} for values in zip(*(batch[k] for k in names))]
         # the prompt's fields go to the engine; every column comes back as it was
         records = prompt_records([{k: v for k, v in row.items() if k in PROMPT_KEYS and v is not None} for row in rows])
+        server = self.server
         if any(isinstance(r, dict) and r.get("messages") is not None for r in records):
-            check_chat_template(self.server.builder.chat_template or self.llm.tokenizer.chat_template)
-        results = self.server.submit(records)
+            check_chat_template(server.builder.chat_template or server.llm.tokenizer.chat_template)
+        results = server.submit(records)
         out = {k: list(batch[k]) for k in names}
         for column, field in zip(STAGE_COLUMNS, ("text", "finish_reason", "prompt_tokens", "completion_tokens",
                                                   "error")):

@@ -1,7 +1,7 @@
-"""Several callers' rows through one engine at once: each `submit` (from any thread) hands its records to a loop
-thread that owns the engine and feeds every caller's rows into the same row loop (job/in_memory.py run_rows), so a
-batch that arrives while another runs joins its steps (continuous batching across batches, as Ray Data LLM's
-`max_concurrency`); the call returns its own Results, in order. A row's random stream comes from its index in its
+"""Several callers' rows through one engine at once: each `submit` (from any thread) queues its records; one caller
+at a time runs the row loop (job/in_memory.py run_rows) over every caller's rows, so a batch that arrives while
+another runs joins its steps (continuous batching across batches, as Ray Data LLM's `max_concurrency`); each call
+returns its own Results, in order. A row's random stream comes from its index in its
 own batch, so a batch's text does not depend on what shared its steps."""
 from __future__ import annotations
 
@@ -52,32 +52,44 @@ class _Arrivals:
 class RowServer:
     def __init__(self, engine: Callable[[], Engine], tokenizer, cfg: JobConfig, builder: PromptBuilder,
                  reset: Callable[[], None] = lambda: None):
-        """`engine`: gives the engine (built on first use, on the loop thread); `reset`: after a failed loop (rows
-        may be left in the engine), start clean."""
+        """`engine`: gives the engine (built on first use); `reset`: after a failed loop (rows may be left in the
+        engine), start clean."""
         self.engine, self.tokenizer, self.cfg, self.builder, self.reset = engine, tokenizer, cfg, builder, reset
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start = threading.Lock()
+        self._serving = threading.Lock()
+        self.llm = None  # the API's LLM behind `engine`, where a caller keeps it here (api.py LLMStage)
 
     def submit(self, records: list) -> list[Result]:
-        """Each record's Result, in order, once all of them are done (blocks; safe from several threads)."""
+        """Each record's Result, in order, once all of them are done (blocks; safe from several threads). The calling
+        thread runs the row loop itself when no other caller is running it (then every caller's rows go through it
+        until none are left), so a lone caller computes on its own thread: OpenMP's workers serve the thread that
+        made them, and a loop on a thread of its own ran 1.7x slower than on the caller's (Ray Data's stage, 2 cores:
+        docs/benchmarks.md)."""
         batch = _Batch(records)
-        with self._start:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="batchjob-rows", daemon=True)
-                self._thread.start()
         self.inbox.put(batch)
-        batch.finished.wait()
+        while not batch.finished.is_set():
+            if self._serving.acquire(blocking=False):
+                try:
+                    self._serve()
+                finally:
+                    self._serving.release()
+            else:  # another caller runs the loop and will take these rows; wake to take over if it is done
+                batch.finished.wait(timeout=0.05)
         if batch.error is not None:
             raise batch.error
         return batch.results
 
     def _serve(self) -> None:
+        """The row loop over every batch queued, until none is waiting and the engine is idle."""
         while True:
+            try:
+                first = self.inbox.get_nowait()
+            except queue.Empty:
+                return
             active: list[_Batch] = []
             try:
-                run_rows(self.engine(), self.tokenizer, self.cfg, self.builder,
-                         _Arrivals(self.inbox, self.inbox.get(), active), self._done)
+                run_rows(self.engine(), self.tokenizer, self.cfg, self.builder, _Arrivals(self.inbox, first, active),
+                         self._done)
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets the error; the loop goes on
                 self.reset()
                 for batch in active:
