@@ -87,9 +87,9 @@ class RowServer:
             except queue.Empty:
                 return
             active: list[_Batch] = []
+            arrivals = _Arrivals(self.inbox, first, active)  # `first` is active before anything can fail
             try:
-                run_rows(self.engine(), self.tokenizer, self.cfg, self.builder, _Arrivals(self.inbox, first, active),
-                         self._done)
+                run_rows(self.engine(), self.tokenizer, self.cfg, self.builder, arrivals, self._done)
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets the error; the loop goes on
                 self.reset()
                 for batch in active:
