@@ -21,7 +21,6 @@ from batchjob.reasoning.harmony import HarmonyParser
 from batchjob.reasoning.split import Split
 
 PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")  # --reasoning-parser's names besides auto
-LATER: dict[str, str] = {}  # parsers named but not built yet: name -> what they would read
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +110,8 @@ def reasoning_parser(name: str, token_id: Callable[[str], int | None], template:
 
 
 def check_parser_name(name: str, error: type[Exception] | None = None) -> None:
-    """Raises `error` (ReasoningParserError) naming the choices for a name that is not one, or not built yet."""
+    """Raises `error` (ReasoningParserError) naming the choices for a name that is not one."""
     error = error or ReasoningParserError
-    if name in LATER:
-        raise error(f"reasoning_parser {name!r}: {LATER[name]} is not implemented yet; choices: auto, "
-                    f"{', '.join(PARSERS)}")
     if name != "auto" and name not in PARSERS:
         raise error(f"reasoning_parser {name!r} is unknown; choices: auto, {', '.join(PARSERS)}")
 

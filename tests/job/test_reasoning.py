@@ -144,11 +144,8 @@ def test_a_thinking_budget_closes_the_thinking_and_the_row_answers(tmp_path, thi
 
 
 def test_a_budgeted_job_is_the_same_alone_batched_and_after_sigkill(tmp_path, thinker):
-    import subprocess
-    import sys
-    import time
-
     from batchjob.io.manifest import Manifest
+    from tests.job.test_resume import start_job, wait_for_parts
 
     (tmp_path / "t.jinja").write_text(QWEN3_THINKING)
     src = write_jsonl(tmp_path / "in.jsonl", [chat(f"question number {i}") for i in range(400)])
@@ -164,18 +161,8 @@ def test_a_budgeted_job_is_the_same_alone_batched_and_after_sigkill(tmp_path, th
         texts[name] = [(r["reasoning"], r["generated_text"]) for r in rows]
     assert texts["batched"] == texts["alone"] and len(set(texts["batched"])) > 300
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", *map(str, args), "--output", str(out),
-                             "--max-num-seqs", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if len(Manifest.load(out).parts) >= 1:
-                break
-        except Exception:  # noqa: BLE001 - not written yet
-            pass
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+    proc = start_job(*args, "--output", out, "--max-num-seqs", 4)
+    wait_for_parts(out, proc, parts=1)
     proc.kill()
     proc.communicate(timeout=60)
     assert 0 < Manifest.load(out).done_rows().count() < 400

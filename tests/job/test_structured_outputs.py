@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,8 +15,8 @@ from batchjob.cli.main import main
 from batchjob.errors import ConfigError
 from batchjob.io.manifest import Manifest
 from batchjob.io.parts import read_results
+from tests.job.test_resume import start_job, wait_for_parts
 
-REPO = Path(__file__).resolve().parents[2]
 FAST = ["--kv-cache-gb", "0.02", "--swap-space-gb", "0.01", "--no-progress"]
 
 PERSON = {"type": "object", "properties": {
@@ -156,19 +153,8 @@ def test_a_structured_job_resumes_after_sigkill_with_identical_text(tmp_path, ti
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = ["--model", model, "--input", src, "--max-tokens", 10, "--part-rows", 10, "--max-num-seqs", 8, *FAST]
     cli("run", *args, "--output", ref)
-    proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", *map(str, args), "--output", str(out)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    import time
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if len(Manifest.load(out).parts) >= 2:
-                break
-        except Exception:  # noqa: BLE001 - not written yet
-            pass
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    proc = start_job(*args, "--output", out)
+    wait_for_parts(out, proc, parts=2)
     proc.kill()
     proc.communicate(timeout=60)
     assert 0 < Manifest.load(out).done_rows().count() < 240

@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from batchjob.cli.main import main
 from batchjob.io.manifest import Manifest
 from batchjob.io.parts import read_results
 from tests.builders import write_jsonl
+from tests.job.test_resume import start_job, wait_for_parts
 from tests.lora.test_lora_engine import ADAPTERS, make_base, reference, save_adapters
 
 peft = pytest.importorskip("peft")
@@ -96,17 +96,8 @@ def test_a_lora_job_resumes_after_sigkill_with_identical_text(tmp_path, folders)
     ref = CliRunner().invoke(main, ["run", *map(str, args), "--output", str(tmp_path / "ref")], catch_exceptions=False)
     assert ref.exit_code == 0, ref.output
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli.main", "run", *map(str, args), "--output", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if len(Manifest.load(out).parts) >= 1:
-                break
-        except Exception:  # noqa: BLE001 - not written yet
-            pass
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+    proc = start_job(*args, "--output", out)
+    wait_for_parts(out, proc, parts=1)
     proc.kill()
     proc.communicate(timeout=60)
     assert 0 < Manifest.load(out).done_rows().count() < 400
