@@ -34,8 +34,9 @@ LAYERS = {
     "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
                      "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.version", "batchjob.tools",
                      "batchjob.reasoning", "batchjob.lora"),
+    "batchjob.ray": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors"),  # shards on Ray
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
-                     "batchjob.cluster", "batchjob.images", "batchjob.errors", "batchjob.version", "batchjob.bench"),
+                     "batchjob.cluster", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
                        "batchjob.io", "batchjob.cluster", "batchjob.images", "batchjob.device", "batchjob.errors",
                        "batchjob.version"),

@@ -9,6 +9,7 @@ import click
 
 from batchjob.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RESUMABLE, EXIT_USAGE, ConfigError
 from batchjob.job.config import SECTIONS, load_job
+from batchjob.job.failures import job_failures
 from batchjob.job.threads import choose_wait_policy
 from batchjob.cli.run_options import run_options
 
@@ -45,7 +46,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
             _fail(e, EXIT_USAGE)
         try:  # before torch is imported: what needs no model is said in a second (job/preflight.py)
             summary = preflight(cfg, restart=restart)
-        except _job_failures(with_torch=False) as e:
+        except job_failures(with_torch=False) as e:
             _fail(e, EXIT_FAILED)
         if summary is not None:
             click.echo(summary.line())
@@ -75,7 +76,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     except ConfigError as e:
         _fail(e, EXIT_USAGE)
     except Exception as e:  # noqa: BLE001 - a job that cannot go on: one line; a bug: the traceback kept in a file
-        if isinstance(e, _job_failures()):
+        if isinstance(e, job_failures()):
             _ignore_sigint()
             _fail(e, EXIT_FAILED)
         _internal_error(e, cfg.output)
@@ -97,23 +98,6 @@ def _ignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-
-
-def _job_failures(with_torch: bool = True) -> tuple[type[Exception], ...]:
-    """The errors that end a run with one line and exit 1, imported here: some of their modules import torch, which
-    the preflight's (`with_torch=False`) must not."""
-    from batchjob.errors import KvBudgetError, ModelLoadError
-    from batchjob.io.recovery import SinkError
-    from batchjob.io.sources import SourceError
-    from batchjob.job.error_budget import TooManyErrors
-
-    light = (SourceError, ModelLoadError, SinkError, TooManyErrors, KvBudgetError)
-    if not with_torch:
-        return light
-    from batchjob.kernels import KernelError
-    from batchjob.models.config import UnsupportedModelError
-
-    return (*light, UnsupportedModelError, KernelError)
 
 
 def _fail(e: Exception, code: int) -> None:
@@ -331,34 +315,40 @@ def ray_group() -> None:
               help="GPUs a shard task reserves")
 @click.option("--max-retries", type=click.IntRange(min=0), default=3, show_default=True,
               help="times a shard is retried after its worker, node or run fails; it resumes from its last commit")
+@click.option("--runner", type=click.Choice(["actors", "tasks"]), default="actors", show_default=True,
+              help="actors: a long-lived Ray actor per shard slot runs shard after shard, its model loaded once; "
+              "tasks: a Ray task per shard, each a `batchjob run` process of its own (docs/guide/ray.md)")
 def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_shard: int, gpus_per_shard: float,
-                   max_retries: int) -> None:
-    """Run JOB's shards as Ray tasks, each `batchjob run JOB --shard K/N` into OUTPUT/shard-K-of-N/, until all are
-    done; progress from the shards' manifests. Exits as `run` does: 0, 1 (a shard failed after its retries; the
-    others complete), 75 (stopped by Ctrl-C or SIGTERM after the running shards drained)."""
+                   max_retries: int, runner: str) -> None:
+    """Run JOB's shards on Ray, each `batchjob run JOB --shard K/N` into OUTPUT/shard-K-of-N/, until all are done;
+    progress from the shards' manifests. Exits as `run` does: 0, 1 (a shard failed after its retries; the others
+    complete), 75 (stopped by Ctrl-C or SIGTERM after the running shards drained)."""
     from pathlib import Path
 
-    from batchjob.cluster.ray_submit import RayOptions, submit_and_wait
+    from batchjob.ray.runners import Runner
+    from batchjob.ray.submit import RayOptions, submit_and_wait
 
     try:
         cfg = load_job(job, {})
         if cfg.per_lane_inputs:
             raise ConfigError("lanes with their own inputs cannot be sharded; run each lane's input as its own job")
-        opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries)
-        outcomes = submit_and_wait(Path(job), Path(cfg.output), opts, [], log=lambda m: click.echo(m, err=True))
+        opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries, Runner(runner))
+        done = submit_and_wait(Path(job), Path(cfg.output), opts, log=lambda m: click.echo(m, err=True))
     except ConfigError as e:
         click.echo(f"batchjob: error: {e}", err=True)
         sys.exit(1)
-    failed = [o for o in outcomes if o.exit_code not in (0, EXIT_RESUMABLE)]
+    failed = [o for o in done.outcomes if o.exit_code not in (0, EXIT_RESUMABLE)]
     for o in failed:
         click.echo(f"batchjob: error: shard {o.index} failed after its retries: {o.error}", err=True)
+    stopped = any(o.exit_code == EXIT_RESUMABLE for o in done.outcomes)
+    click.echo(done.line("failed" if failed else "stopped" if stopped else "finished", Path(cfg.output)))
     if failed:
         sys.exit(1)
-    if any(o.exit_code == EXIT_RESUMABLE for o in outcomes):
+    if stopped:
         click.echo(f"batchjob: stopped; rerun `batchjob ray submit {job}` to continue", err=True)
         sys.exit(EXIT_RESUMABLE)
-    click.echo(f"batchjob: finished: {len(outcomes)} shards -> {cfg.output} (`batchjob status {cfg.output}`, "
-               f"`batchjob export {cfg.output} --to FILE`)", err=True)
+    click.echo(f"batchjob: `batchjob status {cfg.output}` shows each shard, `batchjob export {cfg.output} --to FILE` "
+               "writes the rows in input order", err=True)
 
 
 @main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

@@ -31,7 +31,8 @@ from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import JsonlSource, OpenAIBatchSource, Source
-from batchjob.job.engine_setup import build_engine
+from batchjob.job.engine_setup import build_models, engine_for
+from batchjob.job.kept_models import ModelKeeper
 from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.models.loader import resolve_model_path
@@ -49,14 +50,20 @@ log = logging.getLogger(__name__)
 
 
 class Job:
-    def __init__(self, cfg: JobConfig, *, restart: bool = False, resources: contextlib.ExitStack | None = None):
+    def __init__(self, cfg: JobConfig, *, restart: bool = False, resources: contextlib.ExitStack | None = None,
+                 keeper: ModelKeeper | None = None):
         """`resources` holds what the job must give back however it ends (the output lock); without
-        it the lock lives as long as the Job. `restart` deletes the folder's results first."""
+        it the lock lives as long as the Job. `restart` deletes the folder's results first. `keeper`: models kept
+        loaded from an earlier run in this process (a Ray actor's shards), used when they are this job's."""
         # a mistyped model fails here, before an output folder is created; an embed job's default pooling is the
         # model folder's
         self.cfg = cfg = resolve_pooling(cfg, resolve_model_path(cfg.model))
         self.resolved = job = ResolvedJob.of(cfg)  # device, dtype and threads: "auto" decided once
         torch.set_num_threads(job.threads)
+        self.keeper = keeper
+        # a signal (installed by run()) or request() from the embedder, e.g. a Ray actor told to stop while loading
+        self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation,
+                                bar_shown=lambda: self.progress.bar is not None)
         out, self.shard = output_folder(cfg)
         sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
         # an unsharded job of empty inputs computes nothing: its folder records 0 rows, and no model loads
@@ -87,8 +94,13 @@ class Job:
             self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
             self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != Task.GENERATE)
             return
-        self.loaded = job.load(cfg.model)
-        self.engine = build_engine(job, self.loaded)  # kernels chosen before any file is written
+        if self.keeper is not None:
+            built = self.keeper.models(job)
+            self.loaded, models = built.loaded, (built.model, built.draft)
+        else:
+            self.loaded = job.load(cfg.model)
+            models = build_models(job, self.loaded)  # they take the weights
+        self.engine = engine_for(cfg, self.loaded, *models)  # kernels chosen before any file is written
         self.model_facts = ModelFacts(self.loaded.identity, job.dtype_name, job.quantization(self.loaded))
         images = ImageRows.of(self.loaded, resolve_model_path(cfg.model))  # None: a text-only model
         if images is None and cfg.image_column is not None:
@@ -161,8 +173,7 @@ class Job:
         feed.budget = ErrorBudget(cfg.max_errors, total)
         read_ahead = cfg.read_ahead_rows
         engine = self.engine
-        stop = self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation,
-                                       bar_shown=lambda: self.progress.bar is not None)
+        stop = self.stop
         stop.install()  # here, not at import: only a running job turns signals into a drain
         collector = QuietCollector()
         collector.start()

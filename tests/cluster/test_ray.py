@@ -1,10 +1,13 @@
 """`batchjob ray submit` on a real Ray started here (issue 35): a head and a second worker node as local processes
 (dashboard off, usage stats off, a small object store); a 4-shard job over both nodes gives the rows and text of a
-plain `batchjob run`, each row once; a shard whose `batchjob run` is SIGKILLed mid-shard is retried and resumes
-(exactly once, the same text); a shard that cannot succeed fails after its retries, naming itself, while the other
-shards complete; a rerun of a finished job runs nothing."""
+plain `batchjob run`, each row once, with either runner (actors that keep the model loaded between shards, or a
+task per shard) and through Ray Client; a shard whose process is SIGKILLed mid-shard is retried and resumes (exactly
+once, the same text), and so is one whose node is lost; a shard that cannot succeed fails after its retries, naming
+itself, while the other shards complete; a driver stopped by Ctrl-C drains, and one killed continues on a rerun; a
+rerun of a finished job runs nothing; a Ray Dataset through LLMStage answers as `batchjob run`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from click.testing import CliRunner
 
 from batchjob.cli.main import main
 from batchjob.cluster.sharded_output import shard_states
+from batchjob.io.manifest import Manifest
 
 pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]
@@ -33,32 +38,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A head node and a second node, one CPU each, as local `ray start --block` processes of their own (nothing else
-    on the machine is stopped with them); terminated after the module."""
+@dataclass
+class Cluster:
+    address: str  # the head's GCS address
+    client_address: str  # its Ray Client server: ray://
+    nodes: list[subprocess.Popen]  # `ray start --block` of the head, then of the second node
+
+
+@contextlib.contextmanager
+def ray_cluster(temp: Path):
+    """A head node and a second node, one CPU each, as local `ray start --block` processes in process groups of their
+    own (nothing else on the machine is stopped with them)."""
     ray = str(Path(sys.executable).parent / "ray")
-    port = _free_port()
+    port, client_port = _free_port(), _free_port()  # ephemeral ports: outside Ray's worker ports (10002-19999)
     address = f"127.0.0.1:{port}"
     common = ["--block", "--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats"]
-    temp = tmp_path_factory.mktemp("ray")
     nodes = [subprocess.Popen([ray, "start", "--head", "--port", str(port), "--include-dashboard=false",
-                               f"--temp-dir={temp}", *common], env=ENV, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)]
+                               f"--ray-client-server-port={client_port}", f"--temp-dir={temp}", *common], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]
     try:
         _wait_for_port(port, nodes[0])
         nodes.append(subprocess.Popen([ray, "start", "--address", address, *common], env=ENV, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
         _wait_for_nodes(address, 2)
-        yield address
+        yield Cluster(address, f"ray://127.0.0.1:{client_port}", nodes)
     finally:
-        for node in reversed(nodes):  # SIGTERM: `ray start --block` stops the processes it started
-            os.killpg(node.pid, signal.SIGTERM)
+        # SIGTERM: `ray start --block` stops the processes it started, but takes 33 s here with nothing to stop;
+        # after 5 s every process of the node (its session: raylet, GCS, workers) is killed
+        for node in reversed(nodes):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGTERM)
         for node in reversed(nodes):
             try:
-                node.wait(timeout=60)
+                node.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
+                kill_node(node)
+                node.wait()
+
+
+def kill_node(node: subprocess.Popen) -> None:
+    """SIGKILL every process of a node's session (Ray's workers each have a process group of their own)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getsid(int(entry.name)) == node.pid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ray_cluster(tmp_path_factory.mktemp("ray")) as running:
+        yield running
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
@@ -100,16 +130,16 @@ def submit(job: Path, address: str, *args: str) -> subprocess.Popen:
                             cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def shard_process(job: str, shard: str) -> int | None:
-    """The pid of the `batchjob run JOB --shard K/N` child a Ray task started (its command line in /proc)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if job.encode() in args and shard.encode() in args and b"run" in args:
-            return int(entry.name)
-    return None
+def shard_process(out: Path, shard: int) -> int | None:
+    """The pid of the process running shard `shard` (an actor's worker, or a task's `batchjob run` child), as its
+    manifest records the run, while it runs."""
+    folder = next(out.glob(f"shard-{shard:05d}-of-*"), None)
+    try:
+        manifest = Manifest.load(folder) if folder is not None else None
+    except Exception:  # noqa: BLE001 - a reader may race the first commit
+        return None
+    run = (manifest.extra.get("run") or {}) if manifest is not None else {}
+    return run.get("pid") if run.get("state") == "running" else None
 
 
 def exported(out: Path, tmp_path: Path) -> list[dict]:
@@ -131,28 +161,33 @@ def rows():
     return [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox " + "jumps " * (i % 5)} for i in range(ROWS)]
 
 
-def test_four_shards_over_two_nodes_give_the_plain_runs_rows_once(tmp_path, cluster, model, rows):
+@pytest.mark.parametrize("runner, via", [("actors", "gcs"), ("tasks", "gcs"), ("actors", "ray client")])
+def test_four_shards_over_two_nodes_give_the_plain_runs_rows_once(tmp_path, cluster, model, rows, runner, via):
+    """Either runner, the driver joining the cluster at its GCS address or through Ray Client (ray://)."""
     plain = job_file(tmp_path, model, "plain", rows)
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     job = job_file(tmp_path, model, "ray", rows)
-    proc = submit(job, cluster, "--shards", "4")
+    address = cluster.address if via == "gcs" else cluster.client_address
+    proc = submit(job, address, "--shards", "4", "--runner", runner)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
-    assert "finished: 4 shards" in err
+    assert f"4 shards on Ray ({address}, {runner}, 2 at a time)" in err
+    assert f"finished: {ROWS} rows (0 errors) in all; 4 shards" in out
     want = exported(tmp_path / "plain", tmp_path)
     got = exported(tmp_path / "ray", tmp_path)
     assert [r["row_index"] for r in got] == list(range(ROWS)) and got == want
-    again = submit(job, cluster)  # a rerun: the count from OUT/job.json, every shard finished already
+    again = submit(job, address)  # a rerun: the count from OUT/job.json, every shard finished already
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0 and "4 already finished" in err, err
 
 
-def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cluster, model):
+@pytest.mark.parametrize("runner", ["actors", "tasks"])
+def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cluster, model, runner):
     rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(160)]  # a shard of ~2 s
     plain = job_file(tmp_path, model, "plain", rows, seqs=1)
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     job = job_file(tmp_path, model, "ray", rows, seqs=1)
-    proc = submit(job, cluster, "--shards", "2", "--max-retries", "2")
+    proc = submit(job, cluster.address, "--shards", "2", "--max-retries", "2", "--runner", runner)
     killed = None
     deadline = time.monotonic() + 300
     while proc.poll() is None and killed is None and time.monotonic() < deadline:
@@ -160,7 +195,7 @@ def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cl
             started = (tmp_path / "ray" / "job.json").is_file() and 0 < shard_states(tmp_path / "ray")[1][1].done < 40
         except Exception:  # noqa: BLE001 - a reader may race the first commit
             started = False
-        pid = shard_process(str(job), "1/2") if started else None
+        pid = shard_process(tmp_path / "ray", 1) if started else None
         if pid:
             os.kill(pid, signal.SIGKILL)
             killed = pid
@@ -171,11 +206,37 @@ def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cl
     assert exported(tmp_path / "ray", tmp_path) == exported(tmp_path / "plain", tmp_path)
 
 
+def test_a_node_lost_mid_shard_its_shard_resumes_on_the_other_node(tmp_path, tmp_path_factory, model):
+    """The second node's processes all SIGKILLed while its actor runs a shard: Ray restarts the actor on the head
+    once the head's actor has no shard left (it gives its CPU back), and the shard resumes, exactly once."""
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(160)]
+    plain = job_file(tmp_path, model, "plain", rows, seqs=1)
+    assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
+    job = job_file(tmp_path, model, "ray", rows, seqs=1)
+    with ray_cluster(tmp_path_factory.mktemp("ray")) as lost:  # a short path: Ray's socket paths must fit
+        proc = submit(job, lost.address, "--shards", "2", "--max-retries", "2")
+        second = None
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and second is None and time.monotonic() < deadline:
+            for k in (0, 1):  # the shard whose process is in the second node's session
+                pid = shard_process(tmp_path / "ray", k)
+                with contextlib.suppress(ProcessLookupError):
+                    on_second = pid and os.getsid(pid) == lost.nodes[1].pid
+                    if on_second and 0 < shard_states(tmp_path / "ray")[1][k].done < 40:
+                        second = k
+            time.sleep(0.01)
+        assert second is not None, "no shard ran on the second node before the job ended"
+        kill_node(lost.nodes[1])  # its raylet, its workers, everything
+        out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert exported(tmp_path / "ray", tmp_path) == exported(tmp_path / "plain", tmp_path)
+
+
 def test_a_shard_that_cannot_succeed_fails_after_its_retries_and_the_others_complete(tmp_path, cluster, model, rows):
     for r in rows[18:]:  # the last shard's rows: too long for the context, each a row error; max_errors 0 fails it
         r["prompt"] = "word " * 400
     job = job_file(tmp_path, model, "ray", rows, max_errors=0, max_model_len=128)
-    proc = submit(job, cluster, "--shards", "4", "--max-retries", "1")
+    proc = submit(job, cluster.address, "--shards", "4", "--max-retries", "1")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, err
     assert "shard 3 failed after its retries" in err and "shard 0 failed" not in err
@@ -205,21 +266,21 @@ def test_the_driver_stopped_by_ctrl_c_drains_and_a_killed_driver_continues_on_re
     want = exported(tmp_path / "plain", tmp_path)
     for name, sig in (("ctrl-c", signal.SIGINT), ("killed", signal.SIGKILL)):
         job = job_file(tmp_path, model, name, rows, seqs=1)
-        proc = submit(job, cluster, "--shards", "2")
+        proc = submit(job, cluster.address, "--shards", "2")
         assert _wait_for_commits(tmp_path / name, proc, 1, 40), "the job finished before it could be stopped"
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)
         if sig == signal.SIGINT:
             assert proc.returncode == 75, err
             assert "stopped; rerun" in err
-        again = submit(job, cluster)
+        again = submit(job, cluster.address)
         _, err = again.communicate(timeout=600)
         assert again.returncode == 0, err
         assert exported(tmp_path / name, tmp_path) == want, name
 
 
 def test_a_probe_file_is_seen_only_where_it_is(tmp_path):
-    from batchjob.cluster.ray_submit import sees_file
+    from batchjob.ray.worker import sees_file
 
     (tmp_path / "probe").write_text("token")
     assert sees_file(str(tmp_path / "probe"), "token")

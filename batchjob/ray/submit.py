@@ -1,0 +1,169 @@
+"""`batchjob ray submit`, the driver: a job's shards on a Ray cluster people already have (docs/guide/ray.md). We
+schedule our shards on Ray; Ray does not see rows. Each shard is `batchjob run JOB --shard K/N` writing
+OUTPUT/shard-K-of-N/ and resuming from its manifest, run by a long-lived actor per shard slot that keeps its model
+loaded, or as a Ray task of its own (runners.py). Ray retries a shard whose worker or node dies or whose run fails;
+the retry resumes where the shard's last commit left it, so no row is done twice in the output. The driver follows
+progress from the shards' manifests (not through Ray's object store), skips shards already finished (a driver killed
+and run again continues), and on Ctrl-C or SIGTERM has the running shards drain and commit, as SIGTERM does for
+`run`."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchjob.cluster.shard_progress import ShardProgress
+from batchjob.cluster.sharded_output import has_job_file, shard_states, sharded_status
+from batchjob.cluster.shards import JobFile
+from batchjob.errors import ConfigError
+from batchjob.ray.runners import Runner, make_runner, shard_slots
+from batchjob.ray.worker import STOP_FILE, ShardCall, ShardOutcome, sees_file
+
+PROGRESS_EVERY_S = 30.0  # a plain progress line's period (a terminal's bar moves every second)
+POLL_S = 0.5
+
+
+class RayUnavailable(ConfigError):
+    """Ray is not installed, or its cluster cannot be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    shards: int | None  # None: four per GPU of the cluster, or per shard slot of its CPUs (stragglers balance)
+    address: str | None = None  # as ray.init takes it: "auto", "ray://host:10001", "host:6379"; None: a local Ray
+    cpus_per_shard: int = 1
+    gpus_per_shard: float = 0
+    max_retries: int = 3
+    runner: Runner = Runner.ACTORS
+
+
+@dataclass(slots=True)
+class Submission:
+    """What a submission ended with: every shard's outcome and the whole job's totals (from the manifests)."""
+    outcomes: list[ShardOutcome]
+    wall_s: float
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def line(self, state: str, output: Path) -> str:
+        """The final line, in the form of `batchjob run`'s."""
+        tps = self.completion_tokens / self.wall_s if self.wall_s else 0.0
+        return (f"batchjob: {state}: {self.rows:,} rows ({self.errors:,} errors) in all; {len(self.outcomes)} shards, "
+                f"{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated tokens in {self.wall_s:.1f}s "
+                f"({tps:.1f} tokens/s) -> {output}")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable("ray is not installed: pip install 'batchjob[ray]' (the version batchjob is tested "
+                             "with)") from None
+    return ray
+
+
+def submit_and_wait(job_file: Path, output: Path, opts: RayOptions, log=print) -> Submission:
+    """Run every unfinished shard on Ray and wait for all of them (a shard that failed after its retries has an exit
+    code of 1 and its error)."""
+    if str(output).startswith(("s3://", "gs://", "az://")):
+        raise ConfigError(f"output {output}: object-store URLs are not supported; give a folder every node sees")
+    ray = import_ray()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    t0 = time.perf_counter()
+    try:
+        # no address: a Ray of our own ("local"), even where another was started on this machine
+        ray.init(address=opts.address or "local", include_dashboard=False, log_to_driver=False,
+                 **({} if opts.address else {"num_cpus": os.cpu_count()}))
+    except Exception as e:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... for a cluster not there
+        raise RayUnavailable(f"Ray cluster {opts.address or '(local)'}: {type(e).__name__}: {e}") from None
+    try:
+        outcomes = _run(ray, job_file, output, opts, log)
+    finally:
+        ray.shutdown()
+    done = Submission(outcomes, time.perf_counter() - t0)
+    if has_job_file(output):
+        st = sharded_status(output, slurm=False)
+        done.rows, done.errors = st["rows_done"], st["errors"]
+        done.prompt_tokens, done.completion_tokens = st["prompt_tokens"], st["completion_tokens"]
+    return done
+
+
+def check_shared(ray, output: Path) -> None:
+    """A file the driver writes in the output folder must be there on every node (its shards write and resume
+    there): ConfigError naming the first node that does not see it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    output.mkdir(parents=True, exist_ok=True)
+    probe = output / f".ray-probe-{os.getpid()}"
+    token = f"{os.getpid()}-{time.time()}"
+    probe.write_text(token)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        sees = ray.remote(sees_file)
+        refs = [sees.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(str(probe.resolve()), token) for n in nodes]
+        for node, seen in zip(nodes, ray.get(refs)):
+            if not seen:
+                raise ConfigError(f"output {output}: not visible from the Ray node {node.get('NodeManagerAddress')} (a "
+                                  "file the driver wrote there is missing on it); give a folder every node sees (NFS, "
+                                  "Lustre, a shared volume)")
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _run(ray, job_file: Path, output: Path, opts: RayOptions, log) -> list[ShardOutcome]:
+    slots = shard_slots(ray.cluster_resources(), opts.cpus_per_shard, opts.gpus_per_shard)
+    count = opts.shards or planned_shards(output) or 4 * slots  # four per slot: stragglers balance
+    done = finished_shards(output, count)
+    todo = [k for k in range(count) if k not in done]
+    outcomes = [ShardOutcome(k, 0) for k in sorted(done)]
+    log(f"batchjob: {job_file} as {count} shards on Ray ({opts.address or 'local'}, {opts.runner.value}, "
+        f"{min(slots, len(todo))} at a time) -> {output}" + (f"; {len(done)} already finished" if done else ""))
+    if not todo:
+        return outcomes
+    if opts.address:  # a local Ray is this machine: its one filesystem
+        check_shared(ray, output)
+    stop_file = output.resolve() / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # an earlier driver's stop, done with
+    call = ShardCall(str(job_file.resolve()), count, max(1, opts.cpus_per_shard), os.getcwd(), str(stop_file))
+    progress = ShardProgress(output, log_every=PROGRESS_EVERY_S)
+    runner = make_runner(opts.runner, ray, call, cpus=opts.cpus_per_shard, gpus=opts.gpus_per_shard,
+                         max_retries=opts.max_retries, slots=min(slots, len(todo)), log=progress.say)
+    runner.submit(todo)
+    stopping = threading.Event()  # Ctrl-C or SIGTERM (handlers set after ray.init, which installs its own)
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while runner.busy and not stopping.is_set():
+            outcomes += runner.poll(POLL_S)
+            progress.tick()
+        if runner.busy:
+            progress.say("batchjob: stopping: the running shards drain and commit (as SIGTERM does for `run`)")
+            stop_file.write_text(f"stopped by the driver, pid {os.getpid()}\n")
+            outcomes += runner.stop()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        progress.close()
+    return sorted(outcomes, key=lambda o: o.index)
+
+
+def planned_shards(output: Path) -> int | None:
+    """The shard count an earlier run of this output planned (OUT/job.json), or None."""
+    job = JobFile.load(output)
+    return job.shards if job is not None else None
+
+
+def finished_shards(output: Path, count: int) -> set[int]:
+    """The shards of an earlier run whose rows are all committed (none when the folder is not a job of `count`
+    shards yet)."""
+    if not has_job_file(output):
+        return set()
+    job, states = shard_states(output)
+    if job.shards != count:
+        raise ConfigError(f"{output} holds a job of {job.shards} shards; run it with --shards {job.shards}")
+    return {s.index for s in states if s.complete}
