@@ -333,7 +333,7 @@ def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_s
         if cfg.per_lane_inputs:
             raise ConfigError("lanes with their own inputs cannot be sharded; run each lane's input as its own job")
         opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries, Runner(runner))
-        done = submit_and_wait(Path(job), Path(cfg.output), opts, log=lambda m: click.echo(m, err=True))
+        done = submit_and_wait(Path(job), cfg.output, opts, log=lambda m: click.echo(m, err=True))
     except ConfigError as e:
         click.echo(f"batchjob: error: {e}", err=True)
         sys.exit(1)

@@ -67,11 +67,13 @@ def import_ray():
     return ray
 
 
-def submit_and_wait(job_file: Path, output: Path, opts: RayOptions, log=print) -> Submission:
+def submit_and_wait(job_file: Path, output: str, opts: RayOptions, log=print) -> Submission:
     """Run every unfinished shard on Ray and wait for all of them (a shard that failed after its retries has an exit
-    code of 1 and its error)."""
-    if str(output).startswith(("s3://", "gs://", "az://")):
-        raise ConfigError(f"output {output}: object-store URLs are not supported; give a folder every node sees")
+    code of 1 and its error). `output` as the job gives it (a Path would fold an URL's `//`)."""
+    if "://" in output:
+        raise ConfigError(f"output {output}: object-store URLs (s3://, gs://, ...) are not supported; give a folder "
+                          "every node sees (NFS, Lustre, a shared volume)")
+    output = Path(output)
     ray = import_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     t0 = time.perf_counter()

@@ -287,6 +287,15 @@ def test_a_probe_file_is_seen_only_where_it_is(tmp_path):
     assert not sees_file(str(tmp_path / "probe"), "other") and not sees_file(str(tmp_path / "none"), "token")
 
 
+def test_an_object_store_output_is_refused_in_one_line(tmp_path, model, rows):
+    job = job_file(tmp_path, model, "x", rows)
+    job.write_text(job.read_text().replace(f'output = "{tmp_path / "x"}"', 'output = "s3://bucket/answers"'))
+    result = CliRunner().invoke(main, ["ray", "submit", str(job), "--shards", "2"])
+    assert result.exit_code == 1
+    assert "output s3://bucket/answers: object-store URLs (s3://, gs://, ...) are not supported" in result.output
+    assert not (Path.cwd() / "s3:").exists()
+
+
 def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, rows, monkeypatch):
     import builtins
 
