@@ -31,7 +31,7 @@ from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import JsonlSource, OpenAIBatchSource, Source
-from batchjob.job.engine_setup import build_models, engine_for
+from batchjob.job.engine_setup import engine_for
 from batchjob.job.kept_models import ModelKeeper
 from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
@@ -61,7 +61,7 @@ class Job:
         self.resolved = job = ResolvedJob.of(cfg)  # device, dtype and threads: "auto" decided once
         torch.set_num_threads(job.threads)
         self.keeper = keeper
-        # a signal (installed by run()) or request() from the embedder, e.g. a Ray actor told to stop while loading
+        # a signal (handlers installed by run()) or request() from the embedder: a Ray actor told to stop by the driver
         self.stop = StopSignals(cfg.drain_timeout, situation=self._stop_situation,
                                 bar_shown=lambda: self.progress.bar is not None)
         out, self.shard = output_folder(cfg)
@@ -94,13 +94,11 @@ class Job:
             self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
             self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != Task.GENERATE)
             return
-        if self.keeper is not None:
-            built = self.keeper.models(job)
-            self.loaded, models = built.loaded, (built.model, built.draft)
-        else:
-            self.loaded = job.load(cfg.model)
-            models = build_models(job, self.loaded)  # they take the weights
-        self.engine = engine_for(cfg, self.loaded, *models)  # kernels chosen before any file is written
+        # the models (loaded now, or kept from this process's last job) and an engine of the job's own; the kernels
+        # are chosen before any file is written
+        built = (self.keeper or ModelKeeper()).models(job)
+        self.loaded = built.loaded
+        self.engine = engine_for(cfg, self.loaded, built.model, built.draft)
         self.model_facts = ModelFacts(self.loaded.identity, job.dtype_name, job.quantization(self.loaded))
         images = ImageRows.of(self.loaded, resolve_model_path(cfg.model))  # None: a text-only model
         if images is None and cfg.image_column is not None:

@@ -62,7 +62,10 @@ def attention_case(head_dim, gqa, block_size, dtype, device, spec, window=None, 
     ref_meta = AttentionMetadata(meta.block_tables.cpu(), meta.seq_lens.cpu(), meta.query_start_loc.cpu(),
                                  meta.slot_mapping.cpu(), meta.num_decodes, key_ends=ends)
     ref = TorchKernels().attention(q.float().cpu(), ref_k, ref_v, ref_meta, head_dim ** -0.5, window, softcap)
-    tol = {torch.float32: 2e-5 if device == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    # fp32 on the CPU: 5e-5, not 2e-5. The soft-capped d64 case's torch reference (fp32 matmuls and softmax) came out
+    # 2.6e-5 from the kernel in about one process in three (one decode row; which runs depended on the cases run
+    # before it), 4.8e-7 in the others, while the Triton output was bitwise the same in every run
+    tol = {torch.float32: 5e-5 if device == "cpu" else 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
     err = (out.float().cpu() - ref).abs().max().item()
     assert err < tol, f"max error {err:.2e} >= {tol:.0e}"
     if window:  # the window is applied: rows with longer contexts come out otherwise without it
