@@ -3,7 +3,7 @@ layers (ModelParts), without the registry knowing its code."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -70,3 +70,25 @@ def prefix_renamer(renames: tuple[tuple[str, str], ...]) -> Callable[[str], str]
                 return new + name[len(old):]
         return name
     return canonical_name
+
+
+@dataclass(frozen=True, slots=True)
+class VisionLanguage:
+    """A vision-language family's weights and build: a text family's model (its config's architecture renamed to
+    `text_architecture`) with an image encoder on it. The encoder is built first: it takes the vision weights out of
+    w (a text build may fold every weight it sees, e.g. Gemma's norms)."""
+    text_architecture: str
+    text_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # the text family's weight_shapes
+    text_build: Callable[[ModelConfig, dict[str, torch.Tensor], BuildSpec], ModelParts]  # its build
+    vision_config: Callable[[ModelConfig], object]  # the family's vision config (with its weight_shapes())
+    encoder: Callable[..., Callable[[torch.Tensor], torch.Tensor]]  # (vision config, w, dtype, device) -> encoder
+
+    def text(self, c: ModelConfig) -> ModelConfig:
+        return replace(c, architecture=self.text_architecture)
+
+    def weight_shapes(self, c: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return self.text_shapes(self.text(c)) | self.vision_config(c).weight_shapes()
+
+    def build(self, c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
+        encoder = self.encoder(self.vision_config(c), w, spec.dtype, spec.device)
+        return replace(self.text_build(self.text(c), w, spec), image_encoder=encoder)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import gemma
-from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
+from batchjob.models.family import Family, VisionLanguage, prefix_renamer
 from batchjob.models.vision.gemma3 import PROJECTOR, TOWER, Gemma3ImageEncoder, Gemma3VisionConfig
 
 # transformers 5's names (in memory and saved) and transformers 4's saves -> ours (the Hub's, text under `model.`)
@@ -45,21 +43,9 @@ def vision_config(c: ModelConfig) -> Gemma3VisionConfig:
     return Gemma3VisionConfig.from_hf({**c.extra["gemma3"], "text_config": {"hidden_size": c.hidden_size}}, "config")
 
 
-def _text(c: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(c, architecture="gemma3_text")
-
-
-def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return gemma.weight_shapes(_text(c)) | vision_config(c).weight_shapes()
-
-
-def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
-    # the encoder first: it takes the vision weights out of w (the text build folds every `norm.weight` it sees)
-    encoder = Gemma3ImageEncoder(vision_config(c), w, spec.dtype, spec.device)
-    return dataclasses.replace(gemma.build(_text(c), w, spec), image_encoder=encoder)
-
+_VL = VisionLanguage("gemma3_text", gemma.weight_shapes, gemma.build, vision_config, Gemma3ImageEncoder)
 
 FAMILY = Family(
     name="Gemma 3 (images)",
     hf_architectures={"Gemma3ForConditionalGeneration": "gemma3_vl"}, model_types={"gemma3": "gemma3_vl"},
-    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name)
+    parse_hf=parse_hf, weight_shapes=_VL.weight_shapes, build=_VL.build, canonical_name=canonical_name)

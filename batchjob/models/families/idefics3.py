@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
-from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
+from batchjob.models.family import Family, VisionLanguage, prefix_renamer
 from batchjob.models.vision.idefics3 import TOWER, Idefics3ImageEncoder, Idefics3VisionConfig
 
 # transformers' names (in memory and saved) -> ours
@@ -44,22 +42,10 @@ def vision_config(c: ModelConfig) -> Idefics3VisionConfig:
     return Idefics3VisionConfig.from_hf({**c.extra["idefics3"], "text_config": {"hidden_size": c.hidden_size}}, "config")
 
 
-def _text(c: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(c, architecture="llama")
-
-
-def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return hf.weight_shapes(_text(c)) | vision_config(c).weight_shapes()
-
-
-def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
-    encoder = Idefics3ImageEncoder(vision_config(c), w, spec.dtype, spec.device)  # takes the vision weights out of w
-    parts = llama.build(_text(c), w, spec)
-    return dataclasses.replace(parts, image_encoder=encoder)
-
+_VL = VisionLanguage("llama", hf.weight_shapes, llama.build, vision_config, Idefics3ImageEncoder)
 
 FAMILY = Family(
     name="Idefics3, SmolVLM, SmolVLM2",
     hf_architectures={"Idefics3ForConditionalGeneration": "idefics3", "SmolVLMForConditionalGeneration": "idefics3"},
     model_types={"idefics3": "idefics3", "smolvlm": "idefics3"},
-    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name)
+    parse_hf=parse_hf, weight_shapes=_VL.weight_shapes, build=_VL.build, canonical_name=canonical_name)

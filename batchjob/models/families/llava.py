@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
-from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
+from batchjob.models.family import Family, VisionLanguage, prefix_renamer
 from batchjob.models.vision.llava import PROJECTOR, TOWER, LlavaImageEncoder, LlavaVisionConfig
 
 # checkpoint prefix -> ours (the first that matches): llava-hf's names on the Hub are ours for the vision parts;
@@ -44,21 +42,9 @@ def vision_config(c: ModelConfig) -> LlavaVisionConfig:
     return LlavaVisionConfig.from_hf({**c.extra["llava"], "text_config": {"hidden_size": c.hidden_size}}, "config")
 
 
-def _text(c: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(c, architecture="llama")
-
-
-def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return hf.weight_shapes(_text(c)) | vision_config(c).weight_shapes()
-
-
-def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
-    encoder = LlavaImageEncoder(vision_config(c), w, spec.dtype, spec.device)  # takes the vision weights out of w
-    parts = llama.build(_text(c), w, spec)
-    return dataclasses.replace(parts, image_encoder=encoder)
-
+_VL = VisionLanguage("llama", hf.weight_shapes, llama.build, vision_config, LlavaImageEncoder)
 
 FAMILY = Family(
     name="LLaVA-1.5",
     hf_architectures={"LlavaForConditionalGeneration": "llava"}, model_types={"llava": "llava"},
-    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name)
+    parse_hf=parse_hf, weight_shapes=_VL.weight_shapes, build=_VL.build, canonical_name=canonical_name)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from batchjob.models import hf_layout as hf
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.families import llama
-from batchjob.models.family import BuildSpec, Family, ModelParts, prefix_renamer
+from batchjob.models.family import Family, VisionLanguage, prefix_renamer
 from batchjob.models.step_context import DECODER_FEATURES, ModelFeature
 from batchjob.models.vision.qwen2_vl import VISUAL, Qwen2VLImageEncoder, Qwen2VLVisionConfig
 
@@ -48,22 +46,11 @@ def vision_config(c: ModelConfig) -> Qwen2VLVisionConfig:
     return Qwen2VLVisionConfig.from_hf(c.extra["qwen2_vl_vision"], c.hidden_size, "config")
 
 
-def _text(c: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(c, architecture="qwen2")
-
-
-def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return hf.weight_shapes(_text(c)) | vision_config(c).weight_shapes()
-
-
-def build(c: ModelConfig, w: dict[str, torch.Tensor], spec: BuildSpec) -> ModelParts:
-    encoder = Qwen2VLImageEncoder(vision_config(c), w, spec.dtype, spec.device)  # takes the vision weights out of w
-    return dataclasses.replace(llama.build(_text(c), w, spec), image_encoder=encoder)
-
+_VL = VisionLanguage("qwen2", hf.weight_shapes, llama.build, vision_config, Qwen2VLImageEncoder)
 
 FAMILY = Family(
     name="Qwen2-VL, Qwen2.5-VL",
     hf_architectures={"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_vl"},
     model_types={"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"},
-    parse_hf=parse_hf, weight_shapes=weight_shapes, build=build, canonical_name=canonical_name,
+    parse_hf=parse_hf, weight_shapes=_VL.weight_shapes, build=_VL.build, canonical_name=canonical_name,
     features=DECODER_FEATURES | {ModelFeature.MROPE})
