@@ -337,35 +337,37 @@ class LLMStage:
         own: the stage ran 1.6x slower when the model loaded on the actor's main thread; docs/benchmarks.md)."""
         check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "LLMStage()")
         self._args, self._engine_options, self._options = model, dict(engine or {}), options
-        self._server: RowServer | None = None
+        self._loaded: tuple[LLM, RowServer] | None = None  # at the first batch
         self._start = threading.Lock()
 
     @property
     def llm(self) -> LLM:
-        return self.server.llm
+        return self._load()[0]
 
     @property
     def server(self) -> RowServer:
+        return self._load()[1]
+
+    def _load(self) -> tuple[LLM, RowServer]:
         with self._start:
-            if self._server is None:
+            if self._loaded is None:
                 llm = LLM(self._args, **self._engine_options)
                 cfg, builder = llm._prepare([], dict(self._options))
 
                 def reset() -> None:
                     llm._engine = None
 
-                self._server = RowServer(lambda: llm.engine, llm.tokenizer, cfg, builder, reset)
-                self._server.llm = llm
-            return self._server
+                self._loaded = llm, RowServer(lambda: llm.engine, llm.tokenizer, cfg, builder, reset)
+            return self._loaded
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         names = list(batch)
         rows = [{k: _plain(v) for k, v in zip(names, values)} for values in zip(*(batch[k] for k in names))]
         # the prompt's fields go to the engine; every column comes back as it was
         records = prompt_records([{k: v for k, v in row.items() if k in PROMPT_KEYS and v is not None} for row in rows])
-        server = self.server
+        llm, server = self._load()
         if any(isinstance(r, dict) and r.get("messages") is not None for r in records):
-            check_chat_template(server.builder.chat_template or server.llm.tokenizer.chat_template)
+            check_chat_template(server.builder.chat_template or llm.tokenizer.chat_template)
         results = server.submit(records)
         out = {k: list(batch[k]) for k in names}
         for column, field in zip(STAGE_COLUMNS, ("text", "finish_reason", "prompt_tokens", "completion_tokens",

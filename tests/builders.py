@@ -57,6 +57,18 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+def exported(out: Path, to: Path, columns: list[str]) -> list[dict]:
+    """`batchjob export OUT --to TO` (a Parquet file; it must succeed), then `columns` of its rows, in input order."""
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from batchjob.cli.main import main
+
+    result = CliRunner().invoke(main, ["export", str(out), "--to", str(to)])
+    assert result.exit_code == 0, result.output
+    return pq.read_table(to, columns=columns).to_pylist()
+
+
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's `LlamaModel.permute` of Q/K rows (what the loader must undo)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

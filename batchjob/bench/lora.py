@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from batchjob.bench import models
+from batchjob.bench import models, report
 from batchjob.bench.workloads import w1
 
 CACHE = Path("bench/cache")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               "base_s": base_s, "separate_jobs_s": separate_s}
     print(text(result), file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        report.write_json(Path(args.json), result)
     return 0
 
 

@@ -8,7 +8,6 @@ alternating, and each runner's ratio to plain (target: Ray <= 1.15x plain).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -16,6 +15,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from batchjob.bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{best['plain']:.1f} s; ray with actors {best['actors']:.1f} s ({ratios['actors']:.2f}x), with tasks "
           f"{best['tasks']:.1f} s ({ratios['tasks']:.2f}x) (target <= 1.15x)", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        report.write_json(Path(args.json), result)
     return 0
 
 

@@ -1,8 +1,9 @@
 """The Ray Data stage's speed (issue 35): 200 of the sample prompts (jobs/data/prompts.jsonl) x 32 tokens on SmolLM2,
 once through `ds.map_batches(LLMStage, concurrency=1, batch_size=200)` on a local Ray, once as `batchjob run` on the
 same rows. Each side's rows/s over its own engine work (the stage: the time inside its __call__, read from a timing
-column a bench-only subclass adds, the model's load left out; the job: its summary's job seconds), and each side's whole time (the stage: from
-`map_batches` to `take_all`, the actor's start and model load included; the job: the whole process).
+column a bench-only subclass adds, the model's load left out; the job: its summary's job seconds), and each side's
+whole time (the stage: from `map_batches` to `take_all`, the actor's start and model load included; the job: the
+whole process).
 
     python -m batchjob.bench.ray_stage [--rows 200] [--json FILE]
 """
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from batchjob.api import LLMStage
+from batchjob.bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = {"max_num_seqs": 64}
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rows/s): {run_job / stage_s:.2f} of the job's rows/s (target >= 0.85); whole: {stage_whole:.1f} s "
           f"(actor start and model load in) vs {run_whole:.1f} s process", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        report.write_json(Path(args.json), result)
     return 0
 
 

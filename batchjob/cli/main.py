@@ -11,6 +11,7 @@ from batchjob.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RESUMABLE, EXIT_
 from batchjob.job.config import SECTIONS, load_job
 from batchjob.job.failures import job_failures
 from batchjob.job.threads import choose_wait_policy
+from batchjob.ray.runners import Runner
 from batchjob.cli.run_options import run_options
 
 
@@ -315,7 +316,7 @@ def ray_group() -> None:
               help="GPUs a shard task reserves")
 @click.option("--max-retries", type=click.IntRange(min=0), default=3, show_default=True,
               help="times a shard is retried after its worker, node or run fails; it resumes from its last commit")
-@click.option("--runner", type=click.Choice(["actors", "tasks"]), default="actors", show_default=True,
+@click.option("--runner", type=click.Choice([r.value for r in Runner]), default=Runner.ACTORS.value, show_default=True,
               help="actors: a long-lived Ray actor per shard slot runs shard after shard, its model loaded once; "
               "tasks: a Ray task per shard, each a `batchjob run` process of its own (docs/guide/ray.md)")
 def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_shard: int, gpus_per_shard: float,
@@ -325,7 +326,6 @@ def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_s
     complete), 75 (stopped by Ctrl-C or SIGTERM after the running shards drained)."""
     from pathlib import Path
 
-    from batchjob.ray.runners import Runner
     from batchjob.ray.submit import RayOptions, submit_and_wait
 
     try:

@@ -57,7 +57,6 @@ class RowServer:
         self.engine, self.tokenizer, self.cfg, self.builder, self.reset = engine, tokenizer, cfg, builder, reset
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._serving = threading.Lock()
-        self.llm = None  # the API's LLM behind `engine`, where a caller keeps it here (api.py LLMStage)
 
     def submit(self, records: list) -> list[Result]:
         """Each record's Result, in order, once all of them are done (blocks; safe from several threads). The calling

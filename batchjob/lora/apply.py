@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchjob.kernels import KernelSet
 from batchjob.kernels.reference.lora import LoraWeights
 from batchjob.kernels.quantization import WeightMatmul
 from batchjob.lora.adapter import LoraAdapter, LoraError
@@ -27,13 +28,13 @@ class AdapterSet:
     adapters: list[LoraAdapter]
     ids: torch.Tensor | None = None
     keep: torch.Tensor | None = None
-    ops: object = None
+    ops: KernelSet | None = None
     slots: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = {a.name: i for i, a in enumerate(self.adapters)}
 
-    def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype, ops) -> None:
+    def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype, ops: KernelSet) -> None:
         self.ids, self.ops = adapter_ids, ops
         if adapter_ids is None:
             self.keep = None
@@ -87,15 +88,14 @@ def attach(model, adapters: list[LoraAdapter]) -> AdapterSet:
                                 f"the base model's {width} -> {end - start} projection (another base model?)")
             pieces.setdefault((layer, block, name), {}).setdefault(slot, []).append((a, b * adapter.scale, start, end))
 
-    slots, width = len(adapters), {name: w for name, (_, _, _, _, w) in places.items()}
-    out_of = {("attn", "qkv"): places["qkv_proj"][3], ("attn", "o"): places["o_proj"][3],
-              ("mlp", "gate_up"): places["gate_up_proj"][3], ("mlp", "down"): places["down_proj"][3]}
-    in_of = {("attn", "qkv"): width["qkv_proj"], ("attn", "o"): width["o_proj"],
-             ("mlp", "gate_up"): width["gate_up_proj"], ("mlp", "down"): width["down_proj"]}
+    shapes: dict[tuple[str, str], tuple[int, int]] = {}  # a base matmul's (outputs, inputs): its parts' widest end
+    for block, name, _, end, width in places.values():
+        shapes[block, name] = (max(end, shapes.get((block, name), (0, 0))[0]), width)
     for (layer, block, name), by_slot in pieces.items():
         rank = max(sum(a.shape[0] for a, _, _, _ in parts) for parts in by_slot.values())
-        a_all = torch.zeros(slots, rank, in_of[block, name])
-        b_all = torch.zeros(slots, out_of[block, name], rank)
+        outputs, inputs = shapes[block, name]
+        a_all = torch.zeros(len(adapters), rank, inputs)
+        b_all = torch.zeros(len(adapters), outputs, rank)
         for slot, parts in by_slot.items():
             r = 0
             for a, b, start, end in parts:

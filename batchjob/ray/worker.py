@@ -6,8 +6,9 @@
   between them (job/kept_models.py). The default: measured, it saves a model load per shard (docs/guide/ray.md).
 - run_shard, the body of one Ray task per shard: `batchjob run` as a child process that dies with the task's worker.
 
-Either way, a shard whose process dies or whose run fails raises, and Ray retries it; the retry resumes where the
-shard's last commit left it. When the driver stops (Ctrl-C, SIGTERM) it writes STOP_FILE in the shared output
+Either way, a shard whose run fails raises (and one whose process dies ends in Ray's error), and it is tried again,
+by Ray for a task and by the driver for an actor (runners.py); the retry resumes where the shard's last commit left
+it. When the driver stops (Ctrl-C, SIGTERM) it writes STOP_FILE in the shared output
 folder: running shards drain and commit, as SIGTERM does for `run`, and end with EXIT_RESUMABLE."""
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class ShardWorker:
 
     def run(self, index: int) -> ShardOutcome:
         """Shard `index` through the same Job as `batchjob run JOB --shard K/N`; raises ShardFailed when the run
-        fails (Ray then retries it on this actor, or on its restart when the process died)."""
+        fails (the driver then hands the shard out again: runners.py ActorRunner)."""
         from batchjob.job.config import load_job
         from batchjob.job.kept_models import ModelKeeper
         from batchjob.job.run import Job

@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from batchjob.cli.main import main
 from batchjob.cluster.sharded_output import shard_states
 from batchjob.io.manifest import Manifest
+from tests.builders import exported as export_rows
 
 pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]
@@ -143,12 +144,7 @@ def shard_process(out: Path, shard: int) -> int | None:
 
 
 def exported(out: Path, tmp_path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    to = tmp_path / f"{out.name}.parquet"
-    result = CliRunner().invoke(main, ["export", str(out), "--to", str(to)])
-    assert result.exit_code == 0, result.output
-    return pq.read_table(to, columns=["row_index", "id", "generated_text", "finish_reason"]).to_pylist()
+    return export_rows(out, tmp_path / f"{out.name}.parquet", ["row_index", "id", "generated_text", "finish_reason"])
 
 
 @pytest.fixture(scope="module")

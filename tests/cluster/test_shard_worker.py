@@ -18,6 +18,7 @@ from batchjob.job.config import load_job
 from batchjob.job.kept_models import ModelKeeper
 from batchjob.job.run import Job
 from batchjob.ray.worker import ShardCall, ShardFailed, ShardWorker
+from tests.builders import exported
 
 ROWS = 12
 
@@ -36,12 +37,8 @@ def job_file(tmp_path: Path, model: Path, name: str, rows: int = ROWS, **extra) 
 
 
 def texts(out: Path, tmp_path: Path) -> list[tuple]:
-    import pyarrow.parquet as pq
-
-    to = tmp_path / f"{out.name}.parquet"
-    result = CliRunner().invoke(main, ["export", str(out), "--to", str(to)])
-    assert result.exit_code == 0, result.output
-    return [(r["id"], r["generated_text"]) for r in pq.read_table(to, columns=["id", "generated_text"]).to_pylist()]
+    rows = exported(out, tmp_path / f"{out.name}.parquet", ["id", "generated_text"])
+    return [(r["id"], r["generated_text"]) for r in rows]
 
 
 @pytest.fixture(scope="module")

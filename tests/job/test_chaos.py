@@ -15,14 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
-
-from batchjob.cli.main import main
 
 from batchjob.io.lock import lock_holder
 from batchjob.io.manifest import Manifest
+from tests.builders import exported
 
 REPO = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("BATCHJOB_CHAOS_KILLS", "5"))
@@ -50,9 +47,7 @@ def committed(out: Path) -> int:
 
 
 def export(out: Path, to: Path) -> list[dict]:
-    result = CliRunner().invoke(main, ["export", str(out), "--to", str(to)])
-    assert result.exit_code == 0, result.output
-    return pq.read_table(to, columns=["row_index", "generated_text", "finish_reason", "completion_tokens"]).to_pylist()
+    return exported(out, to, ["row_index", "generated_text", "finish_reason", "completion_tokens"])
 
 
 def test_sigkill_at_random_moments_then_rerun_gives_every_row_once_with_the_same_text(tmp_path, model_dir):
