@@ -33,11 +33,12 @@ import torch
 from batchjob.kernels.linear import Linear
 from batchjob.kernels.linear_fp8 import Fp8Linear
 from batchjob.kernels.linear_int8 import Int8Linear, QuantizationError
+from batchjob.kernels.linear_quant import BlockQuantLinear, PackedWeight
 from batchjob.kernels.reference.scaled_mm import quantize_weight_fp8, quantize_weight_int8
 from batchjob.kernels.modes import Quantization
 
 QUANTIZATIONS = tuple(Quantization)
-WeightMatmul = Linear | Int8Linear | Fp8Linear  # what a layer calls for a projection: x [..., in] -> [..., out]
+WeightMatmul = Linear | Int8Linear | Fp8Linear | BlockQuantLinear  # what a layer calls for a projection: x [..., in] -> [..., out]
 FP8_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
@@ -150,7 +151,11 @@ def linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight, bias: torc
     """A projection's weight matmul ([out, in], bias [out]) in the format `fmt` (the model's, given at build). A fused projection (QKV,
     gate/up) is quantized per output channel as one: the same codes and scales as each part alone. A
     QuantizedWeight arrives only under int8 or fp8 (build_model dequantizes them otherwise): its codes as stored
-    where they are of that kind, else re-quantized per channel from its exact values."""
+    where they are of that kind, else re-quantized per channel from its exact values. A PackedWeight (GGUF blocks,
+    int4 groups: kernels/linear_quant.py) is computed as stored whatever `fmt` says: build_model hands one over only
+    where it runs so."""
+    if isinstance(weight, PackedWeight):
+        return BlockQuantLinear(weight, bias)
     if isinstance(weight, QuantizedWeight):
         if fmt.quantization == "fp8":
             codes, scales = weight.fp8_channel()
@@ -168,8 +173,9 @@ def linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight, bias: torc
 
 def lm_head_linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight) -> WeightMatmul:
     """The LM head's matmul: the compute dtype unless int8 quantizes the LM head too (or the checkpoint did);
-    under fp8 the compute dtype (the module docstring says why)."""
-    if isinstance(weight, QuantizedWeight):
+    under fp8 the compute dtype (the module docstring says why). A PackedWeight (a GGUF file's LM head, or its tied
+    embeddings) is computed as stored."""
+    if isinstance(weight, (QuantizedWeight, PackedWeight)):
         return linear(fmt, weight)
     if fmt.quantization == "int8" and fmt.lm_head and not fmt.prequantized:
         return Int8Linear(weight)

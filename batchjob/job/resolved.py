@@ -37,10 +37,17 @@ class ResolvedJob:
         """An fp8 checkpoint's weights stay fp8 codes (the device runs fp8 matmuls) instead of being widened at load."""
         return keeps_fp8_codes(self.config.quantization, self.device)
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """A GGUF file's block-quantized weights are computed as stored (--quantization auto on a CPU); `none`
+        dequantizes them at load (the reference the quantized compute is measured against)."""
+        return self.config.quantization == Quantization.AUTO and torch.device(self.device).type == "cpu"
+
     def load(self, source: str) -> LoadedModel:
-        """A model's weights and tokenizer as this job computes with them (int8 codes kept for --quantization int8)."""
+        """A model's weights and tokenizer as this job computes with them (int8 codes kept for --quantization int8,
+        GGUF blocks for auto on a CPU)."""
         return load_model(source, dtype=self.dtype, int8_codes=self.config.quantization == Quantization.INT8,
-                          fp8_codes=self.keeps_fp8_codes)
+                          fp8_codes=self.keeps_fp8_codes, blocks=self.keeps_blocks)
 
     def describe(self, source: str) -> ModelDescription:
         """The model's facts from its config and headers only (a job with nothing to compute loads no weights)."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from batchjob.kernels import RotaryEmbedding, mrope_rows, select_kernels
 from batchjob.kernels.notices import notice
+from batchjob.kernels.linear_quant import PackedWeight
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.quantization import WeightMatmul
 from batchjob.models.config import ModelConfig
@@ -23,7 +24,8 @@ from batchjob.models.step_context import DECODER_FEATURES, ModelFeature, StepCon
 
 
 class DecoderLM:
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor, final_norm: torch.Tensor,
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor | PackedWeight,
+                 final_norm: torch.Tensor,
                  lm_head: WeightMatmul, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
                  kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
                  features: frozenset[ModelFeature] = DECODER_FEATURES, image_encoder=None):
@@ -41,7 +43,7 @@ class DecoderLM:
         self.image_encoder = image_encoder
         self.adapters = None  # LoRA adapters put on the model (batchjob/lora/apply.py AdapterSet), or None
         self.layers = layers
-        self.embed = embed
+        self.embed = embed  # [vocab, hidden] in the compute dtype, or as a GGUF file stores it (looked up as stored)
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
         self.final_norm = final_norm
         self.lm_head = lm_head  # in the format build_model built it (kernels/quantization.py lm_head_linear)
@@ -104,7 +106,7 @@ class DecoderLM:
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids' input embeddings (scaled as the family does): what a step's inputs_embeds start from."""
-        h = F.embedding(ids, self.embed)
+        h = self.embed.rows(ids, self.dtype) if isinstance(self.embed, PackedWeight) else F.embedding(ids, self.embed)
         return h if self.embed_scale is None else h * self.embed_scale
 
     def embeddings(self, step: StepContext) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from batchjob.kernels import RotaryEmbedding
+from batchjob.kernels.linear_quant import PackedWeight
 from batchjob.kernels.quantization import MatmulFormat
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import DecoderLayer
@@ -18,9 +19,9 @@ from batchjob.models.step_context import DECODER_FEATURES, ModelFeature
 class ModelParts:
     """What a family builds from HF-named weights (on the model's device and dtype already)."""
     layers: list[DecoderLayer]
-    embed: torch.Tensor
+    embed: torch.Tensor | PackedWeight  # packed: a GGUF file's embeddings, looked up as stored
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor | PackedWeight
     rotaries: list[RotaryEmbedding]
     # a vision-language family's image encoder: pixel values [B, 3, S, S] -> [B, tokens per image, hidden]
     image_encoder: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -1,8 +1,12 @@
-"""A GGUF model file (llama.cpp's format): metadata -> config and tokenizer, tensors dequantized one by one to
-HF names and layout (for an int8 build, Q8_0 matrices kept as their int8 codes and block scales instead). Which family, and how its GGUF names and values map back, the family says
-(models/families/: Family.gguf_names, gguf_tensor); nothing here names a family."""
+"""A GGUF model file (llama.cpp's format): metadata -> config and tokenizer, tensors to HF names and layout: matrices
+in the block formats the native kernels compute (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) kept in their blocks, repacked
+for the kernel (kernels/linear_quant.py PackedWeight: computed as stored, the file's bytes in memory); the rest
+dequantized one by one (for an int8 build, Q8_0 matrices kept as their int8 codes and block scales instead). Which
+family, and how its GGUF names and values map back, the family says (models/families/: Family.gguf_names,
+gguf_tensor); nothing here names a family."""
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -10,10 +14,12 @@ import gguf
 import numpy as np
 import torch
 
+from batchjob.kernels.linear_quant import PackedWeight
+from batchjob.kernels.native.quant_blocks import GGUF_BLOCK, GGUF_FORMATS, native_quant_blocks
 from batchjob.kernels.quantization import QuantizedWeight
 from batchjob.models.config import ModelConfig
 from batchjob.models.family import Family
-from batchjob.models.registry import config_from_gguf, family_of, weight_shapes
+from batchjob.models.registry import FLOAT_MATMULS, config_from_gguf, family_of, weight_shapes
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.identity import gguf_identity, open_gguf
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
@@ -33,10 +39,13 @@ def gguf_config(path: Path, reader: gguf.GGUFReader) -> tuple[dict, ModelConfig]
     return meta, config_from_gguf(meta, [t.name for t in reader.tensors], source=str(path))
 
 
-def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False) -> LoadedModel:
-    """`int8_codes` (a model built with --quantization int8): Q8_0 matrices stay int8 codes with their fp16 scale
-    per 32 weights (QuantizedWeight, group 32; build_model re-quantizes them per output channel from their exact
-    values, docs/guide/quantization.md); otherwise every tensor is dequantized to `dtype` here."""
+def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False, blocks: bool = False) -> LoadedModel:
+    """`blocks` (a CPU model with --quantization auto): matrices in a block format the native kernels compute stay in
+    their blocks, repacked (PackedWeight; the embeddings too, not the MoE routers), each tensor's file pages let go
+    once packed so that loading peaks near one copy; where the kernels cannot be built, said once, everything is
+    dequantized. `int8_codes` (a model built with --quantization int8): Q8_0 matrices stay int8 codes with their fp16
+    scale per 32 weights (QuantizedWeight, group 32; build_model re-quantizes them per output channel from their
+    exact values, docs/guide/quantization.md); otherwise every tensor is dequantized to `dtype` here."""
     reader = open_gguf(path)
     meta, config = gguf_config(path, reader)
     try:
@@ -51,6 +60,7 @@ def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False) -> Loade
             )
     family = family_of(config)
     names = _NameMap(family, config, meta["general.architecture"], path)
+    native = native_quant_blocks() if blocks else None
     expected = weight_shapes(config)
     weights = {}
     for t in reader.tensors:
@@ -59,6 +69,14 @@ def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False) -> Loade
             raise ModelLoadError(f"{path}: GGUF tensor {t.name} ({stray[0]}) is not part of the model its metadata "
                                  f"describes ({config.architecture}, {config.num_layers} layers)")
         vector = len(t.shape) == 1  # norms and biases: fixed in float32, then cast (Gemma stores 1 + w)
+        if native is not None and not vector and _packable(t, hf_names):
+            parts = list(t.data) if len(hf_names) > 1 else [t.data]  # numpy views of the mapped rows
+            for name, raw in zip(hf_names, parts, strict=True):
+                if family.gguf_tensor is not None:  # a row permutation (llama's Q/K): the rows' blocks move whole
+                    raw = family.gguf_tensor(config, name, raw)
+                weights[name] = PackedWeight([native.pack_gguf(raw, int(t.tensor_type), int(t.shape[0]))])
+            _release_pages(reader, t)
+            continue
         if int8_codes and not vector and t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
             codes, scales = q8_0_codes(t)
             pairs = zip(codes.unbind(0), scales.unbind(0)) if len(hf_names) > 1 else [(codes, scales)]
@@ -77,6 +95,29 @@ def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False) -> Loade
 
     identity = gguf_identity(path, reader, config.architecture)
     return LoadedModel(config, weights, tokenizer, identity, name=path.stem)
+
+
+def _packable(t: gguf.ReaderTensor, hf_names: list[str]) -> bool:
+    """Whether a matrix is computed as stored: a block format the kernels compute, whole blocks per row (always so in
+    a file llama.cpp wrote), and not a router (routers run in the compute dtype)."""
+    kind = int(t.tensor_type)
+    return (kind in GGUF_FORMATS and int(t.shape[0]) % GGUF_BLOCK[kind] == 0
+            and not any(n.endswith(FLOAT_MATMULS) for n in hf_names))
+
+
+def _release_pages(reader: gguf.GGUFReader, t: gguf.ReaderTensor) -> None:
+    """Lets the process's resident memory drop a packed tensor's file pages (they stay in the page cache): the
+    mapping would otherwise keep the whole file resident beside the packed copy until the reader is gone."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = t.data_offset // page * page
+    end = (t.data_offset + t.n_bytes + page - 1) // page * page
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, start, min(end, len(mapping)) - start)
+    except (OSError, ValueError):
+        pass  # advice only: the pages go when the reader does
 
 
 class _NameMap:

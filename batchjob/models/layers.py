@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels import AttentionMetadata, Linear, rms_norm
+from batchjob.kernels.linear_quant import PackedWeight
 from batchjob.kernels.quantization import QuantizedWeight, WeightMatmul
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.reference.rotary import apply_rotary
@@ -89,11 +90,18 @@ class DecoderLayer:
     post_mlp_norm: torch.Tensor | None = None
 
 
-def fused(w: dict[str, torch.Tensor], *names: str) -> torch.Tensor | QuantizedWeight:
+def fused(w: dict[str, torch.Tensor], *names: str) -> torch.Tensor | QuantizedWeight | PackedWeight:
     """The weights (or biases) under `names`, concatenated along the output dim: one matmul for all. Takes them
     out of `w`, so each part is freed once the fused copy exists (build_model's weights are the model's own).
-    A checkpoint's quantized parts concatenate their codes and scales (QuantizedWeight.cat)."""
+    A checkpoint's quantized parts concatenate their codes and scales (QuantizedWeight.cat); packed parts (GGUF blocks
+    computed as stored) stay parts of one PackedWeight, each in its own format; a packed part among float ones is
+    dequantized (no file we read mixes them in one projection)."""
     parts = [w.pop(n) for n in names]
+    if all(isinstance(p, PackedWeight) for p in parts):
+        return PackedWeight.cat(parts)
+    if any(isinstance(p, PackedWeight) for p in parts):
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        parts = [p.dequantized(dtype) if isinstance(p, PackedWeight) else p for p in parts]
     if any(isinstance(p, QuantizedWeight) for p in parts):
         return QuantizedWeight.cat(parts)
     return torch.cat(parts)

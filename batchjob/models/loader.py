@@ -25,8 +25,9 @@ __all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelLoadError", "UnsupportedModelE
 
 
 def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32, int8_codes: bool = False,
-               fp8_codes: bool = False) -> LoadedModel:
-    """`int8_codes`: for a model built with --quantization int8, a GGUF file's Q8_0 matrices stay int8 codes with
+               fp8_codes: bool = False, blocks: bool = False) -> LoadedModel:
+    """`blocks`: a GGUF file's block-quantized matrices stay in their blocks, computed as stored (for a CPU model
+    with --quantization auto; gguf_file.py). `int8_codes`: for a model built with --quantization int8, a GGUF file's Q8_0 matrices stay int8 codes with
     their block scales (gguf_file.py); a compressed-tensors folder's int8 codes always do. `fp8_codes`: for a
     device that computes fp8 (kernels/quantization.py keeps_fp8_codes), a compressed-tensors W8A8 fp8 folder's
     codes stay codes (LoadedModel.quantization "fp8"); else they are dequantized at load."""
@@ -35,7 +36,7 @@ def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32,
     if source.is_dir():
         loaded = load_hf_folder(source, dtype, fp8_codes=fp8_codes)
         return dataclasses.replace(loaded, name=hf_id) if hf_id else loaded  # not the snapshot's commit hash
-    return load_gguf(source, dtype, int8_codes=int8_codes)
+    return load_gguf(source, dtype, int8_codes=int8_codes, blocks=blocks)
 
 
 @dataclass(frozen=True, slots=True)

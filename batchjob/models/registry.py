@@ -7,6 +7,7 @@ from collections.abc import Collection
 
 import torch
 
+from batchjob.kernels.linear_quant import PackedWeight
 from batchjob.kernels.quantization import MatmulFormat, QuantizedWeight, check_quantization, lm_head_linear
 from batchjob.kernels.modes import Quantization
 from batchjob.models.causal_lm import CausalLM
@@ -66,8 +67,9 @@ def canonical_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> 
     return weights if rename is None else {rename(name): t for name, t in weights.items()}
 
 
-# weights that run in the compute dtype whatever the checkpoint stores: the embeddings (a lookup), the routers
-_FLOAT_MATMULS = ("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight")
+# matmuls that run in the compute dtype whatever the checkpoint stores: the MoE routers (routing is sensitive to them)
+FLOAT_MATMULS = (".gate.weight", "shared_expert_gate.weight")
+_EMBEDDINGS = "embed_tokens.weight"  # a lookup: in the compute dtype, unless packed (looked up as stored)
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
@@ -80,7 +82,9 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     head kept in the compute dtype. `prequantized`: the checkpoint's int8 or fp8 codes are the model's
     (LoadedModel.prequantized): its float weights (the LM head, what its `ignore` list names) stay in the compute
     dtype. A QuantizedWeight (a checkpoint's codes) runs under int8 or fp8 and is dequantized to `dtype`
-    otherwise; the embeddings and MoE routers always are.
+    otherwise; the embeddings and MoE routers always are. A PackedWeight (GGUF blocks, int4 groups) is computed as
+    stored on a CPU, embeddings included (looked up as stored), unless int8 or fp8 asks for those kernels (then it is
+    dequantized first and quantized as they do); on another device, and for the routers, it is dequantized.
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
@@ -95,9 +99,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         raise ValueError(f"build_model: a pre-quantized checkpoint runs with its own quantization (int8 or fp8), "
                          f"not {str(quantization)!r}")
     w = {}
+    w8 = quantization in (Quantization.INT8, Quantization.FP8)
     for name in list(weights):
         t = weights.pop(name)
-        if isinstance(t, QuantizedWeight) and (quantization not in (Quantization.INT8, Quantization.FP8) or name.endswith(_FLOAT_MATMULS)):
+        if isinstance(t, PackedWeight) and (dev.type != "cpu" or w8 or name.endswith(FLOAT_MATMULS)):
+            t = t.dequantized(dtype)
+        elif isinstance(t, QuantizedWeight) and (not w8 or name.endswith((*FLOAT_MATMULS, _EMBEDDINGS))):
             t = t.dequantized(dtype)
         w[name] = t.to(device=dev, dtype=dtype)
     family = family_of(config)
