@@ -69,6 +69,11 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes in memory per format: the weight (and bias) in their dtype."""
+        b = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return {str(self.weight.dtype).removeprefix("torch."): self.weight.numel() * self.weight.element_size() + b}
+
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] in calls of exactly `row_tile` rows, the last padded with zeros."""
         rows, tile = x.shape[0], self.row_tile

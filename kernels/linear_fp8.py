@@ -85,6 +85,11 @@ class Fp8Linear:
         xq, xs = self.backend.quantize_rows_fp8(x)
         return self.backend.fp8_scaled_mm(xq, xs, self.codes, self.scales, self.bias, x.dtype)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes in memory per format: the e4m3 codes, scales and bias."""
+        held = [t for t in (self.codes, self.scales, self.bias) if t is not None]
+        return {"fp8": sum(t.numel() * t.element_size() for t in held)}
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch reference of `self(x)` for tests: fp8_scaled_mm of the reference quantization."""
         xq, xs = reference.quantize_rows_fp8(x.reshape(-1, x.shape[-1]))

@@ -143,6 +143,13 @@ class Int8Linear:
             return torch._int_mm(xq.contiguous(), self._codes.T)
         return int8_matmul_int32(xq, self._codes)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes in memory per format: the int8 codes (packed, or plain), scales and bias."""
+        held = [t for t in (self.scales, self.bias, self._codes) if t is not None]
+        if self._packed is not None:
+            held += [self._packed.data, self._packed.corr]
+        return {"int8": sum(t.numel() * t.element_size() for t in held)}
+
     def weight_codes(self) -> torch.Tensor:
         """The int8 weight [out, in] (unpacked from the packed copy where only that is kept)."""
         return self._packed.codes() if self._packed is not None else self._codes

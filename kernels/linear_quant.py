@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.kernels.native.quant_blocks import NB, PackedBlocks, native_quant_blocks
+from batchjob.kernels.native.quant_blocks import NB, BlockFormat, PackedBlocks, ScaleKind, native_quant_blocks
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -40,6 +40,13 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes in memory per format name."""
+        out: Counter[str] = Counter()
+        for p in self.parts:
+            out[p.fmt.name] += p.nbytes
+        return dict(out)
 
     @property
     def formats(self) -> Counter[str]:
@@ -82,6 +89,69 @@ class PackedWeight:
         return PackedWeight(merged)
 
 
+@dataclass(slots=True)
+class Int4Weight:
+    """A weight [n, k] in group-wise 4-bit integers, as `--quantization int4` quantizes a float weight at load and a
+    compressed-tensors W4A16 checkpoint stores one: unsigned codes `u` [n, k] (uint8, 0..15) and fp32 `scales`
+    [n, k / group]; the value is scales * (u - 8) (symmetric), or scales * u + mins with fp32 `mins` [n, k / group]
+    (an asymmetric checkpoint's zero points folded in). Where it runs: on a CPU packed and computed as stored
+    (BlockQuantLinear: `packed()`), on CUDA by the Triton W4A16 kernel (kernels/linear_w4a16.py), else dequantized."""
+    u: torch.Tensor
+    scales: torch.Tensor
+    group: int
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.u.shape
+
+    @property
+    def fmt(self) -> BlockFormat:
+        return BlockFormat(f"int4 g{self.group}", 4, self.group, 8 if self.mins is None else -1, ScaleKind.F32)
+
+    def to(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Int4Weight:
+        """On `device`; `dtype` (the compute dtype) leaves codes and scales as they are."""
+        return Int4Weight(self.u.to(device), self.scales.to(device), self.group,
+                          None if self.mins is None else self.mins.to(device))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """Its values (fp32 products, as the packed weight's `dequantized`), in `dtype`."""
+        d = self.scales.float().repeat_interleave(self.group, dim=1)
+        if self.mins is None:
+            return (d * (self.u.float() - 8)).to(dtype)
+        return (d * self.u.float() + self.mins.float().repeat_interleave(self.group, dim=1)).to(dtype)
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Parts of one group size concatenated along n (a fused projection)."""
+        if len({p.group for p in parts}) != 1 or len({p.mins is None for p in parts}) != 1:
+            raise ValueError("int4: parts of one projection with different groups or zero points")
+        return Int4Weight(torch.cat([p.u for p in parts]), torch.cat([p.scales for p in parts]), parts[0].group,
+                          None if parts[0].mins is None else torch.cat([p.mins for p in parts]))
+
+    def packable(self) -> bool:
+        """Whether the CPU kernel computes it as stored: groups of a multiple of 32 weights."""
+        return self.group % 32 == 0 and self.u.shape[1] % self.group == 0
+
+    def packed(self) -> PackedWeight:
+        return PackedWeight([_native().pack_codes(self.u, self.scales, self.mins, self.fmt)])
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
+    """A float weight [n, k] -> symmetric group-wise int4 (`--quantization int4`), Q4_0's rule with an fp32 scale:
+    per group d = v / -8 for v its value of largest magnitude, u = trunc(w / d + 8.5) clamped to [0, 15] (so v is
+    exactly -8 d), computed in fp32."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4: a weight of {k} inputs is not a multiple of the group size {group}")
+    g = w.float().reshape(n, k // group, group)
+    peak = torch.gather(g, 2, g.abs().argmax(dim=2, keepdim=True))
+    d = peak / -8.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    u = torch.trunc(g * inv + 8.5).clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(u.reshape(n, k), d.reshape(n, k // group), group)
+
+
 def _native():
     native = native_quant_blocks()
     if native is None:
@@ -114,6 +184,12 @@ class BlockQuantLinear:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
+    def memory(self) -> dict[str, int]:
+        out = self.weight.memory()
+        if self.bias is not None:
+            out["float32"] = out.get("float32", 0) + self.bias.numel() * 4
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
@@ -126,10 +202,11 @@ class BlockQuantLinear:
         return out
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The torch reference of `self(x)` for tests (float64: kernels/reference/quant_blocks.py)."""
+        """The torch reference of `self(x)` for tests (float64, per part: kernels/reference/quant_blocks.py)."""
         from batchjob.kernels.reference.quant_blocks import block_quant_matmul
 
         x2 = x.reshape(-1, x.shape[-1])
-        out = block_quant_matmul(x2, self.weight.dequantized(torch.float32), self.bias)
+        out = torch.cat([block_quant_matmul(x2, PackedWeight([p]).dequantized(torch.float32),
+                                            None if self.bias is None else self.bias[s:e], p.fmt.activation_block)
+                         for p, (s, e) in zip(self.weight.parts, self._bounds)], dim=1)
         return out.view(*x.shape[:-1], self.out_features)
-

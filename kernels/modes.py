@@ -18,6 +18,7 @@ class Quantization(StrEnum):
     NONE = "none"
     INT8 = "int8"
     FP8 = "fp8"
+    INT4 = "int4"  # weight-only, group-wise (linear_quant.py Int4Weight): the CPU's packed kernel, Triton W4A16 on CUDA
 
 
 class KvCacheDtype(StrEnum):

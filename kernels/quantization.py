@@ -33,7 +33,8 @@ import torch
 from batchjob.kernels.linear import Linear
 from batchjob.kernels.linear_fp8 import Fp8Linear
 from batchjob.kernels.linear_int8 import Int8Linear, QuantizationError
-from batchjob.kernels.linear_quant import BlockQuantLinear, PackedWeight
+from batchjob.kernels.linear_quant import BlockQuantLinear, Int4Weight, PackedWeight, quantize_int4
+from batchjob.kernels.native.quant_blocks import native_quant_blocks
 from batchjob.kernels.reference.scaled_mm import quantize_weight_fp8, quantize_weight_int8
 from batchjob.kernels.modes import Quantization
 
@@ -44,7 +45,7 @@ FP8_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 tensor cores: Ada (8
 
 @dataclass(frozen=True, slots=True)
 class MatmulFormat:
-    quantization: str = "none"  # none | int8 | fp8 (fp8 only where check_quantization let it: CUDA, cap >= 8.9)
+    quantization: str = "none"  # none | int8 | fp8 | int4 (fp8 only where check_quantization let it: CUDA, cap >= 8.9)
     lm_head: bool = True  # under int8, the LM head quantized too (as shipped; off: bench/int8_quality.py's
     # comparison); under fp8 it stays in the compute dtype whatever this says (the module docstring)
     prequantized: bool = False  # int8 / fp8 where the checkpoint gave codes; its float weights stay float
@@ -123,7 +124,8 @@ def resolved_quantization(requested: str, checkpoint: str | None, scheme: str, s
     quantization wins, and an explicit option that conflicts with it is an error, not silently overridden."""
     if checkpoint is None:
         return Quantization.NONE if requested == Quantization.AUTO else Quantization(requested)
-    runs = Quantization(checkpoint) if checkpoint in (Quantization.INT8, Quantization.FP8) else Quantization.NONE
+    runs = (Quantization(checkpoint) if checkpoint in (Quantization.INT8, Quantization.FP8, Quantization.INT4)
+            else Quantization.NONE)
     if requested not in (Quantization.AUTO, runs):
         why = ("" if runs != Quantization.NONE else " here, its weights dequantized at load (fp8 compute needs a CUDA GPU with "
                "compute capability >= 8.9; weight-only compute is not written)")
@@ -137,6 +139,8 @@ def check_quantization(quantization: str, device: torch.device | str) -> None:
     device = torch.device(device)
     if quantization not in QUANTIZATIONS[1:]:  # auto is resolved before (resolved_quantization)
         raise QuantizationError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS[1:])}")
+    if quantization == Quantization.INT4 and device.type not in ("cpu", "cuda"):
+        raise QuantizationError(f"quantization: 'int4' runs on CPUs and CUDA GPUs, not {device.type}; use none")
     if quantization == "fp8":
         if device.type != "cuda":
             raise QuantizationError("quantization: 'fp8' compute needs a GPU with fp8 (CUDA compute capability >= 8.9); "
@@ -156,6 +160,10 @@ def linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight, bias: torc
     where it runs so."""
     if isinstance(weight, PackedWeight):
         return BlockQuantLinear(weight, bias)
+    if isinstance(weight, Int4Weight):
+        return int4_linear(weight, bias)
+    if fmt.quantization == Quantization.INT4 and not fmt.prequantized:
+        return int4_linear(quantize_int4(weight), bias)
     if isinstance(weight, QuantizedWeight):
         if fmt.quantization == "fp8":
             codes, scales = weight.fp8_channel()
@@ -171,12 +179,31 @@ def linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight, bias: torc
     return Linear(weight, bias)
 
 
+def int4_linear(weight: Int4Weight, bias: torch.Tensor | None = None) -> WeightMatmul:
+    """The one place group-wise int4 plugs in: on a CPU packed and computed as stored (BlockQuantLinear; groups that
+    are not a multiple of 32 weights are dequantized, said once), on CUDA the Triton W4A16 kernel
+    (kernels/linear_w4a16.py, after its start-up check), elsewhere dequantized."""
+    device = weight.u.device
+    if device.type == "cpu":
+        if weight.packable() and native_quant_blocks() is not None:
+            return BlockQuantLinear(weight.packed(), bias)
+        from batchjob.kernels.notices import notice
+        why = (f"groups of {weight.group} weights are not computed as stored (the kernel takes multiples of 32)"
+               if native_quant_blocks() is not None else "the native kernel cannot be built here (no C++ compiler)")
+        notice(f"int4: {why}; such weights are dequantized at load (the compute dtype's memory and speed)")
+        return Linear(weight.dequantized(torch.float32 if bias is None else bias.dtype), bias)
+    if device.type == "cuda":
+        from batchjob.kernels.linear_w4a16 import W4A16Linear
+        return W4A16Linear(weight, bias)
+    return Linear(weight.dequantized(torch.float32), bias)
+
+
 def lm_head_linear(fmt: MatmulFormat, weight: torch.Tensor | QuantizedWeight) -> WeightMatmul:
     """The LM head's matmul: the compute dtype unless int8 quantizes the LM head too (or the checkpoint did);
     under fp8 the compute dtype (the module docstring says why). A PackedWeight (a GGUF file's LM head, or its tied
     embeddings) is computed as stored."""
-    if isinstance(weight, (QuantizedWeight, PackedWeight)):
+    if isinstance(weight, (QuantizedWeight, PackedWeight, Int4Weight)):
         return linear(fmt, weight)
-    if fmt.quantization == "int8" and fmt.lm_head and not fmt.prequantized:
-        return Int8Linear(weight)
+    if fmt.quantization in ("int8", "int4") and fmt.lm_head and not fmt.prequantized:
+        return Int8Linear(weight)  # under int4 too: an int8 head (quality: docs/guide/quantization.md)
     return Linear(weight)

@@ -392,7 +392,8 @@ def write_family_gguf(hf_dir: Path, path: Path, qtype: str = "F32", shared_gate_
 
     One liberty: a Gemma 3 file states its layer types (sliding_window_pattern, a flag a layer, which llama.cpp
     reads) where the converter leaves llama.cpp's default, every sixth layer global: a 2-layer model keeps its
-    global layer. Matrices and expert stacks are stored as `qtype` (a type gguf.quants.quantize writes); norms,
+    global layer. Matrices and expert stacks are stored as `qtype` (a type gguf.quants.quantize writes; F16 where a
+    row is not a multiple of its block, as the converter falls back); norms,
     biases and routers as F32, as the converter keeps them. Qwen2-MoE's shared-expert gate is a vector, as the
     converter wrote it while it squeezed every tensor (most such files; transformers reads only that), or with
     `shared_gate_vector=False` [1, hidden], as it writes it now.
@@ -477,6 +478,8 @@ def write_family_gguf(hf_dir: Path, path: Path, qtype: str = "F32", shared_gate_
         qt = gguf.GGMLQuantizationType[qtype]
         if a.ndim == 1 or gname.endswith("_norm.weight") or ".ffn_gate_inp" in gname or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, a)
+        elif a.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0]:  # as the converter does for a row it cannot quantize
+            w.add_tensor(gname, a.astype(np.float16))
         else:
             q = gguf.quants.quantize(a, qt)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qt)
@@ -553,3 +556,43 @@ def replace(obj, path: tuple, value) -> None:
     for key in path[:-1]:
         obj = obj[key] if isinstance(key, int) else getattr(obj, key)
     setattr(obj, path[-1], value)
+
+
+def write_compressed_tensors(hf_dir: Path, dst: Path, weights: dict, fmt: str = "pack-quantized",
+                             dtype: torch.dtype = torch.bfloat16) -> Path:
+    """An HF folder quantized weight-only by compressed-tensors' own code, as llm-compressor's round-to-nearest
+    recipe (QuantizationModifier, minmax observer) saves it: `weights` are QuantizationArgs (e.g. num_bits 4, strategy
+    group, group_size 32, symmetric), applied to every Linear but lm_head; scales and zero points from each group's
+    min / max (calculate_qparams), then ModelCompressor compresses the model into `fmt`, save_pretrained writes it in
+    `dtype` (scales too) and update_config adds the quantization_config. Tokenizer files are copied."""
+    import shutil
+
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for module in model.modules():
+            args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+            if args is None:
+                continue
+            n, k = module.weight.shape
+            size = args.group_size if args.strategy == "group" else k
+            groups = module.weight.reshape(n, k // size, size)
+            scale, zero = calculate_qparams(groups.amin(dim=-1), groups.amax(dim=-1), args)
+            module.weight_scale.copy_(scale)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(str(dst))
+    for f in hf_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, dst / f.name)
+    return dst

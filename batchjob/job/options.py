@@ -201,7 +201,9 @@ class JobConfig:
         "`length`, a longer prompt is a row error (default: the model's context, and what the KV cache holds)",
         table=ENGINE, api=Api.ENGINE, fingerprint=WHEN_SET)
     kv_cache_gb: float | None = opt(None,
-        'KV cache memory in GiB (default: 1.0 on the CPU; on CUDA, what --gpu-memory-utilization leaves)',
+        'KV cache memory in GiB (default: on the CPU what --max-num-seqs rows of --max-model-len tokens (else the '
+        "model's context) fill, at most 1.0; on CUDA, what --gpu-memory-utilization leaves; the start line says "
+        'which)',
         table=ENGINE, api=Api.ENGINE)
     gpu_memory_utilization: float = opt(0.9,
         "CUDA: share of the GPU's memory for weights, activations and the KV cache, sized after a profiling "
@@ -225,12 +227,16 @@ class JobConfig:
         'int4 (groups of 16 along head_dim, ~3.2x); read by every backend: native (every CPU path), Triton and '
         'the torch references (default: auto)', table=ENGINE, api=Api.ENGINE, fingerprint=WHEN_SET)
     quantization: Quantization = opt(Quantization.AUTO,
-        "weight matmuls: auto = the checkpoint's (a compressed-tensors W8A8 int8 folder runs int8, its codes as"
-        ' stored; a W8A8 fp8 one fp8 where fp8 runs, else dequantized at load; a float one: none); none = the '
-        'compute dtype; int8 = W8A8, any bf16/fp32 checkpoint quantized at load (weights per output channel, '
+        "weight matmuls: auto = the checkpoint's (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensors "
+        'computed as stored on a CPU, in their blocks: the file\'s size in memory; a compressed-tensors W8A8 int8 '
+        'folder runs int8 and a W4A16 one int4, their codes as stored; a W8A8 fp8 one fp8 where fp8 runs, else '
+        'dequantized at load; a float one: none); none = the compute dtype (a GGUF file dequantized at load); '
+        'int8 = W8A8, any bf16/fp32 checkpoint quantized at load (weights per output channel, '
         'activations per token at run time; the LM head too; embeddings and norms stay in the compute dtype), '
         'CPU (our native int8 GEMM on every CPU: 1.5x W1 tokens/s over bf16 on AMD Zen 4 (AVX512-VNNI), 1.5x '
-        "the fp32 default's job speed on Zen 3 (AVX2)) and CUDA (Triton); about +4% perplexity on SmolLM2-135M "
+        "the fp32 default's job speed on Zen 3 (AVX2)) and CUDA (Triton); about +4% perplexity on SmolLM2-135M; "
+        'int4 = weights in symmetric int4 groups of 32 quantized at load (a quarter of bf16\'s memory; the LM '
+        'head int8), computed by the CPU kernels of GGUF blocks, on CUDA by a Triton W4A16 kernel '
         '(docs/guide/quantization.md); fp8 = W8A8 float8 e4m3 on a CUDA GPU with compute capability >= 8.9 '
         '(Triton; the LM head stays in the compute dtype; untested on a GPU so far, verified under the Triton '
         'interpreter only), refused elsewhere. An option that conflicts with a pre-quantized checkpoint is an '

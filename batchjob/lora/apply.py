@@ -51,6 +51,13 @@ class LoraMatmul:
     weights: LoraWeights  # every slot's A [slots, R, in] and B [slots, out, R], zero-padded
     adapters: AdapterSet
 
+    def memory(self) -> dict[str, int]:
+        """The base matmul's bytes per format, and the adapters' stacked A and B as "lora"."""
+        w = self.weights
+        lora = sum(t.numel() * t.element_size() for t in (w.a, w.b))
+        stacked = sum(sum(w.memory().values()) for w in (w.a_stacked, w.b_stacked))
+        return {**self.base.memory(), "lora": lora + stacked}
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         a = self.adapters

@@ -39,3 +39,6 @@ class CausalLM(Protocol):
         """Token ids' input embeddings, as the forward looks them up (a step's inputs_embeds start from these)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_memory(self) -> dict[str, int]:
+        """Bytes the weights hold in memory per format ("Q4_K", "int8", "bfloat16", ...), for the start line."""

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from batchjob.kernels import RotaryEmbedding, mrope_rows, select_kernels
 from batchjob.kernels.notices import notice
-from batchjob.kernels.linear_quant import PackedWeight
+from batchjob.kernels.linear_quant import BlockQuantLinear, PackedWeight
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.quantization import WeightMatmul
 from batchjob.models.config import ModelConfig
-from batchjob.models.layers import DecoderLayer
+from batchjob.models.layers import MLP, DecoderLayer, MoE
 from batchjob.models.step_context import DECODER_FEATURES, ModelFeature, StepContext
 
 
@@ -103,6 +103,44 @@ class DecoderLM:
                 after = self.final_norm if i + 1 == len(self.layers) else self.layers[i + 1].attn_norm
                 x = _add_norm(ops, x, h, after, eps)
         return x
+
+    def weight_memory(self) -> dict[str, int]:
+        """Bytes the language model's weights hold in memory per format ("Q4_K", "int8", "bfloat16", ...): every
+        matmul as built (packed copies included), the embeddings (once where the LM head shares them) and the
+        norms; not an image encoder's."""
+        out: dict[str, int] = {}
+
+        def add(memory: dict[str, int]) -> None:
+            for fmt, n in memory.items():
+                out[fmt] = out.get(fmt, 0) + n
+
+        def tensor(t: torch.Tensor | None) -> None:
+            if t is not None:
+                add({str(t.dtype).removeprefix("torch."): t.numel() * t.element_size()})
+
+        for layer in self.layers:
+            a, mlp = layer.attn, layer.mlp
+            add(a.qkv.memory())
+            add(a.o.memory())
+            for t in (a.q_norm, a.k_norm, layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm):
+                tensor(t)
+            mlps = [mlp] if isinstance(mlp, MLP) else [*mlp.experts, *([mlp.shared] if mlp.shared else [])]
+            if isinstance(mlp, MoE):
+                add(mlp.router.memory())
+                if mlp.shared_gate is not None:
+                    add(mlp.shared_gate.memory())
+            for m in mlps:
+                add(m.gate_up.memory())
+                add(m.down.memory())
+        tensor(self.final_norm)
+        shared = isinstance(self.lm_head, BlockQuantLinear) and self.lm_head.weight is self.embed
+        if isinstance(self.embed, PackedWeight):
+            if not shared:
+                add(self.embed.memory())
+        else:
+            tensor(self.embed)
+        add(self.lm_head.memory())
+        return out
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids' input embeddings (scaled as the family does): what a step's inputs_embeds start from."""

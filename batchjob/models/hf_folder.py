@@ -28,8 +28,8 @@ def hf_config(folder: Path, fp8_codes: bool = False) -> tuple[ModelConfig, Compr
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) -> LoadedModel:
-    """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py; W8A8
-    fp8 ones kept as codes only with `fp8_codes`, else dequantized here)."""
+    """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py: W8A8
+    int8 codes and W4A16 packed ones kept as they are, W8A8 fp8 ones only with `fp8_codes`, else dequantized here)."""
     config, quant = hf_config(folder, fp8_codes)  # refused before reading weights
     shards = safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels import AttentionMetadata, Linear, rms_norm
-from batchjob.kernels.linear_quant import PackedWeight
+from batchjob.kernels.linear_quant import Int4Weight, PackedWeight
 from batchjob.kernels.quantization import QuantizedWeight, WeightMatmul
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.reference.rotary import apply_rotary
@@ -99,9 +99,11 @@ def fused(w: dict[str, torch.Tensor], *names: str) -> torch.Tensor | QuantizedWe
     parts = [w.pop(n) for n in names]
     if all(isinstance(p, PackedWeight) for p in parts):
         return PackedWeight.cat(parts)
-    if any(isinstance(p, PackedWeight) for p in parts):
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight.cat(parts)
+    if any(isinstance(p, (PackedWeight, Int4Weight)) for p in parts):
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
-        parts = [p.dequantized(dtype) if isinstance(p, PackedWeight) else p for p in parts]
+        parts = [p.dequantized(dtype) if isinstance(p, (PackedWeight, Int4Weight)) else p for p in parts]
     if any(isinstance(p, QuantizedWeight) for p in parts):
         return QuantizedWeight.cat(parts)
     return torch.cat(parts)

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 import torch
 
-from batchjob.kernels.linear_quant import PackedWeight
+from batchjob.kernels.linear_quant import Int4Weight, PackedWeight
 from batchjob.kernels.quantization import MatmulFormat, QuantizedWeight, check_quantization, lm_head_linear
 from batchjob.kernels.modes import Quantization
 from batchjob.models.causal_lm import CausalLM
@@ -95,16 +95,19 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
                          "more than one model from a load)")
     dev = torch.device(device)
     check_quantization(quantization, dev)
-    if prequantized and quantization not in (Quantization.INT8, Quantization.FP8):
-        raise ValueError(f"build_model: a pre-quantized checkpoint runs with its own quantization (int8 or fp8), "
+    if prequantized and quantization not in (Quantization.INT8, Quantization.FP8, Quantization.INT4):
+        raise ValueError(f"build_model: a pre-quantized checkpoint runs with its own quantization (int8, fp8 or int4), "
                          f"not {str(quantization)!r}")
     w = {}
     w8 = quantization in (Quantization.INT8, Quantization.FP8)
+    requantized = w8 or quantization == Quantization.INT4  # what the checkpoint stores is quantized another way
     for name in list(weights):
         t = weights.pop(name)
-        if isinstance(t, PackedWeight) and (dev.type != "cpu" or w8 or name.endswith(FLOAT_MATMULS)):
+        if isinstance(t, PackedWeight) and (dev.type != "cpu" or requantized or name.endswith(FLOAT_MATMULS)):
             t = t.dequantized(dtype)
         elif isinstance(t, QuantizedWeight) and (not w8 or name.endswith((*FLOAT_MATMULS, _EMBEDDINGS))):
+            t = t.dequantized(dtype)
+        elif isinstance(t, Int4Weight) and (quantization != Quantization.INT4 or name.endswith((*FLOAT_MATMULS, _EMBEDDINGS))):
             t = t.dequantized(dtype)
         w[name] = t.to(device=dev, dtype=dtype)
     family = family_of(config)

@@ -16,15 +16,15 @@ from batchjob.models.tokenizer import Tokenizer
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # HF parameter names, in the requested dtype (a checkpoint's int8 codes:
-    # kernels/quantization.py QuantizedWeight)
+    # kernels/quantization.py QuantizedWeight; its int4 ones: kernels/linear_quant.py Int4Weight)
     tokenizer: Tokenizer
     identity: dict  # JSON-able: what the model is, for a job fingerprint
     name: str
     # what a pre-quantized checkpoint fixes (kernels/quantization.py resolved_quantization): "int8" (its int8
     # codes are the model's: it runs int8), "fp8" (its fp8 codes are: the loader was told the device computes
-    # fp8, kernels/quantization.py keeps_fp8_codes; it runs fp8), "dequantized" (fp8 elsewhere, or weight-only,
-    # dequantized at load: it runs in the compute dtype), None (a float checkpoint or a GGUF file: any
-    # --quantization)
+    # fp8, kernels/quantization.py keeps_fp8_codes; it runs fp8), "int4" (its W4A16 codes, kernels/linear_quant.py
+    # Int4Weight: it runs int4), "dequantized" (fp8 elsewhere, or another weight-only scheme, dequantized at load:
+    # it runs in the compute dtype), None (a float checkpoint or a GGUF file: any --quantization)
     quantization: str | None = None
     quantization_scheme: str = ""  # the checkpoint's scheme in words, for messages
 
@@ -32,7 +32,7 @@ class LoadedModel:
     def prequantized(self) -> bool:
         """Whether the weights hold a checkpoint's codes that the model runs as they are (build_model's
         `prequantized`)."""
-        return self.quantization in ("int8", "fp8")
+        return self.quantization in ("int8", "fp8", "int4")
 
 
 def checked_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

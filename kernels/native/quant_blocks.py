@@ -48,6 +48,11 @@ class BlockFormat:
         return self.bits, self.group, self.offset, int(self.kind)
 
     @property
+    def activation_block(self) -> int:
+        """Activation values per int8 block in a call: 256 for the K-quants (llama.cpp's Q8_K), else 32 (its Q8_0)."""
+        return 256 if self.kind in (ScaleKind.KQ, ScaleKind.K6) else 32
+
+    @property
     def bits_per_weight(self) -> float:
         """What one weight costs in memory, scales included."""
         scales = {ScaleKind.F16: 16 * (1 if self.offset >= 0 else 2) / 32,

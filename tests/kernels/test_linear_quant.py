@@ -87,7 +87,8 @@ def test_a_matmul_equals_the_reference(name, isa):
     assert lin.kernel == f"native-{native_quant_blocks().kernel}"
     x = _rows(torch.Generator().manual_seed(2), 9, k)
     out = lin(x)
-    ref = block_quant_matmul(x, gguf_values(raw, name), lin.bias)
+    ref = block_quant_matmul(x, gguf_values(raw, name), lin.bias, GGUF_FORMATS[TYPES[name]].activation_block)
+    assert torch.equal(ref, lin.reference(x))
     scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-6)
     assert ((out.double() - ref).abs() / scale).max() < 2e-6
     assert torch.allclose(lin(x.bfloat16()).float(), ref.float(), rtol=2e-2, atol=2e-2 * float(scale.max()))
@@ -165,6 +166,8 @@ def test_activation_blocks_quantize_as_the_reference_says():
     q, scale = quantize_blocks_int8(x)
     assert scale[0, 0] == 1.0 and (q[0, :32] == 0).all()  # an all-zero block
     assert scale[0, 1] == torch.tensor(2.0) / 127 and q[0, 33] == -127 and q[0, 32] == 64  # 63.5 rounds to even
+    q, scale = quantize_blocks_int8(x, 64)  # the K-quants' activations: one block of 256 (here 64)
+    assert scale.shape == (1, 1) and q[0, 33] == -127
 
 
 @pytest.mark.skipif("avx512f" in cpu_identity()[1] or not isa_runs_here("avx2"), reason="runs the AVX-512 path here")

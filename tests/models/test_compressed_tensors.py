@@ -145,7 +145,7 @@ def test_a_w8a8_job_runs_int8_and_a_conflicting_option_is_refused(w8a8_dir, tmp_
 
 def test_build_model_refuses_a_prequantized_model_without_int8(w8a8_dir):
     loaded = load_model(w8a8_dir)
-    with pytest.raises(ValueError, match=r"pre-quantized checkpoint runs with its own quantization \(int8 or fp8\), not 'none'"):
+    with pytest.raises(ValueError, match=r"pre-quantized checkpoint runs with its own quantization \(int8, fp8 or int4\), not 'none'"):
         build_model(loaded.config, loaded.weights, torch.float32, kernels="torch", quantization="none", prequantized=True)
     from batchjob.kernels.quantization import resolved_quantization
     with pytest.raises(QuantizationError, match="conflicts"):
@@ -156,7 +156,8 @@ INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "g
 
 
 @pytest.mark.parametrize("qc, message", [
-    (quantization_config(INT4, None, "pack-quantized"), "format 'pack-quantized' is not supported"),
+    (quantization_config({**INT4, "num_bits": 2}, None, "pack-quantized"),  # W4A16: test_compressed_tensors_w4a16.py
+     r"weights int2 group \(group_size 128\) \(pack-quantized\) are not supported"),
     (quantization_config(INT4, None, "naive-quantized"), r"weights int4 group \(group_size 128\) are not supported"),
     (quantization_config({**W8A8, "symmetric": False}), "weights int8 channel asymmetric are not supported"),
     (quantization_config({**W8A8, "strategy": "block", "block_structure": [128, 128]}),

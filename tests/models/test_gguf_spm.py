@@ -212,7 +212,9 @@ PROMPTS = ["The quick brown fox", "Batch inference reads", " def square(x):", "ä
 
 def test_greedy_text_matches_transformers(spm_llama_gguf):
     path = spm_llama_gguf
-    llm = api.LLM(str(path), dtype="float32", kernels="torch", kv_cache_gb=0.05)
+    # --quantization none: the file's values dequantized, as transformers reads them (auto computes its blocks as
+    # stored: tests/models/test_gguf_blocks.py holds that against this)
+    llm = api.LLM(str(path), dtype="float32", kernels="torch", kv_cache_gb=0.05, quantization="none")
     got = llm.generate(PROMPTS, max_tokens=16, ignore_eos=True)
     hf_tok = hf_tokenizer(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

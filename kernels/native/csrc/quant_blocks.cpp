@@ -58,6 +58,10 @@ struct Format {
   int kind;     // ScaleKind
   bool sym() const { return offset >= 0; }
   int epi() const { return group < CHUNK ? group : CHUNK; }  // k values per fp32 step: a group, at most a chunk
+  // activation values per int8 block: 256 for the K-quants (llama.cpp's Q8_K: the block scale then applies once per
+  // 256, after the steps' sums), 32 for the others (llama.cpp's Q8_0)
+  bool super() const { return kind == KQ || kind == K6; }
+  int ablk() const { return super() ? 256 : CHUNK; }
   int64_t chunk_code_bytes() const { return bits == 8 ? 2048 : 1024 + 256 * (bits - 4); }
   // scale bytes of one column block for all of k
   int64_t scale_bytes(int k) const {
@@ -195,7 +199,7 @@ inline void expand_chunk(const uint8_t* src, int bits, uint8_t* tile) {
 
 // ---- the rows: int8 codes per block of 32, their scales and what each fp32 step subtracts or adds --------------
 struct Rows {
-  int k, steps;
+  int k, steps, nblk;        // nblk: activation blocks a row
   int64_t q_stride;          // bytes per row in q (k, or 2k + pad for the AVX2 8-bit form)
   uint8_t* q;                // [m][q_stride]
   float* xs;                 // [m][k / 32]
@@ -210,43 +214,48 @@ constexpr bool SIGN_TRICK_8BIT = false;
 #endif
 
 template <typename T>
-inline float block_factor(const T* x, float* scale) {
-  vf amax = vabs(vload(x, ALL));
-  amax = vmax(amax, vabs(vload(x + 16, ALL)));
+inline float block_factor(const T* x, int len, float* scale) {
+  vf amax = vzero();
+  for (int i = 0; i < len; i += 16) amax = vmax(amax, vabs(vload(x + i, ALL)));
   const float a = reduce_max(amax);
   *scale = a > 0.0f ? a / 127.0f : 1.0f;
   return a > 0.0f ? (1.0f / a) * 127.0f : 1.0f;
 }
 
+// a row's codes (q, or |q| and its signs for the AVX2 8-bit kernel), its block scales xs [k / ablk], and per fp32 step
+// ci (symmetric: what the step's int32 sum loses: offset * qsum, or the sign trick's negative codes) or cf (with mins:
+// the step's qsum, times xs where the block scale applies per step)
 template <typename T>
 void prepare_row(const T* x, const Format& f, int k, bool sign8, uint8_t* q, float* xs, int32_t* ci, float* cf) {
-  const int epi = f.epi(), per = CHUNK / epi;  // 1 or 2 fp32 steps a block
-  for (int b = 0; b < k / CHUNK; ++b) {
-    const vf inv = vset(block_factor(x + b * CHUNK, xs + b));
-    int32_t sums[2];
-    for (int h = 0; h < 2; ++h) {
-      const int at = b * CHUNK + 16 * h;
+  const int epi = f.epi(), ablk = f.ablk();
+  for (int b = 0; b < k / ablk; ++b) {
+    const vf inv = vset(block_factor(x + b * ablk, ablk, xs + b));
+    for (int at = b * ablk; at < (b + 1) * ablk; at += 16) {
       const vi c = to_int_trunc(vmin(vmax(round_even(vload(x + at, ALL) * inv), vset(-127.0f)), vset(127.0f)));
+      int32_t sum;
       if (!sign8) {
         store_bytes(q + at, c, ALL);
-        sums[h] = reduce_add(c);
-        continue;
+        sum = reduce_add(c);
+      } else {
+        int32_t lanes[16], neg = 0;  // |q|, then q's sign as 0x7f (q < 0) or 0x80: u ^ it is q_w * sign (u ^ 0x80 = q_w)
+        vstore_i(lanes, c);
+        for (int i = 0; i < 16; ++i) {
+          q[at + i] = (uint8_t)(lanes[i] < 0 ? -lanes[i] : lanes[i]);
+          q[k + at + i] = lanes[i] < 0 ? 0x7f : 0x80;
+          neg += lanes[i] < 0 ? lanes[i] : 0;
+        }
+        sum = neg;  // |q| * ~w = q * w + q where q < 0: the sum gains the negative codes
       }
-      int32_t lanes[16], neg = 0;  // |q|, then q's sign as 0x7f (q < 0) or 0x80: u ^ it is q_w * sign (u ^ 0x80 = q_w)
-      vstore_i(lanes, c);
-      for (int i = 0; i < 16; ++i) {
-        q[at + i] = (uint8_t)(lanes[i] < 0 ? -lanes[i] : lanes[i]);
-        q[k + at + i] = lanes[i] < 0 ? 0x7f : 0x80;
-        neg += lanes[i] < 0 ? lanes[i] : 0;
+      const int e = at / epi;  // 16 values lie in one step (steps are 16 or 32 long)
+      if (at % epi == 0) {
+        if (f.sym()) ci[e] = 0;
+        else cf[e] = 0.0f;
       }
-      sums[h] = neg;  // |q| * ~w = q * w + q where q < 0: the sum gains the negative codes
+      if (f.sym()) ci[e] += sign8 ? sum : f.offset * sum;
+      else cf[e] += (float)sum;  // exact: |sum| < 2**24
     }
-    for (int j = 0; j < per; ++j) {
-      const int32_t s = per == 1 ? sums[0] + sums[1] : sums[j];
-      const int e = b * per + j;
-      if (f.sym()) ci[e] = sign8 ? s : f.offset * s;
-      else cf[e] = xs[b] * (float)s;
-    }
+    if (!f.sym() && !f.super())
+      for (int e = b * ablk / epi; e < (b + 1) * ablk / epi; ++e) cf[e] = xs[b] * cf[e];
   }
 }
 
@@ -275,11 +284,14 @@ inline void store_out(T* out, vf acc, const float* bias, m16 mask) {
 // ---- AVX512-VNNI: MR rows x 64 columns (4 zmm): MR x 4 int32 sums + MR x 4 fp32 accumulators ----
 #define BJ_QKERNEL "avx512-vnni"
 
-template <int MR, bool SYM, int EPI, typename T>
+// SB (the K-quants): the block scale is the span's (256 = one activation block): the steps sum without it, and it
+// applies once at the span's end; else per step.
+template <int MR, bool SYM, int EPI, bool SB, typename T>
 void row_tile(const Tile& t, const Rows& R, int r0, int k, const float* bias, T* out, int64_t ldo) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = t.first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.acc + (r0 + r) * NB + 16 * j);
+    for (int j = 0; j < 4; ++j)
+      acc[r][j] = SB || t.first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.acc + (r0 + r) * NB + 16 * j);
   const int steps = t.kc / EPI, e0 = t.k0 / EPI;
   for (int e = 0; e < steps; ++e) {
     __m512i s[MR][4];
@@ -304,41 +316,48 @@ void row_tile(const Tile& t, const Rows& R, int r0, int k, const float* bias, T*
     }
     const float* d = t.d + e * NB;
     const float* m = SYM ? nullptr : t.m + e * NB;
-    const int step = e0 + e, blk = step * EPI / CHUNK;
+    const int step = e0 + e;
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const int row = r0 + r;
-      const __m512 xs = _mm512_set1_ps(R.xs[row * (k / CHUNK) + blk]);
+      const __m512 xs = _mm512_set1_ps(SB ? 1.0f : R.xs[row * R.nblk + step * EPI / CHUNK]);
       if (SYM) {
         const __m512i c = _mm512_set1_epi32(R.ci[row * R.steps + step]);
         for (int j = 0; j < 4; ++j) {
-          const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][j], c)), xs);
+          __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][j], c));
+          if (!SB) v = _mm512_mul_ps(v, xs);
           acc[r][j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(d + 16 * j), acc[r][j]);
         }
       } else {
         const __m512 c = _mm512_set1_ps(R.cf[row * R.steps + step]);
         for (int j = 0; j < 4; ++j) {
-          const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r][j]), xs);
+          __m512 v = _mm512_cvtepi32_ps(s[r][j]);
+          if (!SB) v = _mm512_mul_ps(v, xs);
           acc[r][j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(d + 16 * j), acc[r][j]);
           acc[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(m + 16 * j), c, acc[r][j]);
         }
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xs = _mm512_set1_ps(SB ? R.xs[(r0 + r) * R.nblk + t.k0 / 256] : 1.0f);
     for (int j = 0; j < 4; ++j) {
-      if (!t.last) _mm512_storeu_ps(t.acc + (r0 + r) * NB + 16 * j, acc[r][j]);
+      float* mem = t.acc + (r0 + r) * NB + 16 * j;
+      __m512 a = acc[r][j];
+      if (SB) a = t.first ? _mm512_mul_ps(a, xs) : _mm512_fmadd_ps(a, xs, _mm512_loadu_ps(mem));
+      if (!t.last) _mm512_storeu_ps(mem, a);
       else if (16 * j < t.cols)
-        store_out(out + (r0 + r) * ldo + 16 * j, vf{acc[r][j]}, bias ? bias + 16 * j : nullptr, tail(t.cols, 16 * j));
+        store_out(out + (r0 + r) * ldo + 16 * j, vf{a}, bias ? bias + 16 * j : nullptr, tail(t.cols, 16 * j));
     }
+  }
 }
 
-template <bool SYM, int EPI, typename T>
+template <bool SYM, int EPI, bool SB, typename T>
 void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
   int r = 0;
-  for (; r + 3 <= m; r += 3) row_tile<3, SYM, EPI>(t, R, r, k, bias, out, ldo);
-  if (m - r == 2) row_tile<2, SYM, EPI>(t, R, r, k, bias, out, ldo);
-  else if (m - r == 1) row_tile<1, SYM, EPI>(t, R, r, k, bias, out, ldo);
+  for (; r + 3 <= m; r += 3) row_tile<3, SYM, EPI, SB>(t, R, r, k, bias, out, ldo);
+  if (m - r == 2) row_tile<2, SYM, EPI, SB>(t, R, r, k, bias, out, ldo);
+  else if (m - r == 1) row_tile<1, SYM, EPI, SB>(t, R, r, k, bias, out, ldo);
 }
 
 #elif defined(BJ_ISA_AVX512) || defined(BJ_ISA_AVX2)
@@ -348,14 +367,14 @@ void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bia
 // row as |q| and q's sign, the code's byte flipped by it (scaled_mm.cpp's trick), one quad at a time.
 #define BJ_QKERNEL "avx2"
 
-template <int MR, bool SYM, int EPI, int BITS, typename T>
+template <int MR, bool SYM, int EPI, bool SB, int BITS, typename T>
 void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float* bias, T* out, int64_t ldo) {
   constexpr int LANE_QUADS = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
   constexpr int FLUSH = LANE_QUADS < EPI / 4 ? LANE_QUADS : EPI / 4;
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 2; ++j)
-      acc[r][j] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.acc + (r0 + r) * NB + c0 + 8 * j);
+      acc[r][j] = SB || t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.acc + (r0 + r) * NB + c0 + 8 * j);
   const __m256i ones = _mm256_set1_epi16(1);
   const int steps = t.kc / EPI, e0 = t.k0 / EPI;
   for (int e = 0; e < steps; ++e) {
@@ -396,20 +415,22 @@ void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float
     }
     const float* d = t.d + e * NB + c0;
     const float* m = SYM ? nullptr : t.m + e * NB + c0;
-    const int step = e0 + e, blk = step * EPI / CHUNK;
+    const int step = e0 + e;
     for (int r = 0; r < MR; ++r) {
       const int row = r0 + r;
-      const __m256 xs = _mm256_set1_ps(R.xs[row * (k / CHUNK) + blk]);
+      const __m256 xs = _mm256_set1_ps(SB ? 1.0f : R.xs[row * R.nblk + step * EPI / CHUNK]);
       if (SYM) {
         const __m256i c = _mm256_set1_epi32(R.ci[row * R.steps + step]);
         for (int j = 0; j < 2; ++j) {
-          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][j], c)), xs);
+          __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][j], c));
+          if (!SB) v = _mm256_mul_ps(v, xs);
           acc[r][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(d + 8 * j), acc[r][j]);
         }
       } else {
         const __m256 c = _mm256_set1_ps(R.cf[row * R.steps + step]);
         for (int j = 0; j < 2; ++j) {
-          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r][j]), xs);
+          __m256 v = _mm256_cvtepi32_ps(s[r][j]);
+          if (!SB) v = _mm256_mul_ps(v, xs);
           acc[r][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(d + 8 * j), acc[r][j]);
           acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * j), c, acc[r][j]);
         }
@@ -418,10 +439,13 @@ void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float
   }
   const int cols = std::min(16, t.cols - c0);
   for (int r = 0; r < MR; ++r) {
-    if (!t.last) {
-      for (int j = 0; j < 2; ++j) _mm256_storeu_ps(t.acc + (r0 + r) * NB + c0 + 8 * j, acc[r][j]);
-      continue;
+    const __m256 xs = _mm256_set1_ps(SB ? R.xs[(r0 + r) * R.nblk + t.k0 / 256] : 1.0f);
+    for (int j = 0; j < 2; ++j) {
+      float* mem = t.acc + (r0 + r) * NB + c0 + 8 * j;
+      if (SB) acc[r][j] = t.first ? _mm256_mul_ps(acc[r][j], xs) : _mm256_fmadd_ps(acc[r][j], xs, _mm256_loadu_ps(mem));
+      if (!t.last) _mm256_storeu_ps(mem, acc[r][j]);
     }
+    if (!t.last) continue;
 #if defined(BJ_ISA_AVX512)
     const vf v{_mm512_insertf32x8(_mm512_castps256_ps512(acc[r][0]), acc[r][1], 1)};
 #else
@@ -431,22 +455,22 @@ void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float
   }
 }
 
-template <bool SYM, int EPI, int BITS, typename T>
+template <bool SYM, int EPI, bool SB, int BITS, typename T>
 void tile_rows_bits(const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
   for (int c0 = 0; c0 < (t.last ? t.cols : NB); c0 += 16) {
     int r = 0;
-    for (; r + 2 <= m; r += 2) row_tile16<2, SYM, EPI, BITS>(t, R, r, c0, k, bias, out, ldo);
-    if (r < m) row_tile16<1, SYM, EPI, BITS>(t, R, r, c0, k, bias, out, ldo);
+    for (; r + 2 <= m; r += 2) row_tile16<2, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
+    if (r < m) row_tile16<1, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
   }
 }
 
-template <bool SYM, int EPI, typename T>
+template <bool SYM, int EPI, bool SB, typename T>
 void tile_rows(int bits, const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
   switch (bits) {
-    case 4: tile_rows_bits<SYM, EPI, 4>(t, R, m, k, bias, out, ldo); break;
-    case 5: tile_rows_bits<SYM, EPI, 5>(t, R, m, k, bias, out, ldo); break;
-    case 6: tile_rows_bits<SYM, EPI, 6>(t, R, m, k, bias, out, ldo); break;
-    default: tile_rows_bits<SYM, EPI, 8>(t, R, m, k, bias, out, ldo); break;
+    case 4: tile_rows_bits<SYM, EPI, SB, 4>(t, R, m, k, bias, out, ldo); break;
+    case 5: tile_rows_bits<SYM, EPI, SB, 5>(t, R, m, k, bias, out, ldo); break;
+    case 6: tile_rows_bits<SYM, EPI, SB, 6>(t, R, m, k, bias, out, ldo); break;
+    default: tile_rows_bits<SYM, EPI, SB, 8>(t, R, m, k, bias, out, ldo); break;
   }
 }
 
@@ -454,13 +478,13 @@ void tile_rows(int bits, const Tile& t, const Rows& R, int m, int k, const float
 // ---- generic: plain int32 loops, one row x 64 columns at a time; the same fp32 steps lane by lane ----
 #define BJ_QKERNEL "generic"
 
-template <bool SYM, int EPI, typename T>
+template <bool SYM, int EPI, bool SB, typename T>
 void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
   const int steps = t.kc / EPI, e0 = t.k0 / EPI;
   for (int row = 0; row < m; ++row) {
-    float* acc = t.acc + row * NB;
-    if (t.first)
-      for (int c = 0; c < NB; ++c) acc[c] = 0.0f;
+    float* mem = t.acc + row * NB;
+    float acc[NB];
+    for (int c = 0; c < NB; ++c) acc[c] = SB || t.first ? 0.0f : mem[c];
     const int8_t* a = (const int8_t*)(R.q + row * R.q_stride);
     for (int e = 0; e < steps; ++e) {
       int32_t s[NB] = {};
@@ -471,19 +495,27 @@ void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bia
           s[c] += w[4 * c] * a[kk] + w[4 * c + 1] * a[kk + 1] + w[4 * c + 2] * a[kk + 2] + w[4 * c + 3] * a[kk + 3];
       }
       const int step = e0 + e;
-      const float xs = R.xs[row * (k / CHUNK) + step * EPI / CHUNK];
+      const float xs = SB ? 1.0f : R.xs[row * R.nblk + step * EPI / CHUNK];
       for (int c = 0; c < NB; ++c) {
         if (SYM) {
-          const float v = (float)(s[c] - R.ci[row * R.steps + step]) * xs;
+          float v = (float)(s[c] - R.ci[row * R.steps + step]);
+          if (!SB) v = v * xs;
           acc[c] = __builtin_fmaf(v, t.d[e * NB + c], acc[c]);
         } else {
-          const float v = (float)s[c] * xs;
+          float v = (float)s[c];
+          if (!SB) v = v * xs;
           acc[c] = __builtin_fmaf(v, t.d[e * NB + c], acc[c]);
           acc[c] = __builtin_fmaf(t.m[e * NB + c], R.cf[row * R.steps + step], acc[c]);
         }
       }
     }
-    if (t.last)
+    if (SB) {
+      const float xs = R.xs[row * R.nblk + t.k0 / 256];
+      for (int c = 0; c < NB; ++c) acc[c] = t.first ? acc[c] * xs : __builtin_fmaf(acc[c], xs, mem[c]);
+    }
+    if (!t.last)
+      for (int c = 0; c < NB; ++c) mem[c] = acc[c];
+    else
       for (int c = 0; c < t.cols; c += 16) store_out(out + row * ldo + c, vload(acc + c), bias ? bias + c : nullptr, tail(t.cols, c));
   }
 }
@@ -491,31 +523,28 @@ void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bia
 
 template <typename T>
 void run_tile(const Format& f, const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
-  if (f.sym()) {
-    if (f.epi() == 16) tile_rows<true, 16>(f.bits, t, R, m, k, bias, out, ldo);
-    else tile_rows<true, 32>(f.bits, t, R, m, k, bias, out, ldo);
-  } else {
-    if (f.epi() == 16) tile_rows<false, 16>(f.bits, t, R, m, k, bias, out, ldo);
-    else tile_rows<false, 32>(f.bits, t, R, m, k, bias, out, ldo);
-  }
+  if (f.kind == K6) tile_rows<true, 16, true>(f.bits, t, R, m, k, bias, out, ldo);          // Q6_K
+  else if (f.kind == KQ) tile_rows<false, 32, true>(f.bits, t, R, m, k, bias, out, ldo);    // Q4_K, Q5_K
+  else if (f.sym()) tile_rows<true, 32, false>(f.bits, t, R, m, k, bias, out, ldo);         // Q4_0, Q5_0, Q8_0, int4
+  else tile_rows<false, 32, false>(f.bits, t, R, m, k, bias, out, ldo);                     // Q4_1, Q5_1
 }
 
 template <typename X, typename T>
 int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uint8_t* codes, const uint8_t* scales,
             int n, const float* bias, T* out, int64_t ldo, int threads) {
   const bool sign8 = SIGN_TRICK_8BIT && f.bits == 8;
-  const int steps = k / f.epi(), epi = f.epi();
-  Rows R{k, steps, sign8 ? 2 * (int64_t)k : (int64_t)k, nullptr, nullptr, nullptr, nullptr};
+  const int steps = k / f.epi(), epi = f.epi(), nblk = k / f.ablk();
+  Rows R{k, steps, nblk, sign8 ? 2 * (int64_t)k : (int64_t)k, nullptr, nullptr, nullptr, nullptr};
   // the rows' codes and scales: scratch kept by the calling thread, grown as needed
   static thread_local std::vector<uint8_t> qbuf;
   static thread_local std::vector<float> fbuf;
   static thread_local std::vector<int32_t> ibuf;
   if ((int64_t)qbuf.size() < m * R.q_stride + 64) qbuf.resize(m * R.q_stride + 64);
-  if ((int64_t)fbuf.size() < (int64_t)m * (k / CHUNK + steps)) fbuf.resize((int64_t)m * (k / CHUNK + steps));
+  if ((int64_t)fbuf.size() < (int64_t)m * (nblk + steps)) fbuf.resize((int64_t)m * (nblk + steps));
   if ((int64_t)ibuf.size() < (int64_t)m * steps) ibuf.resize((int64_t)m * steps);
   R.q = qbuf.data();
   R.xs = fbuf.data();
-  R.cf = fbuf.data() + (int64_t)m * (k / CHUNK);
+  R.cf = fbuf.data() + (int64_t)m * nblk;
   R.ci = ibuf.data();
   const int blocks = (n + NB - 1) / NB;
   const int64_t ccb = f.chunk_code_bytes(), cb = ccb * (k / CHUNK), sb = f.scale_bytes(k);
@@ -524,7 +553,7 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
   {
 #pragma omp for schedule(static)
     for (int r = 0; r < m; ++r)
-      prepare_row(x + r * stride, f, k, sign8, R.q + r * R.q_stride, R.xs + (int64_t)r * (k / CHUNK),
+      prepare_row(x + r * stride, f, k, sign8, R.q + r * R.q_stride, R.xs + (int64_t)r * nblk,
                   R.ci + (int64_t)r * steps, R.cf + (int64_t)r * steps);
     // per thread, kept for the next call: a span's expanded codes and fp32 scales, the rows' accumulators
     static thread_local std::vector<uint8_t> tile;
