@@ -34,12 +34,14 @@ from batchjob.kernels.linear import Linear
 from batchjob.kernels.linear_fp8 import Fp8Linear
 from batchjob.kernels.linear_int8 import Int8Linear, QuantizationError
 from batchjob.kernels.linear_quant import BlockQuantLinear, Int4Weight, PackedWeight, quantize_int4
+from batchjob.kernels.linear_w4a16 import W4A16Linear
 from batchjob.kernels.native.quant_blocks import native_quant_blocks
 from batchjob.kernels.reference.scaled_mm import quantize_weight_fp8, quantize_weight_int8
 from batchjob.kernels.modes import Quantization
 
 QUANTIZATIONS = tuple(Quantization)
-WeightMatmul = Linear | Int8Linear | Fp8Linear | BlockQuantLinear  # what a layer calls for a projection: x [..., in] -> [..., out]
+# what a layer calls for a projection: x [..., in] -> [..., out]; each says its memory() per format
+WeightMatmul = Linear | Int8Linear | Fp8Linear | BlockQuantLinear | W4A16Linear
 FP8_CAPABILITY = (8, 9)  # CUDA compute capability with fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
@@ -193,7 +195,6 @@ def int4_linear(weight: Int4Weight, bias: torch.Tensor | None = None) -> WeightM
         notice(f"int4: {why}; such weights are dequantized at load (the compute dtype's memory and speed)")
         return Linear(weight.dequantized(torch.float32 if bias is None else bias.dtype), bias)
     if device.type == "cuda":
-        from batchjob.kernels.linear_w4a16 import W4A16Linear
         return W4A16Linear(weight, bias)
     return Linear(weight.dequantized(torch.float32), bias)
 

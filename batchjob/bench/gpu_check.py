@@ -1,16 +1,19 @@
 """`make gpu-check`: every GPU check in one command, failing at the first error (issue 11).
 
-1. kernels: the Triton kernel cases on CUDA (tests/triton_cases.py, the same cases CI runs under the
-   interpreter);
+1. kernels: the Triton kernel cases on CUDA (tests/triton_cases.py and tests/kernels/w4a16_cases.py, the same
+   cases CI runs under the interpreter);
 2. text: the quickstart job's first rows on the GPU (Triton kernels, fp32) against a CPU fp32 run
    (torch kernels): share of rows with identical greedy text;
 3. attention: paged decode attention at 128 rows x 2k context (SmolLM2's and 1B-class shapes, bf16):
    GB/s of K/V read, and that as a share of the device's measured copy bandwidth (target >= 70%);
 4. decode: W1-style steps (256 rows) on SmolLM2 and on a random 1B-shaped Llama: torch kernels, Triton
    eager (synchronous, then with async output), Triton with CUDA graphs, and that with `--quantization int8`
-   and (compute capability >= 8.9) `fp8` weight matmuls: tokens/s, and the step time against the weights + KV
-   bytes roofline at the measured bandwidth (the roofline of the bf16 weights for every variant);
-5. peer: HF transformers `generate`, static batches of 16, on the same GPU (when transformers is here).
+   and (compute capability >= 8.9) `fp8` weight matmuls, and with `int4` (W4A16, the Triton kernel of
+   kernels/triton/w4a16.py): tokens/s, and the step time against the weights + KV bytes roofline at the measured
+   bandwidth (the roofline of the bf16 weights for every variant);
+5. w4a16: the W4A16 matmul (kernels/linear_w4a16.py, groups of 32 and 128) on a 1B-class model's projections at 1,
+   16 and 256 rows against the bf16 matmul: ms per call, the int4 weight's GB/s, the error against its reference;
+6. peer: HF transformers `generate`, static batches of 16, on the same GPU (when transformers is here).
 
 Writes a JSON file and prints a table. `--smoke` runs tiny shapes on the CPU under TRITON_INTERPRET=1
 (the code paths, not the numbers) so CI can keep this script working without a GPU."""
@@ -147,6 +150,35 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
             "over_roofline": round(step / roofline, 2) if roofline else None}
 
 
+def w4a16_matmuls(device: torch.device, smoke: bool) -> list[dict]:
+    """W4A16Linear against F.linear in the compute dtype on a 1B-class model's projections (fused QKV, fused
+    gate/up, down): ms per call, the int4 weight's bytes read per second, the kernel that ran (triton once its
+    start-up check passed) and its largest error against the torch reference, relative to the largest result."""
+    from batchjob.kernels.linear_quant import quantize_int4
+    from batchjob.kernels.linear_w4a16 import W4A16Linear
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = [(64, 128)] if smoke else [(2048 + 2 * 512, 2048), (2 * 8192, 2048), (2048, 8192)]
+    results = []
+    for n, k in shapes:
+        w = (torch.randn(n, k, device=device) * 0.02).to(dtype)
+        for group in (32, 128):
+            lin = W4A16Linear(quantize_int4(w, group))
+            for rows in ((1, 5) if smoke else (1, 16, 256)):
+                x = torch.randn(rows, k, device=device).to(dtype)
+                want = lin.reference(x).float()
+                err = ((lin(x).float() - want).abs().max() / want.abs().max()).item()
+                repeat = 1 if smoke else 50
+                s4 = _timed(lambda: lin(x), device, repeat)
+                s16 = _timed(lambda: torch.nn.functional.linear(x, w), device, repeat)
+                results.append({"n": n, "k": k, "group": group, "rows": rows, "kernel": lin.kernel,
+                                "err": float(f"{err:.2e}"), "int4_ms": round(s4 * 1e3, 4),
+                                "dense_ms": round(s16 * 1e3, 4), "speedup": round(s16 / s4, 2),
+                                "int4_gb_s": round(lin.nbytes / s4 / 1e9, 1)})
+        del w
+    return results
+
+
 def quickstart_text(out: Path, rows: int, smoke: bool) -> dict:
     """Greedy text of the quickstart job's first rows: GPU (Triton, fp32) vs CPU (torch, fp32)."""
     from batchjob.io.parts import read_results
@@ -211,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             report["kernels"] = done.stdout.strip().splitlines()[-1:] or [done.stderr[-500:]]
             if done.returncode:
                 raise CheckFailed(f"Triton kernel cases failed on CUDA:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+            done = subprocess.run([sys.executable, "-m", "tests.kernels.w4a16_cases", "--device", "cuda"], cwd=ROOT,
+                                  capture_output=True, text=True)
+            report["kernels"] += done.stdout.strip().splitlines()[-1:] or [done.stderr[-500:]]
+            if done.returncode:
+                raise CheckFailed(f"W4A16 kernel cases failed on CUDA:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
         report["text"] = quickstart_text(args.out, 2 if smoke else 48, smoke)
         if report["text"]["share"] < (1.0 if smoke else 0.9):
             raise CheckFailed(f"GPU greedy text differs from the CPU fp32 run on too many rows: {report['text']}")
@@ -234,15 +271,19 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, weights = random_llama(*shape, device=device, dtype=dtype)
             r, p, o = (4, 8, 4) if smoke else (256, 128, 128)
             # (kernels, CUDA graphs, async output, quantization): the references; Triton eager, synchronous;
-            # + async; + graphs; + int8 / fp8 weight matmuls (smoke: int8 on the CPU runs the native kernel)
+            # + async; + graphs; + int8 / fp8 / int4 weight matmuls (smoke: int8 on the CPU runs the native kernel)
             variants = [("triton", False, None, "none"), ("triton", False, None, "int8")] if smoke else [
                 ("torch", False, None, "none"), ("triton", False, False, "none"), ("triton", False, True, "none"),
-                ("triton", True, True, "none"), ("triton", True, True, "int8")]
+                ("triton", True, True, "none"), ("triton", True, True, "int8"), ("triton", True, True, "int4")]
             if not smoke and fp8_capable(device):
                 variants.append(("triton", True, True, "fp8"))
             report["decode"][name] = [decode_throughput(cfg, weights, device, dtype, k, r, p, o, bw, cuda_graphs=g,
                                                         async_scheduling=a, quantization=q) for k, g, a, q in variants]
             del weights
+        report["w4a16"] = w4a16_matmuls(device, smoke)
+        bad = [r for r in report["w4a16"] if r["kernel"] != "triton" or not r["err"] <= 3e-2]
+        if bad:
+            raise CheckFailed(f"W4A16: the Triton kernel did not run, or differs from its reference: {bad[0]}")
         if not smoke:
             report["hf_generate"] = hf_generate(device, 64, 128, 128)
     except CheckFailed as e:
@@ -267,6 +308,9 @@ def table(report: dict) -> str:
                    f"{'' if r['quantization'] == 'none' else ' ' + r['quantization']}")
             lines.append(f"decode {name:8} {how:22} {r['tokens_s']} tok/s, step {r['step_ms']} ms = "
                          f"{r['over_roofline']}x roofline")
+    for r in report.get("w4a16", []):
+        lines.append(f"w4a16 {r['n']}x{r['k']} g{r['group']} {r['rows']:>3} rows: {r['int4_ms']} ms ({r['int4_gb_s']} GB/s) "
+                     f"vs dense {r['dense_ms']} ms = {r['speedup']}x, err {r['err']:.1e}")
     peer = report.get("hf_generate", {})
     if peer.get("tokens_s"):
         lines.append(f"HF generate static-16: {peer['tokens_s']} tok/s")

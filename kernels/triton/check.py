@@ -129,3 +129,34 @@ def check_scaled_mm_fp8(device: torch.device) -> str | None:
         if not err <= want.float().abs().max().item() * tol:  # NaN fails too
             return f"fp8 scaled matmul ({str(dtype).removeprefix('torch.')}) differs from the reference by {err:.2e}"
     return None
+
+
+W4A16_TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # of the largest result: the
+# weights rounded to the activations' dtype (fp32: an ieee dot, sums in another order), and the output's cast
+
+
+def check_w4a16(device: torch.device) -> str | None:
+    """None when the Triton W4A16 kernel (kernels/triton/w4a16.py) agrees with the reference (kernels/reference/w4a16.py)
+    on `device`: symmetric groups of 128 (two k tiles of 64 per group) and groups of 32 with mins (a k tile of 32 per
+    group), 37 rows (two row tiles) x 200 outputs (a partial column tile), with a bias, in fp32, fp16 and bf16, within
+    W4A16_TOLERANCE of the largest result; else what differs. kernels/linear_w4a16.py runs it once per device."""
+    from batchjob.kernels.reference import w4a16 as ref
+    from batchjob.kernels.triton import w4a16 as tri
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 200, 256
+    for group, with_mins in ((128, False), (32, True)):
+        u = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(k // group, n, generator=g) * 0.02 + 1e-3
+        mins = -scales * torch.randint(0, 16, scales.shape, generator=g) if with_mins else None
+        x, bias = torch.randn(37, k, generator=g), torch.randn(n, generator=g)
+        qweight = ref.pack_int4(u).to(device)
+        args = (scales.to(device), None if mins is None else mins.to(device), group, bias.to(device))
+        for dtype, tol in W4A16_TOLERANCE.items():
+            xd = x.to(dtype).to(device)
+            got, want = tri.w4a16_matmul(xd, qweight, *args).float(), ref.w4a16_matmul(xd, qweight, *args).float()
+            err = (got - want).abs().max().item()
+            if not err <= tol * want.abs().max().item():  # NaN fails too
+                return (f"W4A16 matmul (group {group}{', mins' if with_mins else ''}, {str(dtype).removeprefix('torch.')}) "
+                        f"differs from the reference by {err:.2e}")
+    return None
