@@ -6,6 +6,9 @@ family, and how its GGUF names and values map back, the family says (models/fami
 gguf_tensor); nothing here names a family."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import mmap
 import re
 from pathlib import Path
@@ -105,19 +108,30 @@ def _packable(t: gguf.ReaderTensor, hf_names: list[str]) -> bool:
             and not any(n.endswith(FLOAT_MATMULS) for n in hf_names))
 
 
-def _release_pages(reader: gguf.GGUFReader, t: gguf.ReaderTensor) -> None:
-    """Lets the process's resident memory drop a packed tensor's file pages (they stay in the page cache): the
-    mapping would otherwise keep the whole file resident beside the packed copy until the reader is gone."""
-    mapping = getattr(reader.data, "_mmap", None)
-    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    page = mmap.PAGESIZE
-    start = t.data_offset // page * page
-    end = (t.data_offset + t.n_bytes + page - 1) // page * page
+@functools.cache
+def _madvise():
+    """libc's madvise, or None (not Linux/glibc: the pages then go when the reader does)."""
     try:
-        mapping.madvise(mmap.MADV_DONTNEED, start, min(end, len(mapping)) - start)
-    except (OSError, ValueError):
-        pass  # advice only: the pages go when the reader does
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _release_pages(reader: gguf.GGUFReader, t: gguf.ReaderTensor) -> None:
+    """Lets the process's resident memory drop a packed tensor's file pages (MADV_DONTNEED on the read-only mapping:
+    they stay in the page cache): the mapping would otherwise keep the whole file resident beside the packed copy
+    until the reader is gone, a second copy of the weights at the load's peak."""
+    madvise = _madvise()
+    if madvise is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    base, page = reader.data.ctypes.data, mmap.PAGESIZE  # the mapping starts at the file's first byte, page-aligned
+    start = (t.data_offset + page - 1) // page * page  # whole pages of this tensor only (neighbours may share one)
+    end = (t.data_offset + t.n_bytes) // page * page
+    if end > start:
+        madvise(base + start, end - start, mmap.MADV_DONTNEED)  # advice: a failure leaves the pages to the reader
 
 
 class _NameMap:
