@@ -265,13 +265,16 @@ void prepare_row(const T* x, const Format& f, int k, bool sign8, uint8_t* q, flo
 constexpr int SPAN = 256;
 
 struct Tile {
-  const uint8_t* codes;  // the span's [kc / 4][64][4] bytes
+  const uint8_t* codes;  // the span's [kc / 4][64][4] bytes, or (packed) its packed chunks, `ccb` bytes each
   const float* d;        // [kc / epi][64]
   const float* m;        // [kc / epi][64] or null
   int cols;              // real columns (<= 64)
   int k0, kc;            // the span's k values
   float* acc;            // [rows][64]: the accumulators between spans
   bool first, last;
+  bool packed = false;   // codes unpacked in registers (a call of FUSE_ROWS rows or fewer: no tile to amortize)
+  int bits = 8;
+  int64_t ccb = 0;
 };
 
 template <typename T>
@@ -283,6 +286,23 @@ inline void store_out(T* out, vf acc, const float* bias, m16 mask) {
 #if defined(BJ_ISA_AVX512) && defined(__AVX512VNNI__)
 // ---- AVX512-VNNI: MR rows x 64 columns (4 zmm): MR x 4 int32 sums + MR x 4 fp32 accumulators ----
 #define BJ_QKERNEL "avx512-vnni"
+constexpr int FUSE_ROWS = 2;  // calls of this many rows or fewer unpack the nibbles in registers (decode of a row)
+
+// one quad pair (8 k) of the packed chunk `src`, 64 columns: its two quads' codes as bytes (lo: quad 2p, hi: 2p + 1)
+inline void unpack_pair(const uint8_t* src, int p, int bits, __m512i lo[4], __m512i hi[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint64_t* planes = (const uint64_t*)(src + 1024);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x = _mm512_loadu_si512(src + p * 256 + 64 * j);
+    lo[j] = _mm512_and_si512(x, low);
+    hi[j] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+    for (int e = 0; e < bits - 4; ++e) {
+      const __m512i bit = _mm512_set1_epi8((char)(0x10 << e));
+      lo[j] = _mm512_or_si512(lo[j], _mm512_maskz_mov_epi8(planes[(e * 8 + 2 * p) * 4 + j], bit));
+      hi[j] = _mm512_or_si512(hi[j], _mm512_maskz_mov_epi8(planes[(e * 8 + 2 * p + 1) * 4 + j], bit));
+    }
+  }
+}
 
 // SB (the K-quants): the block scale is the span's (256 = one activation block): the steps sum without it, and it
 // applies once at the span's end; else per step.
@@ -297,6 +317,21 @@ void row_tile(const Tile& t, const Rows& R, int r0, int k, const float* bias, T*
     __m512i s[MR][4];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_si512();
+    if (MR <= FUSE_ROWS && t.packed) {  // the step's quad pairs unpacked in registers
+      const int ch = e * EPI / CHUNK, p0 = (e * EPI % CHUNK) / 8;
+      const uint8_t* src = t.codes + ch * t.ccb;
+      for (int p = p0; p < p0 + EPI / 8; ++p) {
+        __m512i lo[4], hi[4];
+        unpack_pair(src, p, t.bits, lo, hi);
+        const int kk = t.k0 + ch * CHUNK + p * 8;
+        for (int r = 0; r < MR; ++r) {
+          int32_t a4[2];
+          memcpy(a4, R.q + (r0 + r) * R.q_stride + kk, 8);
+          const __m512i a0 = _mm512_set1_epi32(a4[0]), a1 = _mm512_set1_epi32(a4[1]);
+          for (int j = 0; j < 4; ++j) s[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][j], lo[j], a0), hi[j], a1);
+        }
+      }
+    } else {
     const uint8_t* w = t.codes + (int64_t)e * (EPI / 4) * 256;
 #pragma GCC unroll 8
     for (int qd = 0; qd < EPI / 4; ++qd, w += 256) {
@@ -313,6 +348,7 @@ void row_tile(const Tile& t, const Rows& R, int r0, int k, const float* bias, T*
         s[r][2] = _mm512_dpbusd_epi32(s[r][2], w2, a);
         s[r][3] = _mm512_dpbusd_epi32(s[r][3], w3, a);
       }
+    }
     }
     const float* d = t.d + e * NB;
     const float* m = SYM ? nullptr : t.m + e * NB;
@@ -366,6 +402,7 @@ void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bia
 // (4-bit: 8, 5-bit: 4, 6-bit: 2: a lane stays <= 32767), then vpmaddwd by ones into the int32 sum. 8-bit codes: the
 // row as |q| and q's sign, the code's byte flipped by it (scaled_mm.cpp's trick), one quad at a time.
 #define BJ_QKERNEL "avx2"
+constexpr int FUSE_ROWS = 0;
 
 template <int MR, bool SYM, int EPI, bool SB, int BITS, typename T>
 void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float* bias, T* out, int64_t ldo) {
@@ -477,6 +514,7 @@ void tile_rows(int bits, const Tile& t, const Rows& R, int m, int k, const float
 #else
 // ---- generic: plain int32 loops, one row x 64 columns at a time; the same fp32 steps lane by lane ----
 #define BJ_QKERNEL "generic"
+constexpr int FUSE_ROWS = 0;
 
 template <bool SYM, int EPI, bool SB, typename T>
 void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
@@ -549,6 +587,7 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
   const int blocks = (n + NB - 1) / NB;
   const int64_t ccb = f.chunk_code_bytes(), cb = ccb * (k / CHUNK), sb = f.scale_bytes(k);
   const int nt = (int64_t)m * n * k >= (1 << 18) ? threads : 1;
+  const bool fused = f.bits != 8 && m <= FUSE_ROWS;  // few rows: no tile (its stores and loads cost more than it saves)
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
@@ -568,12 +607,13 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
       const uint8_t* c = codes + b * cb;
       for (int k0 = 0; k0 < k; k0 += SPAN) {
         const int kc = std::min(SPAN, k - k0);
-        if (f.bits != 8)
+        if (f.bits != 8 && !fused)
           for (int ch = 0; ch < kc / CHUNK; ++ch)
             expand_chunk(c + (k0 / CHUNK + ch) * ccb, f.bits, tile.data() + ch * CHUNK * NB);
         expand_scales(f, scales + b * sb, k0 / epi, (k0 + kc) / epi, d, mn);
-        const Tile t{f.bits == 8 ? c + (k0 / CHUNK) * ccb : tile.data(), d, mn, std::min(NB, n - b * NB), k0, kc,
-                     acc.data(), k0 == 0, k0 + kc == k};
+        const bool as_packed = f.bits == 8 || fused;
+        const Tile t{as_packed ? c + (k0 / CHUNK) * ccb : tile.data(), d, mn, std::min(NB, n - b * NB), k0, kc,
+                     acc.data(), k0 == 0, k0 + kc == k, fused, f.bits, ccb};
         run_tile(f, t, R, m, k, bias ? bias + b * NB : nullptr, out + b * NB, ldo);
       }
     }
