@@ -11,6 +11,7 @@ import ctypes.util
 import functools
 import mmap
 import re
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from batchjob.kernels.linear_quant import PackedWeight
+from batchjob.kernels.notices import notice
 from batchjob.kernels.native.quant_blocks import GGUF_BLOCK, GGUF_FORMATS, native_quant_blocks
 from batchjob.kernels.quantization import QuantizedWeight
 from batchjob.models.config import ModelConfig
@@ -66,6 +68,8 @@ def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False, blocks: 
     native = native_quant_blocks() if blocks else None
     expected = weight_shapes(config)
     weights = {}
+    unpacked: Counter[str] = Counter()  # matrices left in the compute dtype (a block format the kernels lack), by type
+    unpacked_bytes = 0
     for t in reader.tensors:
         hf_names = names.hf_names(t)  # before dequantizing: an unexpected tensor costs nothing
         if stray := [n for n in hf_names if n not in expected]:
@@ -80,6 +84,9 @@ def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False, blocks: 
                 weights[name] = PackedWeight([native.pack_gguf(raw, int(t.tensor_type), int(t.shape[0]))])
             _release_pages(reader, t)
             continue
+        if native is not None and not vector and not any(n.endswith(FLOAT_MATMULS) for n in hf_names):
+            unpacked[t.tensor_type.name] += 1
+            unpacked_bytes += int(t.n_elements) * dtype.itemsize
         if int8_codes and not vector and t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
             codes, scales = q8_0_codes(t)
             pairs = zip(codes.unbind(0), scales.unbind(0)) if len(hf_names) > 1 else [(codes, scales)]
@@ -95,6 +102,10 @@ def load_gguf(path: Path, dtype: torch.dtype, int8_codes: bool = False, blocks: 
                 part = family.gguf_tensor(config, name, part)
             weights[name] = part if isinstance(part, QuantizedWeight) else part.to(dtype)
     weights = checked_weights(config, weights, source=str(path))
+    if unpacked:  # said once, at load: what these tensors cost (the kernels compute Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K)
+        kinds = ", ".join(f"{kind} ({n})" for kind, n in unpacked.most_common())
+        notice(f"{path.name}: {sum(unpacked.values())} matrices stored as {kinds} are not computed as stored: "
+               f"dequantized at load to {str(dtype).removeprefix('torch.')}, {unpacked_bytes / (1 << 30):.2f} GiB")
 
     identity = gguf_identity(path, reader, config.architecture)
     return LoadedModel(config, weights, tokenizer, identity, name=path.stem)

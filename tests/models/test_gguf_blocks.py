@@ -148,3 +148,16 @@ def test_quantization_none_dequantizes_and_int8_requantizes(tiny_gguf_path):
     assert type(int8.layers[0].attn.o).__name__ == "Int8Linear"
     plain = load_model(str(path), dtype=torch.float32)
     assert not any(isinstance(w, PackedWeight) for w in plain.weights.values())
+
+
+def test_types_not_computed_as_stored_are_named_once_with_their_memory(wide_gguf, capsys):
+    from tests.models.test_gguf_quants import Q3_K_M_LIKE
+
+    path = wide_gguf(*Q3_K_M_LIKE)  # Q3_K and IQ4_NL: dequantized; its Q6_K, Q5_K, Q4_K: packed
+    loaded = load_model(str(path), dtype=torch.bfloat16, blocks=True)
+    said = capsys.readouterr().err
+    assert said.count("not computed as stored") == 1
+    assert "Q3_K (" in said and "IQ4_NL (1)" in said and "dequantized at load to bfloat16" in said and "GiB" in said
+    assert isinstance(loaded.weights["lm_head.weight"], PackedWeight)  # its Q6_K output stays packed
+    load_model(str(path), dtype=torch.bfloat16)  # --quantization none: nothing to say
+    assert "not computed as stored" not in capsys.readouterr().err
