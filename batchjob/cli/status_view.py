@@ -6,6 +6,7 @@ import time
 
 from batchjob.io.durations import format_duration
 from batchjob.io.ranges import RowRanges
+from batchjob.io.sizes import format_bytes
 
 
 def format_status(st: dict, now: float | None = None) -> str:
@@ -18,6 +19,9 @@ def format_status(st: dict, now: float | None = None) -> str:
     if st["last_commit"]:
         lines.append(f"  last commit: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st['last_commit']))} "
                      f"({format_duration(now - st['last_commit'])} ago)")
+    if st.get("peak_rss_bytes"):  # none for a job whose runs predate it
+        lines.append(f"  peak RSS: {format_bytes(st['peak_rss_bytes'])} "
+                     + ("so far (as of the last commit)" if st["state"] == "running" else "in the last run"))
     folders = st["folders"]
     if len(folders) == 1:
         f = folders[0]
@@ -71,14 +75,17 @@ def format_sharded_status(st: dict, now: float | None = None) -> str:
                      f"({format_duration(now - st['last_commit'])} ago)")
     if st["slurm_job"]:
         lines.append(f"  slurm job {st['slurm_job']}" + ("" if st["squeue"] else " (no squeue here: task states unknown)"))
-    lines.append(f"  {'shard':>5}  {'rows':<15} {'done':>13} {'errors':>6}  {'state':<11} {'rows/s':>7} {'ETA':>8}  slurm")
+    # each shard's last run's process (as of its last commit while it runs); "-": not run, or run before it was kept
+    lines.append(f"  {'shard':>5}  {'rows':<15} {'done':>13} {'errors':>6}  {'state':<11} {'rows/s':>7} {'ETA':>8} "
+                 f"{'peak RSS':>10}  slurm")
     for f in st["shard_states"]:
         span = "?" if f["start"] is None else f"{f['start']}-{f['end'] - 1}" if f["end"] > f["start"] else "(none)"
         of = "?" if f["total_rows"] is None else f["total_rows"]
         rate = f"{f['rows_per_s']:.1f}" if f["rows_per_s"] else "-"
         eta = format_duration(f["eta_s"]) if f["eta_s"] is not None else "-"
+        rss = format_bytes(f["peak_rss_bytes"]) if f.get("peak_rss_bytes") else "-"
         lines.append(f"  {f['shard']:>5}  {span:<15} {f['rows_done']:>6}/{of:<6} {f['errors']:>6}  {f['state']:<11} "
-                     f"{rate:>7} {eta:>8}  {f['slurm_state'] or '-'}")
+                     f"{rate:>7} {eta:>8} {rss:>10}  {f['slurm_state'] or '-'}")
         if f["note"] and f["state"] not in ("finished", "running"):
             lines.append(f"         {f['note']}")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from batchjob.engine.core.block_pool import BlockPool
 from batchjob.engine.core.detokenizer import IncrementalDetokenizer
 from batchjob.engine.core.cost_model import CostModel
-from batchjob.engine.worker.kv_budget import gpu_kv_blocks
+from batchjob.engine.worker.kv_budget import pool_size
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.executor import Executor
 from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
@@ -85,9 +85,8 @@ class Engine:
         if draft_model is not None:
             draft_model.fit_kernels(config.block_size)
             per_block += KVCache.bytes_per_block(draft_model, config.block_size)
-        num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // per_block)
-        if not config.num_blocks and config.gpu_memory_utilization and model.device.type == "cuda":
-            num_blocks = gpu_kv_blocks(model, config, per_block)
+        self.kv_pool = pool_size(model, config, per_block)  # its blocks, and how their number was chosen
+        num_blocks = self.kv_pool.blocks
         num_host = config.num_host_blocks or config.swap_space_bytes // per_block
         self.model = model
         self.config = config  # read, never changed: derived limits live on the engine and its scheduler

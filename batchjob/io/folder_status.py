@@ -39,6 +39,9 @@ class FolderStatus:
     note: str | None = None  # how the last run ended, or what is wrong with the folder
     missing: list[list[int]] = field(default_factory=list)  # first missing row ranges, when the total is known
     lanes: dict[str, dict] = field(default_factory=dict)  # lane column: {lane: {rows, errors}}
+    # the last run's process: its peak resident memory in bytes, at the run's end or (running, killed) its last
+    # commit; None for a run recorded before batchjob kept it
+    peak_rss_bytes: int | None = None
 
 
 def status(out: str | Path, *, now: float | None = None) -> dict:
@@ -76,6 +79,8 @@ def status(out: str | Path, *, now: float | None = None) -> dict:
         "eta_s": max(0, (total if total is not None else estimate) - done) / rate
         if running and rate and (total is not None or estimate is not None) else None,
         "last_commit": max((f.last_commit for f in folders if f.last_commit), default=None),
+        # the largest of the last runs' processes (per-lane folders share one process, shards have their own)
+        "peak_rss_bytes": max((f.peak_rss_bytes for f in folders if f.peak_rss_bytes), default=None),
         "lanes": lanes,
         "folders": [asdict(f) for f in folders],
     }
@@ -94,6 +99,8 @@ def folder_status(out: Path, folder: Path, now: float) -> FolderStatus:
                       prompt_tokens=totals["prompt_tokens"], completion_tokens=totals["completion_tokens"],
                       last_commit=manifest.extra.get("last_commit"), pid=holder.pid, host=holder.host)
     run = manifest.extra.get("run") or {}
+    peak = run.get("peak_rss_bytes")
+    st.peak_rss_bytes = peak if isinstance(peak, int) and peak > 0 else None
     if holder.held:
         st.state = "running"
     elif run.get("state") in ("finished", "stopped", "failed"):

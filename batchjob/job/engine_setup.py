@@ -14,6 +14,9 @@ from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError
 
 
+CPU_KV_CEILING_GB = 1.0  # the CPU's default KV pool is at most this (what the job's rows can fill, if less)
+
+
 def lanes_of(cfg: JobConfig) -> list[Lane]:
     if not cfg.lanes:
         return [Lane()]
@@ -61,8 +64,10 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
         max_wait=cfg.max_wait, lanes=lanes_of(cfg), max_loras=cfg.max_loras,
         **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),  # else the model's context
     )
-    # --kv-cache-gb wins; else 1 GiB on the CPU, and on CUDA what gpu_memory_utilization leaves (kv_budget.py)
-    ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or 1.0) * (1 << 30)),
+    # --kv-cache-gb wins; else on the CPU what max_num_seqs rows of max_model_len tokens fill, at most
+    # CPU_KV_CEILING_GB, and on CUDA what gpu_memory_utilization leaves (engine/worker/kv_budget.py)
+    ecfg = EngineConfig(block_size=cfg.block_size, kv_cache_bytes=int((cfg.kv_cache_gb or CPU_KV_CEILING_GB) * (1 << 30)),
+                        kv_cache_fit_rows=cfg.kv_cache_gb is None,
                         gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != Preemption.RECOMPUTE else 0,
                         enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,

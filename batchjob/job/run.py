@@ -37,7 +37,7 @@ from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.models.loader import resolve_model_path
 from batchjob.job.progress import Progress, Snapshot
-from batchjob.job.stats import StatsRecorder
+from batchjob.job.stats import StatsRecorder, peak_rss_bytes
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
@@ -47,6 +47,7 @@ from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_fo
 from batchjob.job.summary import ChatHint, JobSummary, start_line
 
 log = logging.getLogger(__name__)
+PEAK_RSS_EVERY = 10.0  # seconds between updates of a running job's peak RSS in its manifests
 
 
 class Job:
@@ -135,6 +136,7 @@ class Job:
     def run(self) -> JobSummary:
         cfg = self.cfg
         self.t0 = time.perf_counter()
+        self._peak_rss_due = time.monotonic() + PEAK_RSS_EVERY
         committed = [s.sink.manifest.totals() for s in self.streams]
         self.before = (sum(c["rows"] for c in committed), sum(c["errors"] for c in committed))
         if self.nothing_to_compute:
@@ -160,7 +162,7 @@ class Job:
                 raise failure
             return self.summary
         line = start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
-                          self.before[0], self.summary.output)
+                          self.before[0], self.summary.output, self.engine.kv_pool)
         if self.reasoning_name is not None:
             auto = " (auto)" if cfg.reasoning_parser == "auto" else ""
             line += f"; reasoning parser: {self.reasoning_name}{auto}"
@@ -190,6 +192,7 @@ class Job:
                         st = engine.last_stats  # an embed or score job's rate: the prompt tokens it computes
                         self.summary.generated_tokens_live += st.num_tokens if self.summary.prefill_only else st.num_sampled
                         self.stats.step(engine.last_stats, finished)
+                    self._note_peak_rss()
                     for stream in self.streams:
                         stream.sink.commit_if_due()
                     self.progress.update(self._snapshot())
@@ -224,6 +227,7 @@ class Job:
             self.progress.close()
         self.summary.wall_s = time.perf_counter() - self.t0
         self.summary.stats = self.stats.summary()
+        self.summary.peak_rss_bytes = self.summary.stats["peak_rss_bytes"]
         st = self.engine.structured_stats
         if st.rows or st.failed:  # structured outputs: what the grammars cost
             self.summary.stats["structured"] = {
@@ -303,8 +307,8 @@ class Job:
                        "rows_at_start": totals["rows"], "completion_tokens_at_start": totals["completion_tokens"]}
                 if self.cfg.limit is not None:  # a trial run: `status` and `export` take its first N rows as the job
                     run["limit"] = self.cfg.limit  # (absent: no limit, as in manifests written before it was kept)
-            else:
-                run = {**sink.extra.get("run", {}), "ended": time.time()}
+            else:  # the process's peak memory, for `status` (it says nothing for runs recorded before it was kept)
+                run = {**sink.extra.get("run", {}), "ended": time.time(), "peak_rss_bytes": peak_rss_bytes()}
             run["state"] = state
             if error:
                 run["error"] = error[:1000]
@@ -320,13 +324,24 @@ class Job:
                     if state == "running":
                         raise
 
+    def _note_peak_rss(self) -> None:
+        """Every PEAK_RSS_EVERY seconds, the process's peak memory so far into each manifest's run record,
+        stored with the next part: `status` shows a running (or killed) run's peak as of its last commit."""
+        now = time.monotonic()
+        if now < self._peak_rss_due:
+            return
+        self._peak_rss_due = now + PEAK_RSS_EVERY
+        peak = peak_rss_bytes()
+        for stream in self.streams:
+            stream.sink.set_extra("run", {**stream.sink.extra.get("run", {}), "peak_rss_bytes": peak})
+
     def _record_disk_full(self) -> None:
         """A full disk stopped the job: say so in each manifest if one more small record fits, so `status`
         tells "stopped: disk full" from a crash."""
         for stream in self.streams:
             sink = stream.sink
             run = {**sink.extra.get("run", {}), "ended": time.time(), "state": "stopped",
-                   "reason": f"disk full at row {sink.done.count():,}"}
+                   "reason": f"disk full at row {sink.done.count():,}", "peak_rss_bytes": peak_rss_bytes()}
             sink.record_after_failure("run", run)
 
     def _close_sinks(self, raising: BaseException) -> None:

@@ -1,10 +1,12 @@
 """StatsRecorder: per-step engine counters and per-lane waits, written to OUTPUT/stats.jsonl every few
-seconds (one JSON object a line) and summarized at the end."""
+seconds (one JSON object a line) and summarized at the end; the process's peak resident memory."""
 from __future__ import annotations
 
 import json
 import logging
 import random
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,21 @@ from batchjob.engine.engine import StepStats
 from batchjob.engine.requests import RequestOutput
 
 RESERVOIR = 10_000  # wait samples kept per lane for percentiles; memory stays flat on any row count
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory in bytes: on Linux VmHWM, the high-water mark of its own address
+    space (getrusage's ru_maxrss carries a parent's peak across fork and exec, so a job started by a big
+    process would read that one's); elsewhere ru_maxrss (bytes on macOS, KiB on other systems)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @dataclass(slots=True)
@@ -132,6 +149,8 @@ class StatsRecorder:
             "images_encoded": self.images_encoded, "encoder_s": round(self.encoder_s, 4),  # within model_s
             "sequences_finished": self.sequences_finished, "started_unix": round(self.started_unix, 4),
             "first_row_unix": round(self.first_row_unix, 4) if self.first_row_unix else None,
+            # the process's, over its life so far: a process that ran jobs before (the API, a Ray actor) counts theirs
+            "peak_rss_bytes": peak_rss_bytes(),
         })
         return out
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from batchjob.io.sizes import format_bytes
 from batchjob.job import threads as threads_module
 from batchjob.job.config import JobConfig
-from batchjob.job.modes import KvCacheDtype, Quantization, Task
+from batchjob.job.modes import KvCacheDtype, Quantization, Scheduling, Task
 
 if TYPE_CHECKING:  # the summary and its final line are also a rerun's verdict before torch is imported (preflight.py)
+    from batchjob.engine.config import KvPool
     from batchjob.models.causal_lm import CausalLM
     from batchjob.models.loader import LoadedModel
 
@@ -36,6 +38,7 @@ class JobSummary:
     # OpenAI Batch lines whose `model` names another model (name -> lines), answered by `model` all the same
     other_models: dict[str, int] = field(default_factory=dict)
     model: str = ""
+    peak_rss_bytes: int | None = None  # the process's peak resident memory at the end of the run (stats.py)
 
     def line(self) -> str:
         """The final line: the whole job, then this run."""
@@ -60,14 +63,16 @@ class JobSummary:
             names = ", ".join(f"{name!r}" for name in sorted(self.other_models, key=self.other_models.get, reverse=True)[:3])
             others = (f"; {n:,} request line{'s' if n != 1 else ''} named another model ({names}{', ...' if len(self.other_models) > 3 else ''}), "
                       f"answered by {self.model}")
+        rss = f", peak RSS {format_bytes(self.peak_rss_bytes)}" if self.peak_rss_bytes else ""
         return (f"batchjob: {state}: {whole} ({errors:,} errors) in all; {this_run}{self.prompt_tokens} prompt tokens, "
-                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} {rate}, {self.kernels} kernels)"
+                f"{self.generated_tokens} generated tokens in {self.wall_s:.1f}s ({tps:.1f} {rate}, {self.kernels} kernels{rss})"
                 f"{structured}{others} -> {self.output}")
 
 
 def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: list[str], total: int | None,
-               rows_before: int, output: str) -> str:
-    """The first line: the model and how it runs (its weight matmuls where quantized: `int8 matmuls`), the inputs and their rows, the output, and a resume's start."""
+               rows_before: int, output: str, kv_pool: KvPool | None = None) -> str:
+    """The first line: the model and how it runs (its weight matmuls where quantized: `int8 matmuls`), the inputs
+    and their rows, the output, the KV pool's size and how it was chosen, and a resume's start."""
     rows = f"{total:,} rows" if total is not None else "rows: not known until read"
     if cfg.limit is not None:
         rows += f" (--limit {cfg.limit:,})"
@@ -80,9 +85,33 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     waiting = f", {threads_module.chosen.words()}" if threads_module.chosen.words() and model.device.type == "cpu" else ""
     line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.label} kernels, "
             f"{model.device.type}, {threads} thread{'' if threads == 1 else 's'}{waiting}) <- {', '.join(inputs)}, {rows} -> {output}")
+    if kv_pool is not None:
+        line += f"; {kv_words(cfg, kv_pool)}"
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line
+
+
+def kv_words(cfg: JobConfig, kv: KvPool) -> str:
+    """The KV pool's size in memory and how it was chosen, with the option that changes it."""
+    from batchjob.engine.config import KvSizing
+
+    size, tokens = format_bytes(kv.nbytes), f"{kv.tokens:,} tokens"
+    rows = f"{kv.rows:,} rows x {kv.row_tokens:,} tokens"
+    rows_option = "--batch-size" if cfg.scheduling == Scheduling.STATIC else "--max-num-seqs"
+    row_option = "--max-model-len" if cfg.max_model_len else "the model's context"
+    each = f"{rows_option} x {row_option}"
+    if kv.sizing == KvSizing.ROWS:
+        return f"KV cache {size} ({rows}: {each}; --kv-cache-gb to set)"
+    if kv.sizing == KvSizing.CEILING:
+        return (f"KV cache {size}, {tokens} (the default's ceiling; {rows}, {each}, would take "
+                f"{format_bytes(kv.rows_bytes)}; --kv-cache-gb or --max-model-len to change)")
+    if kv.sizing == KvSizing.BYTES:
+        return f"KV cache {size}, {tokens} (--kv-cache-gb)"
+    if kv.sizing == KvSizing.GPU:
+        return (f"KV cache {size}, {tokens} (what --gpu-memory-utilization {cfg.gpu_memory_utilization} leaves "
+                "after the weights and the largest step)")
+    return f"KV cache {size}, {tokens}"
 
 
 class ChatHint:

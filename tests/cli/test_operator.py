@@ -78,10 +78,12 @@ def test_the_start_line_says_what_runs_and_a_resume_says_how_far_it_is(tmp_path,
     first = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--limit", 4)
     line = start_line(first.stderr)
     assert re.fullmatch(rf"batchjob: {os.path.basename(model)} \((bfloat16|float32), kv cache \1, (native (AVX-512|AVX2|generic C\+\+)|torch) kernels, cpu, "
-                        rf"(1 thread|\d+ threads)\) <- {src}, 4 rows \(--limit 4\) -> {out}", line), line
+                        rf"(1 thread|\d+ threads)\) <- {src}, 4 rows \(--limit 4\) -> {out}; KV cache [\d.]+ MiB \(128 rows x "
+                        r"1,024 tokens: --max-num-seqs x the model's context; --kv-cache-gb to set\)", line), line
     assert "finished: 4 rows (0 errors) in all" in first.stdout
     again = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2)
-    assert start_line(again.stderr).endswith("10 rows -> " + str(out) + "; resuming: 4 of 10 rows committed")
+    resumed = start_line(again.stderr)
+    assert f"10 rows -> {out}; KV cache " in resumed and resumed.endswith("; resuming: 4 of 10 rows committed")
     assert "finished: 10 rows (0 errors) in all; this run 6 rows (0 errors)" in again.stdout  # the whole job, then this run
     quantized = run("--model", model, "--input", src, "--output", tmp_path / "int8", "--max-tokens", 2, "--limit", 1,
                     "--kv-cache-dtype", "int8")

@@ -20,9 +20,16 @@ from batchjob.io.manifest import Manifest
 from batchjob.io.parts import read_results
 from batchjob.io.sink import ArrowSink
 from batchjob.io.folder_status import status
+from batchjob.io.sizes import format_bytes
+from batchjob.job import run as run_module
 
 FP = {"model": "tiny", "input": "data.jsonl"}
 FAST = ["--kv-cache-gb", "0.02", "--swap-space-gb", "0.01", "--no-progress"]
+MACHINE_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plausible_rss(n) -> bool:
+    return isinstance(n, int) and 16 << 20 < n < MACHINE_MEMORY  # more than an empty interpreter, less than the machine
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +175,37 @@ def test_status_of_a_finished_job(tmp_path, model_dir):
     assert [json.loads(line)["row_index"] for line in export_to.read_text().splitlines()] == list(range(21))
 
 
+def test_a_job_records_its_peak_rss_in_its_summary_and_status_shows_it(tmp_path, model_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}"} for i in range(6)])
+    out = tmp_path / "out"
+    # no --kv-cache-gb: the pool is what 4 rows of the model's context (1,024 tokens) fill, and the start line says so
+    said = cli("run", "--model", model_dir, "--input", src, "--output", out, "--max-tokens", 3, "--max-num-seqs", 4,
+               "--no-progress")
+    assert "(4 rows x 1,024 tokens: --max-num-seqs x the model's context; --kv-cache-gb to set)" in said
+    summary = json.loads((out / "stats.jsonl").read_text().splitlines()[-1])
+    assert summary["summary"] and plausible_rss(summary["peak_rss_bytes"])
+    assert f"peak RSS {format_bytes(summary['peak_rss_bytes'])}) -> {out}" in said  # the final line
+    recorded = Manifest.load(out).extra["run"]["peak_rss_bytes"]
+    assert plausible_rss(recorded) and recorded >= summary["peak_rss_bytes"]  # a peak only grows
+    st = json.loads(cli("status", out, "--json"))
+    assert st["peak_rss_bytes"] == st["folders"][0]["peak_rss_bytes"] == recorded
+    assert f"  peak RSS: {format_bytes(recorded)} in the last run" in cli("status", out)
+
+
+def test_status_of_folders_written_before_peak_rss_was_kept_shows_none_and_no_error(tmp_path):
+    bare = folder_of(tmp_path, range(10), 10)  # no run record at all
+    with ArrowSink(tmp_path / "older", fingerprint=FP, total_rows=3) as sink:  # a run record without the field
+        sink.set_extra("run", {"pid": 1, "host": "h", "started": 1.0, "ended": 2.0, "state": "finished",
+                               "rows_at_start": 0, "completion_tokens_at_start": 0})
+        for i in range(3):
+            sink.write(result(i))
+    for out in (bare, tmp_path / "older"):
+        st = status(out)
+        assert st["state"] == "finished" and st["peak_rss_bytes"] is None and st["folders"][0]["peak_rss_bytes"] is None
+        printed = cli("status", out)
+        assert "finished" in printed and "peak RSS" not in printed
+
+
 def test_status_while_running_then_stopped_then_killed(tmp_path, model_dir, monkeypatch):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i} of many"} for i in range(64)])
     out = tmp_path / "out"
@@ -188,9 +226,11 @@ def test_status_while_running_then_stopped_then_killed(tmp_path, model_dir, monk
         return run(self, step)
 
     monkeypatch.setattr(ModelRunner, "run", look_then_stop)
+    monkeypatch.setattr(run_module, "PEAK_RSS_EVERY", 0.0)  # the peak so far at every step, stored with each part
     cli(*args, code=75)
     st = seen["running"]
     assert st["state"] == "running" and st["folders"][0]["pid"] == os.getpid()
+    assert plausible_rss(st["peak_rss_bytes"]) and "peak RSS: " in seen["text"] and "so far (as of the last commit)" in seen["text"]
     assert 0 < st["rows_done"] < 64 and st["rows_per_s"] > 0 and st["eta_s"] is not None and st["eta_s"] > 0
     assert "running" in seen["text"] and "ETA" in seen["text"] and f"process {os.getpid()}" in seen["text"]
     assert seen["export"].exit_code == 0, seen["export"].output  # the committed rows of a running job
@@ -270,6 +310,10 @@ def test_status_and_export_of_a_sharded_job(tmp_path, model_dir):
     cli(*args, "--shard", "0/2")
     st = json.loads(cli("status", out, "--json"))
     assert st["state"] == "finished" and st["rows_done"] == 30
+    peaks = [f["peak_rss_bytes"] for f in st["shard_states"]]  # each shard's own run
+    assert all(map(plausible_rss, peaks))
+    printed = cli("status", out)
+    assert "peak RSS" in printed and all(format_bytes(peak) in printed for peak in peaks)
     assert "30 rows" in cli("export", out, "--to", tmp_path / "all.parquet")
     assert pq.read_table(tmp_path / "all.parquet").column("row_index").to_pylist() == list(range(30))
 

@@ -80,8 +80,8 @@ def test_int8_model_is_the_reference_w8a8_model_and_close_to_the_float_one(tiny_
 def test_fp8_on_the_cpu_and_unknown_values_are_refused(tiny_model_dir):
     with pytest.raises(KernelError, match="fp8.*GPU.*8.9.*int8"):
         LLM(str(tiny_model_dir("llama")), quantization="fp8", kv_cache_gb=0.02)
-    with pytest.raises(ValueError, match="quantization: 'int4' is not one of auto, none, int8, fp8"):
-        LLM(str(tiny_model_dir("llama")), quantization="int4")
+    with pytest.raises(ValueError, match="quantization: 'int2' is not one of auto, none, int8, fp8, int4"):
+        LLM(str(tiny_model_dir("llama")), quantization="int2")
 
 
 def _bf16_model() -> object:

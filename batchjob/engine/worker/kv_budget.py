@@ -1,9 +1,10 @@
-"""How many KV blocks a GPU holds (vLLM's rule): with the weights on the device, one profiling forward at
-the largest step the scheduler can build (max_num_batched_tokens tokens over max_num_seqs rows, logits
-and sampling included) gives the activation peak; the pool gets what is left of
-gpu_memory_utilization x the device's memory after that peak and what the process holds outside torch's
-allocator (CUDA context, cuBLAS workspaces). The arithmetic is plain (tested without CUDA); measuring
-needs a CUDA device."""
+"""The KV pool's size, and how it was chosen (`KvPool`): blocks given, bytes given (--kv-cache-gb), on the
+CPU by default what max_num_seqs rows of max_model_len tokens fill, up to a ceiling, and on CUDA vLLM's
+rule: with the weights on the device, one profiling forward at the largest step the scheduler can build
+(max_num_batched_tokens tokens over max_num_seqs rows, logits and sampling included) gives the activation
+peak; the pool gets what is left of gpu_memory_utilization x the device's memory after that peak and what
+the process holds outside torch's allocator (CUDA context, cuBLAS workspaces). The arithmetic is plain
+(tested without CUDA); measuring needs a CUDA device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.engine.worker.model_runner import ModelRunner
+from batchjob.engine.config import KvPool, KvSizing
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
 from batchjob.engine.core.scheduler_output import WorkerView
 from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
@@ -19,6 +21,33 @@ from batchjob.errors import KvBudgetError  # noqa: F401 - raised here, defined w
 GIB = 1 << 30
 
 
+def rows_blocks(rows: int, row_tokens: int, block_size: int, watermark: int = 0) -> int:
+    """Blocks for `rows` rows of `row_tokens` tokens each, plus the scheduler's watermark."""
+    return rows * -(-row_tokens // block_size) + watermark
+
+
+def pool_size(model, config, per_block: int) -> KvPool:
+    """The KV pool for `model` under an EngineConfig: `num_blocks` if given; on CUDA with
+    gpu_memory_utilization, what the device has left (gpu_kv_blocks); else `kv_cache_bytes`, or with
+    `kv_cache_fit_rows` (the CPU default) no more than the job's rows can use: max_num_seqs rows at
+    max_model_len (the model's context) each, with `kv_cache_bytes` as the ceiling. Unused pages of a CPU
+    pool cost nothing until a row writes them (kv_cache.py), but a long job writes them all, so the pool is
+    never larger than the rows can fill."""
+    bs = config.block_size
+    if config.num_blocks:
+        return KvPool(config.num_blocks, bs, per_block, KvSizing.BLOCKS)
+    if config.gpu_memory_utilization and model.device.type == "cuda":
+        return KvPool(gpu_kv_blocks(model, config, per_block), bs, per_block, KvSizing.GPU)
+    blocks = max(2, config.kv_cache_bytes // per_block)
+    if not config.kv_cache_fit_rows:
+        return KvPool(blocks, bs, per_block, KvSizing.BYTES)
+    sched = config.scheduler or SchedulerConfig()
+    rows = sched.static_batch or sched.max_num_seqs
+    row_tokens = min(sched.max_model_len, model.config.max_position_embeddings)
+    wanted = rows_blocks(rows, row_tokens, bs, sched.watermark_blocks)
+    if wanted <= blocks:
+        return KvPool(max(2, wanted), bs, per_block, KvSizing.ROWS, rows, row_tokens)
+    return KvPool(blocks, bs, per_block, KvSizing.CEILING, rows, row_tokens)
 
 
 @dataclass(slots=True, frozen=True)
