@@ -72,7 +72,8 @@ class JobSummary:
 def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: list[str], total: int | None,
                rows_before: int, output: str, kv_pool: KvPool | None = None) -> str:
     """The first line: the model and how it runs (its weight matmuls where quantized: `int8 matmuls`), the inputs
-    and their rows, the output, the KV pool's size and how it was chosen, and a resume's start."""
+    and their rows, the output, the weights' size in memory by format, the KV pool's size and how it was chosen, and
+    a resume's start."""
     rows = f"{total:,} rows" if total is not None else "rows: not known until read"
     if cfg.limit is not None:
         rows += f" (--limit {cfg.limit:,})"
@@ -85,11 +86,21 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     waiting = f", {threads_module.chosen.words()}" if threads_module.chosen.words() and model.device.type == "cpu" else ""
     line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.label} kernels, "
             f"{model.device.type}, {threads} thread{'' if threads == 1 else 's'}{waiting}) <- {', '.join(inputs)}, {rows} -> {output}")
+    line += f"; {weight_words(model.weight_memory())}"
     if kv_pool is not None:
         line += f"; {kv_words(cfg, kv_pool)}"
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line
+
+
+def weight_words(memory: dict[str, int]) -> str:
+    """The weights' size in memory and its formats, largest first: "weights 668 MiB (Q4_K 468 MiB, Q6_K 197 MiB,
+    bfloat16 2.1 MiB)" (a GGUF file computed as stored), "weights 2.00 GiB (bfloat16)"."""
+    parts = sorted(memory.items(), key=lambda kv: -kv[1])
+    if len(parts) == 1:
+        return f"weights {format_bytes(parts[0][1])} ({parts[0][0]})"
+    return f"weights {format_bytes(sum(memory.values()))} ({', '.join(f'{k} {format_bytes(v)}' for k, v in parts)})"
 
 
 def kv_words(cfg: JobConfig, kv: KvPool) -> str:

@@ -65,7 +65,8 @@ def test_the_start_line_counts_one_thread_as_one_thread(monkeypatch):
     from batchjob.job.summary import start_line
 
     model = SimpleNamespace(dtype=torch.float32, kv_cache_dtype="auto", quantization="none",
-                            kernels=SimpleNamespace(label="torch"), device=torch.device("cpu"))
+                            kernels=SimpleNamespace(label="torch"), device=torch.device("cpu"),
+                            weight_memory=lambda: {"float32": 1 << 20})
     cfg = JobConfig(model="m", input="in.jsonl", output="out")
     for threads, said in ((1, "cpu, 1 thread)"), (2, "cpu, 2 threads)")):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -78,12 +79,13 @@ def test_the_start_line_says_what_runs_and_a_resume_says_how_far_it_is(tmp_path,
     first = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2, "--limit", 4)
     line = start_line(first.stderr)
     assert re.fullmatch(rf"batchjob: {os.path.basename(model)} \((bfloat16|float32), kv cache \1, (native (AVX-512|AVX2|generic C\+\+)|torch) kernels, cpu, "
-                        rf"(1 thread|\d+ threads)\) <- {src}, 4 rows \(--limit 4\) -> {out}; KV cache [\d.]+ MiB \(128 rows x "
+                        rf"(1 thread|\d+ threads)\) <- {src}, 4 rows \(--limit 4\) -> {out}; weights [\d.]+ [KM]iB \([^)]+\); KV cache "
+                        rf"[\d.]+ MiB \(128 rows x "
                         r"1,024 tokens: --max-num-seqs x the model's context; --kv-cache-gb to set\)", line), line
     assert "finished: 4 rows (0 errors) in all" in first.stdout
     again = run("--model", model, "--input", src, "--output", out, "--max-tokens", 2)
     resumed = start_line(again.stderr)
-    assert f"10 rows -> {out}; KV cache " in resumed and resumed.endswith("; resuming: 4 of 10 rows committed")
+    assert f"10 rows -> {out}; weights " in resumed and "; KV cache " in resumed and resumed.endswith("; resuming: 4 of 10 rows committed")
     assert "finished: 10 rows (0 errors) in all; this run 6 rows (0 errors)" in again.stdout  # the whole job, then this run
     quantized = run("--model", model, "--input", src, "--output", tmp_path / "int8", "--max-tokens", 2, "--limit", 1,
                     "--kv-cache-dtype", "int8")

@@ -161,3 +161,15 @@ def test_types_not_computed_as_stored_are_named_once_with_their_memory(wide_gguf
     assert isinstance(loaded.weights["lm_head.weight"], PackedWeight)  # its Q6_K output stays packed
     load_model(str(path), dtype=torch.bfloat16)  # --quantization none: nothing to say
     assert "not computed as stored" not in capsys.readouterr().err
+
+
+def test_the_start_line_says_the_weights_formats_and_size(wide_gguf):
+    from batchjob.job.summary import weight_words
+
+    path = wide_gguf(*Q4_K_M_LIKE)
+    ours, ref, _ = models(path)
+    said = weight_words(ours.weight_memory())
+    assert said.startswith("weights ") and "Q4_K " in said and "Q6_K " in said and "float32 " in said
+    packed = sum(v for k, v in ours.weight_memory().items() if k.startswith("Q"))
+    assert packed <= 1.1 * sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1)
+    assert weight_words(ref.weight_memory()).endswith("(float32)")  # dequantized: one format
