@@ -588,6 +588,8 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
   const int64_t ccb = f.chunk_code_bytes(), cb = ccb * (k / CHUNK), sb = f.scale_bytes(k);
   const int nt = (int64_t)m * n * k >= (1 << 18) ? threads : 1;
   const bool fused = f.bits != 8 && m <= FUSE_ROWS;  // few rows: no tile (its stores and loads cost more than it saves)
+  // rows a panel: about 2 MB of their codes (a multiple of 6: the row tiles of every path)
+  const int panel = std::max(96, std::min(768, (int)((2 << 20) / R.q_stride) / 6 * 6));
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
@@ -599,22 +601,32 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
     static thread_local std::vector<float> dm, acc;
     if (tile.size() < (size_t)SPAN * NB) tile.resize((size_t)SPAN * NB);
     if (dm.size() < (size_t)(SPAN / 16) * NB * 2) dm.resize((size_t)(SPAN / 16) * NB * 2);
-    if (acc.size() < (size_t)m * NB) acc.resize((size_t)m * NB);
+    if (acc.size() < (size_t)std::min(m, panel) * NB) acc.resize((size_t)std::min(m, panel) * NB);
     float* d = dm.data();
     float* mn = f.sym() ? nullptr : dm.data() + (SPAN / 16) * NB;
+    // rows in panels whose codes stay in L2/L3 while every block goes past them (a block's tile is expanded once a
+    // panel: a few percent of its work)
+    for (int p0 = 0; p0 < m; p0 += panel) {
+      const int pm = std::min(panel, m - p0);
+      Rows P = R;
+      P.q += p0 * R.q_stride;
+      P.xs += (int64_t)p0 * nblk;
+      P.ci += (int64_t)p0 * steps;
+      P.cf += (int64_t)p0 * steps;
 #pragma omp for schedule(static)
-    for (int b = 0; b < blocks; ++b) {
-      const uint8_t* c = codes + b * cb;
-      for (int k0 = 0; k0 < k; k0 += SPAN) {
-        const int kc = std::min(SPAN, k - k0);
-        if (f.bits != 8 && !fused)
-          for (int ch = 0; ch < kc / CHUNK; ++ch)
-            expand_chunk(c + (k0 / CHUNK + ch) * ccb, f.bits, tile.data() + ch * CHUNK * NB);
-        expand_scales(f, scales + b * sb, k0 / epi, (k0 + kc) / epi, d, mn);
-        const bool as_packed = f.bits == 8 || fused;
-        const Tile t{as_packed ? c + (k0 / CHUNK) * ccb : tile.data(), d, mn, std::min(NB, n - b * NB), k0, kc,
-                     acc.data(), k0 == 0, k0 + kc == k, fused, f.bits, ccb};
-        run_tile(f, t, R, m, k, bias ? bias + b * NB : nullptr, out + b * NB, ldo);
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* c = codes + b * cb;
+        for (int k0 = 0; k0 < k; k0 += SPAN) {
+          const int kc = std::min(SPAN, k - k0);
+          if (f.bits != 8 && !fused)
+            for (int ch = 0; ch < kc / CHUNK; ++ch)
+              expand_chunk(c + (k0 / CHUNK + ch) * ccb, f.bits, tile.data() + ch * CHUNK * NB);
+          expand_scales(f, scales + b * sb, k0 / epi, (k0 + kc) / epi, d, mn);
+          const bool as_packed = f.bits == 8 || fused;
+          const Tile t{as_packed ? c + (k0 / CHUNK) * ccb : tile.data(), d, mn, std::min(NB, n - b * NB), k0, kc,
+                       acc.data(), k0 == 0, k0 + kc == k, fused, f.bits, ccb};
+          run_tile(f, t, P, pm, k, bias ? bias + b * NB : nullptr, out + p0 * ldo + b * NB, ldo);
+        }
       }
     }
   }
