@@ -107,7 +107,7 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"input: no input given; {where}")
     _validate_task(cfg)
     for name in ("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "batch_size", "part_rows"):
-        if getattr(cfg, name) < 1:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"{name}: must be >= 1, got {getattr(cfg, name)}")
     if cfg.image_column is not None and cfg.task != Task.GENERATE:
         raise ConfigError(f"image_column: images are read by generate rows only (this job's task is {cfg.task})")

@@ -588,8 +588,10 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
   const int64_t ccb = f.chunk_code_bytes(), cb = ccb * (k / CHUNK), sb = f.scale_bytes(k);
   const int nt = (int64_t)m * n * k >= (1 << 18) ? threads : 1;
   const bool fused = f.bits != 8 && m <= FUSE_ROWS;  // few rows: no tile (its stores and loads cost more than it saves)
-  // rows a panel: about 2 MB of their codes (a multiple of 6: the row tiles of every path)
-  const int panel = std::max(96, std::min(768, (int)((2 << 20) / R.q_stride) / 6 * 6));
+  // rows a panel: at most 768 (their accumulators and a span of their codes, 2 x 192 KB, stay in L2) and about 4 MB of
+  // codes (in L3 beside the weights' stream); the panels of a call even (a multiple of 6: every path's row tiles)
+  const int most = std::max(96, std::min(768, (int)((4 << 20) / R.q_stride))), panels = (m + most - 1) / most;
+  const int panel = ((m + panels - 1) / panels + 5) / 6 * 6;
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
