@@ -404,6 +404,11 @@ void tile_rows(int, const Tile& t, const Rows& R, int m, int k, const float* bia
 #define BJ_QKERNEL "avx2"
 constexpr int FUSE_ROWS = 0;
 
+// h += t in int16 lanes, as a GCC vector operation: with _mm256_add_epi16 GCC 12 adds into a fresh register and copies
+// it back every quad (a vmovdqa an accumulator, against the dispatch width; scaled_mm.cpp's add_to says the same)
+typedef short v16hi __attribute__((vector_size(32)));
+inline void add16_to(__m256i& h, __m256i t) { h = (__m256i)((v16hi)h + (v16hi)t); }
+
 template <int MR, bool SYM, int EPI, bool SB, int BITS, typename T>
 void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float* bias, T* out, int64_t ldo) {
   constexpr int LANE_QUADS = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
@@ -421,7 +426,7 @@ void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float
     for (int q0 = 0; q0 < EPI / 4; q0 += FLUSH) {
       __m256i h[MR][2];
       for (int r = 0; r < MR; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 1
       for (int i = 0; i < FLUSH; ++i) {
         const int qd = q0 + i;
         const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + qd * 256)),
@@ -437,11 +442,11 @@ void row_tile16(const Tile& t, const Rows& R, int r0, int c0, int k, const float
             int32_t s4;
             memcpy(&s4, a + k, 4);
             const __m256i sg = _mm256_set1_epi32(s4);
-            h[r][0] = _mm256_add_epi16(h[r][0], _mm256_maddubs_epi16(av, _mm256_xor_si256(w0, sg)));
-            h[r][1] = _mm256_add_epi16(h[r][1], _mm256_maddubs_epi16(av, _mm256_xor_si256(w1, sg)));
+            add16_to(h[r][0], _mm256_maddubs_epi16(av, _mm256_xor_si256(w0, sg)));
+            add16_to(h[r][1], _mm256_maddubs_epi16(av, _mm256_xor_si256(w1, sg)));
           } else {
-            h[r][0] = _mm256_add_epi16(h[r][0], _mm256_maddubs_epi16(w0, av));
-            h[r][1] = _mm256_add_epi16(h[r][1], _mm256_maddubs_epi16(w1, av));
+            add16_to(h[r][0], _mm256_maddubs_epi16(w0, av));
+            add16_to(h[r][1], _mm256_maddubs_epi16(w1, av));
           }
         }
       }
@@ -496,8 +501,9 @@ template <bool SYM, int EPI, bool SB, int BITS, typename T>
 void tile_rows_bits(const Tile& t, const Rows& R, int m, int k, const float* bias, T* out, int64_t ldo) {
   for (int c0 = 0; c0 < (t.last ? t.cols : NB); c0 += 16) {
     int r = 0;
-    for (; r + 2 <= m; r += 2) row_tile16<2, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
-    if (r < m) row_tile16<1, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
+    for (; r + 3 <= m; r += 3) row_tile16<3, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
+    if (m - r == 2) row_tile16<2, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
+    else if (m - r == 1) row_tile16<1, SYM, EPI, SB, BITS>(t, R, r, c0, k, bias, out, ldo);
   }
 }
 
