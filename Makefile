@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 BATCHJOB := $(VENV)/bin/batchjob
 
-.PHONY: demo test install install-test bench bench-llama-cpp bench-peers bench-resume chaos clean gpu-check gpu-check-smoke
+.PHONY: demo test install install-test bench bench-llama-cpp bench-llama-cpp-avx2 bench-peers bench-resume chaos clean gpu-check gpu-check-smoke
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,22 @@ $(LLAMA_CPP)/build/bin/llama-batched-bench: | $(VENV)/.installed
 		-DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > $(LLAMA_CPP)/cmake.log
 	cmake --build $(LLAMA_CPP)/build -j2 --target llama-batched-bench > $(LLAMA_CPP)/build.log
 
-bench-llama-cpp: $(LLAMA_CPP)/build/bin/llama-batched-bench
+# llama-quantize makes the scale rows' Q4_K_M, Q4_0 and Q8_0 files (bench/scale_models.py, issue 46)
+$(LLAMA_CPP)/build/bin/llama-quantize: | $(LLAMA_CPP)/build/bin/llama-batched-bench
+	cmake --build $(LLAMA_CPP)/build -j2 --target llama-quantize >> $(LLAMA_CPP)/build.log
+
+bench-llama-cpp: $(LLAMA_CPP)/build/bin/llama-batched-bench $(LLAMA_CPP)/build/bin/llama-quantize
+
+# Issue 46: llama.cpp built for AVX2 without AVX-512 (on an AVX-512 machine too), the peer of an AVX2 comparison:
+# LLAMA_BATCHED_BENCH=$(LLAMA_CPP)/build-avx2/bin/llama-batched-bench BATCHJOB_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m batchjob.bench.scale --dtype float32 (docs/benchmarks.md)
+$(LLAMA_CPP)/build-avx2/bin/llama-batched-bench: | $(LLAMA_CPP)/build/bin/llama-batched-bench
+	cmake -S $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp -B $(LLAMA_CPP)/build-avx2 -DGGML_NATIVE=OFF \
+		-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF \
+		-DCMAKE_BUILD_TYPE=Release > $(LLAMA_CPP)/cmake-avx2.log
+	cmake --build $(LLAMA_CPP)/build-avx2 -j2 --target llama-batched-bench > $(LLAMA_CPP)/build-avx2.log
+
+bench-llama-cpp-avx2: $(LLAMA_CPP)/build-avx2/bin/llama-batched-bench
 
 # Issue 4: resume after 10,000 and 100,000 committed rows: time from start to the first new row, peak
 # memory, input lines read (with and without the recorded JSONL byte offset). `make bench` times the

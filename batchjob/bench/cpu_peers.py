@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROWS, PROMPT, GEN = 64, 128, 128
 LLAMA_CPP_DIR = Path("bench/cache/llama.cpp")  # `make bench-llama-cpp` builds here
+TIME = "/usr/bin/time"  # GNU time: a process's peak RSS (-f %M)
 
 
 def llama_cpp_binary() -> Path | None:
@@ -32,24 +33,61 @@ def llama_cpp_binary() -> Path | None:
     return None
 
 
-def run_llama_cpp(binary: Path, gguf: str, threads: int, timeout: float) -> dict:
-    """`llama-batched-bench` on ROWS sequences of PROMPT + GEN tokens: its prompt and generation rates, the job's
-    time (its T column) and the whole process's."""
-    cmd = [str(binary), "-m", gguf, "-c", str(ROWS * (PROMPT + GEN)), "-b", "2048", "-ub", "512", "-npp", str(PROMPT),
-           "-ntg", str(GEN), "-npl", str(ROWS), "-t", str(threads), "-tb", str(threads)]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    process_s = time.perf_counter() - t0
-    if out.returncode < 0:  # seen on an AVX-512 VM with AMX flags: its AMX matmul segfaults (-DGGML_AMX_*=OFF avoids it)
-        raise RuntimeError(f"llama-batched-bench was killed by {signal.Signals(-out.returncode).name} "
+def run_measured(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, int | None]:
+    """Runs cmd as its own process group: (its result, wall seconds, its peak RSS in KiB). The peak is
+    `/usr/bin/time -f %M`'s where that exists, else the children's ru_maxrss seen by a Python wrapper that runs
+    cmd alone (RUSAGE_CHILDREN in this process would be the largest of every child run so far). On a timeout the
+    whole group is killed (nothing is left running) and subprocess.TimeoutExpired raised; so it is on anything else
+    that stops the wait (Ctrl-C, a SIGTERM turned into SystemExit)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        if os.path.exists(TIME):
+            wrapped = [TIME, "-f", "%M", "-o", rss.name, *cmd]
+        else:
+            wrapped = [sys.executable, "-c", _RSS_WRAPPER, rss.name, *cmd]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(wrapped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        wall = time.perf_counter() - t0
+        lines = [ln for ln in Path(rss.name).read_text().splitlines() if ln.strip()]
+    peak = int(lines[-1]) if lines and lines[-1].strip().isdigit() else None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), wall, peak
+
+
+_RSS_WRAPPER = """import resource, subprocess, sys
+rc = subprocess.call(sys.argv[2:])
+open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(rc if rc >= 0 else 128 - rc)"""
+
+
+def run_llama_cpp(binary: Path, gguf: str, threads: int, timeout: float, rows: int = ROWS, prompt: int = PROMPT,
+                  gen: int = GEN) -> dict:
+    """`llama-batched-bench` on `rows` sequences of `prompt` + `gen` tokens: its prompt and generation rates, the
+    job's time (its T column), the whole process's and its peak RSS."""
+    cmd = [str(binary), "-m", gguf, "-c", str(rows * (prompt + gen)), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+           "-ntg", str(gen), "-npl", str(rows), "-t", str(threads), "-tb", str(threads)]
+    out, process_s, peak_kib = run_measured(cmd, timeout)
+    if out.returncode < 0 or out.returncode > 128:  # seen on an AVX-512 VM with AMX flags: its AMX matmul segfaults
+        sig = -out.returncode if out.returncode < 0 else out.returncode - 128  # (-DGGML_AMX_*=OFF avoids it)
+        raise RuntimeError(f"llama-batched-bench was killed by {signal.Signals(sig).name} "
                            f"({(out.stderr.strip().splitlines() or ['no output'])[-1]!r:.120})")
     if out.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
-    rows = [ln for ln in out.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", ln)]
-    cells = [float(c) for c in rows[-1].strip("|").split("|")]
+    table = [ln for ln in out.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", ln)]
+    if not table:  # e.g. -c too small for rows x (prompt + gen): it prints no row
+        raise RuntimeError(f"llama-batched-bench printed no result row: {out.stderr.strip().splitlines()[-1:]}")
+    cells = [float(c) for c in table[-1].strip("|").split("|")]
     pp, tg, b, n_kv, t_pp, s_pp, t_tg, s_tg, t, s = cells
     return {"system": "llama.cpp", "job_s": t, "process_s": process_s, "prefill_s": t_pp, "prefill_tok_s": s_pp,
-            "decode_s": t_tg, "decode_tok_s": s_tg, "threads": threads, "command": " ".join(cmd[1:])}
+            "decode_s": t_tg, "decode_tok_s": s_tg, "threads": threads,
+            "peak_rss_mib": peak_kib / 1024 if peak_kib else None, "command": " ".join(cmd[1:])}
 
 
 def run_batchjob(quantization: str, threads: int, timeout: float) -> dict:
@@ -57,26 +95,22 @@ def run_batchjob(quantization: str, threads: int, timeout: float) -> dict:
     with_json = Path(f"/tmp/batchjob-cpu-peers-{os.getpid()}-{quantization}.json")
     cmd = [sys.executable, "-m", "batchjob.bench.cpu_peers", "--worker", quantization, "--threads", str(threads),
            "--json", str(with_json)]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    process_s = time.perf_counter() - t0
+    out, process_s, peak_kib = run_measured(cmd, timeout)
     if out.returncode != 0:
         raise RuntimeError(f"batchjob worker exit {out.returncode}: {out.stderr.strip().splitlines()[-3:]}")
     r = json.loads(with_json.read_text())
     with_json.unlink()
     r["process_s"] = process_s
+    r["peak_rss_mib"] = peak_kib / 1024 if peak_kib else None
     return r
 
 
 def worker(quantization: str, threads: int) -> dict:
-    import numpy as np
     import torch
 
     from batchjob.device import choose_dtype
     from batchjob.engine.core.scheduler import SchedulerConfig
-    from batchjob.engine.core.sequence import SamplingParams, Sequence
     from batchjob.engine.engine import Engine, EngineConfig
-    from batchjob.engine.sample.row_keys import row_key
     from batchjob.models.loader import load_model
     from batchjob.models.registry import build_model
 
@@ -88,9 +122,25 @@ def worker(quantization: str, threads: int) -> dict:
     model = build_model(loaded.config, loaded.weights, dtype, kernels="auto", quantization=quantization)
     load_s = time.perf_counter() - t0
     engine = Engine(model, loaded.tokenizer.eos_token_ids, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=ROWS)))
-    rng = np.random.default_rng(31)
-    seqs = [Sequence(i, rng.integers(100, 32000, size=PROMPT).tolist(), SamplingParams(max_tokens=GEN, ignore_eos=True),
-                     rng_key=row_key(0, i)) for i in range(ROWS)]
+    run = drive_engine(engine, ROWS, PROMPT, GEN)
+    return {"system": "batchjob" + ("" if quantization == "none" else f" --quantization {quantization}"),
+            "dtype": str(dtype).removeprefix("torch."), "kernels": model.kernels.label, "load_s": load_s, "job_s": run["job_s"],
+            "prefill_tok_s_mixed": run["prefill_tok_s_mixed"], "decode_step_ms_64": run["decode_step_ms"],
+            "threads": torch.get_num_threads()}
+
+
+def drive_engine(engine, rows: int, prompt: int, gen: int, seed: int = 31) -> dict:
+    """`rows` sequences of `prompt` random token ids (100..32000, seeded) + `gen` generated, EOS ignored, through
+    the engine until done: the job's seconds, prefill tokens/s over the steps that prefill (mixed with decodes),
+    and the decode steps that run all `rows` rows (their mean ms and tokens/s)."""
+    import numpy as np
+
+    from batchjob.engine.core.sequence import SamplingParams, Sequence
+    from batchjob.engine.sample.row_keys import row_key
+
+    rng = np.random.default_rng(seed)
+    seqs = [Sequence(i, rng.integers(100, 32000, size=prompt).tolist(), SamplingParams(max_tokens=gen, ignore_eos=True),
+                     rng_key=row_key(0, i)) for i in range(rows)]
     prefill_tokens = prefill_s = decode_s = 0.0
     decode_steps = 0
     t0 = time.perf_counter()
@@ -102,17 +152,16 @@ def worker(quantization: str, threads: int) -> dict:
         if st is None:
             continue
         if st.num_decode == st.num_seqs:
-            decode_steps += st.num_seqs == ROWS
-            decode_s += st.step_s if st.num_seqs == ROWS else 0.0
+            decode_steps += st.num_seqs == rows
+            decode_s += st.step_s if st.num_seqs == rows else 0.0
         else:
             prefill_tokens += st.num_tokens - st.num_decode
             prefill_s += st.step_s
     job_s = time.perf_counter() - t0
-    assert all(s.num_output == GEN for s in seqs)
-    return {"system": "batchjob" + ("" if quantization == "none" else f" --quantization {quantization}"),
-            "dtype": str(dtype).removeprefix("torch."), "kernels": model.kernels.label, "load_s": load_s, "job_s": job_s,
-            "prefill_tok_s_mixed": prefill_tokens / prefill_s if prefill_s else None,
-            "decode_step_ms_64": 1e3 * decode_s / decode_steps if decode_steps else None, "threads": torch.get_num_threads()}
+    assert all(s.num_output == gen for s in seqs)
+    return {"job_s": job_s, "prefill_tok_s_mixed": prefill_tokens / prefill_s if prefill_s else None,
+            "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
+            "decode_tok_s": rows * decode_steps / decode_s if decode_s else None, "decode_steps": decode_steps}
 
 
 def ceilings(threads: int) -> dict:
@@ -229,10 +278,18 @@ def measure(threads: int, timeout: float, log=print) -> dict:
     return report
 
 
+def line_head(r: dict) -> str:
+    """A run's system, job and process seconds and peak RSS (this bench's line and bench/scale.py's start so)."""
+    s = f"{r['system']}: job {r['job_s']:.1f} s, whole process {r['process_s']:.1f} s"
+    if r.get("peak_rss_mib"):
+        s += f", peak RSS {r['peak_rss_mib'] / 1024:.2f} GiB"
+    return s
+
+
 def line(r: dict) -> str:
     if "error" in r:
         return f"{r['system']}: {r['error']}"
-    s = f"{r['system']}: job {r['job_s']:.1f} s, whole process {r['process_s']:.1f} s"
+    s = line_head(r)
     if "kernels" in r:
         s += f" ({r['dtype']}, {r['kernels']} kernels)"
     if "prefill_tok_s" in r:

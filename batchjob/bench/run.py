@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchjob.bench import cpu_peers, images, kv_speed, lora, moe, prefill, report, speculative, structured
+from batchjob.bench import cpu_peers, images, kv_speed, lora, moe, prefill, report, scale_models, speculative, structured
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "--quantization int8, the GEMM table, perplexity and greedy agreement)")
     ap.add_argument("--no-cpu-peers", action="store_true", help="skip batchjob vs llama.cpp on this CPU (bench/cpu_peers.py: "
                     "SmolLM2, 64 x (128 + 128) token ids, default and --quantization int8, the machine's ceilings)")
+    ap.add_argument("--no-scale", action="store_true", help="skip the scale rows (bench/scale.py: random 1B/4B/8B-shaped models as "
+                    "GGUF Q4_K_M, Q4_0, Q8_0, batchjob vs llama.cpp's llama-batched-bench on the same file)")
+    ap.add_argument("--scale-models", default="1b,4b", help="comma-separated scale models: 1b,4b,8b (default: 1b,4b; the 8B "
+                    "only where the disk and the memory allow it; --quick: a tiny model)")
+    ap.add_argument("--scale-rows", type=int, default=0, help="rows of each scale job (default: 32)")
     ap.add_argument("--no-structured", action="store_true", help="skip the structured-outputs row (bench/structured.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the MoE row (bench/moe.py: a tiny MoE and its dense equivalent)")
     ap.add_argument("--image-rows", type=int, default=256, help="rows of the image row (bench/images.py: one 512 x 384 "
@@ -240,6 +245,18 @@ def main(argv: list[str] | None = None) -> int:
         peer_rows, err = launch.run_json_module("batchjob.bench.cpu_peers", ["--threads", str(args.threads)], args.timeout)
         log(cpu_peers.text(peer_rows) if err is None else f"  failed: {err}")
 
+    scale_rows = None
+    if not args.no_scale and not args.pipeline_only:
+        from batchjob.bench import scale
+
+        names = ["quick"] if args.quick else [m for m in args.scale_models.split(",") if m]
+        rows_n, prompt, gen = scale.QUICK_WORK if args.quick else (scale.ROWS, scale.PROMPT, scale.GEN)
+        rows_n = args.scale_rows or rows_n
+        log(f"scale rows: random {'/'.join(names)} models as GGUF {', '.join(scale_models.FORMATS)}, batchjob vs "
+            f"llama-batched-bench, {rows_n} x ({prompt} + {gen}) token ids (models cached in bench/cache/scale) ...")
+        scale_rows = scale.measure(names, rows=rows_n, prompt=prompt, gen=gen, threads=args.threads,
+                                   cache=Path(args.cache_dir) / "scale", timeout=args.timeout, log=log)
+
     moe_rows = None
     if not args.no_moe and not args.pipeline_only:
         log("MoE: a small Qwen3-MoE and its dense equivalent of the same active parameters, batchjob vs HF ...")
@@ -281,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: make(w).summary() for w in args.workloads.split(",") if w},
         "models": {n: {"path": s.path, "matmul_params": s.matmul_params} for n, s in specs.items()},
         "roofline": tables, "results": rows, "pipeline": pipe, "profiles": profiles, "targets": tgts,
-        "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "cpu_peers": peer_rows, "moe": moe_rows, "structured": structured_rows,
+        "speculative": spec_rows, "kv_speed": kv_rows, "int8": int8_rows, "cpu_peers": peer_rows, "scale": scale_rows, "moe": moe_rows, "structured": structured_rows,
         "prefill": prefill_rows, "images": image_rows, "lora": lora_rows,
         "notes": {
             "tok_s": "useful output tokens (each row's own max_tokens) / generation seconds; static batches' padding steps do not count",
@@ -325,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     if peer_rows:
         log("CPU peers (batchjob vs llama.cpp on this CPU; the machine's flags and ceilings):")
         log(cpu_peers.text(peer_rows))
+        log("")
+    if scale_rows:
+        from batchjob.bench import scale
+
+        log("scale rows (random real-shaped models, the same GGUF for batchjob and llama.cpp; issue 46):")
+        log(scale.text(scale_rows))
         log("")
     if image_rows:
         log(images.text(image_rows))
