@@ -57,8 +57,8 @@ class BlockFormat:
         """What one weight costs in memory, scales included."""
         scales = {ScaleKind.F16: 16 * (1 if self.offset >= 0 else 2) / 32,
                   ScaleKind.F32: 32 * (1 if self.offset >= 0 else 2) / self.group,
-                  ScaleKind.KQ: (64 + 8 * 16) / 256, ScaleKind.K6: (16 + 16 * 8) / 256}[self.kind]
-        return self.bits + scales
+                  ScaleKind.KQ: (32 + 8 * 16) / 256, ScaleKind.K6: (16 + 16 * 8) / 256}[self.kind]
+        return (8 if self.bits >= 6 else self.bits) + scales  # 6-bit codes are kept as bytes (quant_blocks.cpp)
 
 
 # GGUF types computed as stored (gguf.GGMLQuantizationType values): what each file block holds, in our terms

@@ -4,10 +4,10 @@
 //
 // What is stored (bj_qpack_gguf / bj_qpack_codes, once at load), per block of 64 output columns, for every 32 values
 // of k (a "chunk": 8 quads of 4 k):
-//   - the codes u (unsigned: 0..15, 31, 63 or 255) of 64 columns x 32 k: their low nibbles as 4 quad pairs of 256
-//     bytes (byte c * 4 + j of pair p: quad 2p's code (column c, k = 8p + j) in the low nibble, quad 2p + 1's in the
-//     high), then one bit plane per code bit above 4 (bit 4, then bit 5: per quad, four 64-bit words, bit i of word v
-//     for byte 64v + i of the quad); 8-bit codes as their bytes, quad by quad (256 bytes a quad);
+//   - the codes u (unsigned: 0..15, 31, 63 or 255) of 64 columns x 32 k: 4- and 5-bit ones as their low nibbles in 4
+//     quad pairs of 256 bytes (byte c * 4 + j of pair p: quad 2p's code (column c, k = 8p + j) in the low nibble, quad
+//     2p + 1's in the high), then for 5 bits a bit plane (per quad, four 64-bit words, bit i of word v for byte 64v + i
+//     of the quad); 6- and 8-bit codes as their bytes, quad by quad (256 bytes a quad: the GEMM's tile as it is);
 //   - the scales as the file has them: fp16 d (and m) per group (Q4_0 ... Q8_0), fp16 D and Dmin per 256 with 6-bit
 //     sub-scales and mins per 32 (Q4_K, Q5_K), fp16 D per 256 with int8 sub-scales per 16 (Q6_K), fp32 d (and m) per
 //     group (int4). So the weights take the file's bytes in memory, give or take its bit packing.
@@ -62,7 +62,10 @@ struct Format {
   // 256, after the steps' sums), 32 for the others (llama.cpp's Q8_0)
   bool super() const { return kind == KQ || kind == K6; }
   int ablk() const { return super() ? 256 : CHUNK; }
-  int64_t chunk_code_bytes() const { return bits == 8 ? 2048 : 1024 + 256 * (bits - 4); }
+  // codes of 6 bits and more are kept as bytes (the GEMM's tile itself: no expansion a call; Q6_K then takes 8.6 bits
+  // a weight instead of its file's 6.6), 4 and 5 bits as nibbles (and a bit plane)
+  bool byte_codes() const { return bits >= 6; }
+  int64_t chunk_code_bytes() const { return byte_codes() ? 2048 : 1024 + 256 * (bits - 4); }
   // scale bytes of one column block for all of k
   int64_t scale_bytes(int k) const {
     switch (kind) {
@@ -593,7 +596,7 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
   const int blocks = (n + NB - 1) / NB;
   const int64_t ccb = f.chunk_code_bytes(), cb = ccb * (k / CHUNK), sb = f.scale_bytes(k);
   const int nt = (int64_t)m * n * k >= (1 << 18) ? threads : 1;
-  const bool fused = f.bits != 8 && m <= FUSE_ROWS;  // few rows: no tile (its stores and loads cost more than it saves)
+  const bool fused = !f.byte_codes() && m <= FUSE_ROWS;  // few rows: no tile (its stores and loads cost more than it saves)
   // rows a panel: at most 768 (their accumulators and a span of their codes, 2 x 192 KB, stay in L2) and about 4 MB of
   // codes (in L3 beside the weights' stream); the panels of a call even (a multiple of 6: every path's row tiles)
   const int most = std::max(96, std::min(768, (int)((4 << 20) / R.q_stride))), panels = (m + most - 1) / most;
@@ -626,11 +629,11 @@ int qlinear(const X* x, int64_t stride, int m, int k, const Format& f, const uin
         const uint8_t* c = codes + b * cb;
         for (int k0 = 0; k0 < k; k0 += SPAN) {
           const int kc = std::min(SPAN, k - k0);
-          if (f.bits != 8 && !fused)
+          if (!f.byte_codes() && !fused)
             for (int ch = 0; ch < kc / CHUNK; ++ch)
               expand_chunk(c + (k0 / CHUNK + ch) * ccb, f.bits, tile.data() + ch * CHUNK * NB);
           expand_scales(f, scales + b * sb, k0 / epi, (k0 + kc) / epi, d, mn);
-          const bool as_packed = f.bits == 8 || fused;
+          const bool as_packed = f.byte_codes() || fused;
           const Tile t{as_packed ? c + (k0 / CHUNK) * ccb : tile.data(), d, mn, std::min(NB, n - b * NB), k0, kc,
                        acc.data(), k0 == 0, k0 + kc == k, fused, f.bits, ccb};
           run_tile(f, t, P, pm, k, bias ? bias + b * NB : nullptr, out + p0 * ldo + b * NB, ldo);
@@ -653,7 +656,7 @@ int qlinear_to(const X* x, int64_t stride, int m, int k, const Format& f, const 
 // place code u of (column c of its block, k index kk within its chunk) into a chunk's packed bytes
 inline void put_code(uint8_t* chunk, int bits, int c, int kk, uint8_t u) {
   const int quad = kk / 4, j = kk % 4, i = c * 4 + j;  // byte i of the quad
-  if (bits == 8) {
+  if (bits >= 6) {  // Format::byte_codes
     chunk[quad * 256 + i] = u;
     return;
   }
@@ -851,7 +854,7 @@ extern "C" int bj_qdequant_cols(int bits, int group, int offset, int kind, const
       for (int ch = 0; ch < k / CHUNK; ++ch) {
         const uint8_t* src = codes + b * cb + ch * f.chunk_code_bytes();
         const uint8_t* t = src;
-        if (f.bits != 8) {
+        if (!f.byte_codes()) {
           expand_chunk(src, f.bits, tile.data());
           t = tile.data();
         }
