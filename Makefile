@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 BATCHJOB := $(VENV)/bin/batchjob
 
-.PHONY: demo test install install-test bench bench-llama-cpp bench-llama-cpp-avx2 bench-peers bench-resume chaos clean gpu-check gpu-check-smoke
+.PHONY: demo test install install-test bench bench-llama-cpp bench-llama-cpp-avx2 bench-peers bench-resume chaos crash clean gpu-check gpu-check-smoke
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,11 @@ bench-resume: $(VENV)/.installed-bench
 # Issue 4: the chaos test with 100 SIGKILLs at random (seeded) moments instead of the suite's 5.
 chaos: install-test
 	BATCHJOB_CHAOS_KILLS=$${BATCHJOB_CHAOS_KILLS:-100} $(PY) -m pytest -q -x tests/job/test_chaos.py
+
+# Issue 47: the crash-state simulator over longer jobs (more parts, compactions and states than `make test`'s),
+# the mutation check and the I/O-error sweep. BATCHJOB_CRASH_ROWS=N for other sizes (docs/design/durability.md).
+crash: install-test
+	BATCHJOB_CRASH_ROWS=$${BATCHJOB_CRASH_ROWS:-60} $(PY) -m pytest -q -x -s tests/durability
 
 # vLLM's CPU build in its own venv (~3.5 GB; shared/notes/models-and-peers.md). Its CUDA-built
 # torchvision/torchaudio/torchcodec break `import vllm` on CPU, so they go.

@@ -113,13 +113,15 @@ def _internal_error(e: Exception, output: str | None) -> None:
     import traceback
     from pathlib import Path
 
+    from batchjob.io.disk import File, disk
+
     if os.environ.get("BATCHJOB_DEBUG"):
         raise e
     text = "".join(traceback.format_exception(e))
     folder = Path(output) if output and Path(output).is_dir() else Path(tempfile.gettempdir())
     try:
         log = folder / "batchjob-error.log"
-        with open(log, "a") as f:
+        with File(disk(), log, append=True) as f:
             f.write(text + "\n")
         where = f"the traceback is in {log}"
     except OSError:
@@ -172,8 +174,10 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
     created when missing."""
     from pathlib import Path
 
+    from batchjob.io.disk import disk
+
     try:
-        Path(to).parent.mkdir(parents=True, exist_ok=True)
+        disk().mkdir(Path(to).parent)
     except OSError as e:
         _fail(f"--to {to}: cannot create its folder ({e.strerror or e})", 1)
     if fmt == "openai-batch":  # one output folder or a sharded one
@@ -187,6 +191,8 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
         except (ExportError, ManifestError, _ShardError) as e:
             click.echo(f"batchjob: error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:
+            _export_failed(to, e)
         click.echo(f"batchjob: {files.lines} response lines -> {to}; failed requests ({files.errors}) -> {files.errors_path}")
         return
     from batchjob.cluster.sharded_output import ShardError, export_shards, has_job_file
@@ -199,6 +205,8 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
         except ExportError as e:
             click.echo(f"batchjob: error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:
+            _export_failed(to, e)
         gap = f" ({done.missing.count()} rows missing: {done.missing.describe()})" if done.missing else ""
         click.echo(f"batchjob: {done.rows} rows -> {to}{gap}")
         if done.note:  # e.g. a --limit trial run: the export holds its first N rows
@@ -210,8 +218,19 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
     except ShardError as e:
         click.echo(f"batchjob: error: {e}", err=True)
         sys.exit(1)
+    except OSError as e:
+        _export_failed(to, e)
     gap = f" ({missing.count()} rows missing: {missing.describe()})" if missing else ""
     click.echo(f"batchjob: {n} rows -> {to}{gap}")
+
+
+def _export_failed(to: str, e: OSError) -> None:
+    """A disk error while exporting (a full disk, EIO, a read-only file system): one line, exit 1. The export
+    is written under a temp name and renamed: `to` holds the old file or nothing, never a half of the new."""
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(to) else ""
+    click.echo(f"batchjob: error: cannot write {to}: {e.strerror or e}{where}; nothing was written under that name: "
+               "free space (or fix the disk) and run the export again", err=True)
+    sys.exit(1)
 
 
 @main.command("show")

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchjob.errors import ConfigError
+from batchjob.io.disk import File, disk
 from batchjob.io.manifest import MANIFEST, atomic_write, utc_now
 from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import SinkError
@@ -220,15 +221,15 @@ def claim_shard(out: str | Path, spec: ShardSpec, source: Source, fingerprint: d
     shard agrees with OUT/job.json; return the shard's slice of `source`."""
     out = Path(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        disk().mkdir(out)
     except OSError as e:
         raise SinkError(f"cannot use output folder {out}: {e}") from e
     if (out / MANIFEST).exists():
         raise ShardError(f"{out} holds the results of an unsharded run; run without --shard, "
                          "or use a new output folder for the sharded job")
     fingerprint = json.loads(json.dumps(fingerprint))  # compare as it will read back
-    with open(out / ".job.json.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held only while planning: a JSONL scan at most
+    with File(disk(), out / ".job.json.lock", append=True) as lock:
+        fcntl.flock(lock.fd, fcntl.LOCK_EX)  # held only while planning: a JSONL scan at most
         job = JobFile.load(out)
         if job is None:
             job = JobFile(spec.count, 0, plan_shards(source, spec.count), fingerprint, created=utc_now())

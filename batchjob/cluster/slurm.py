@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchjob.io.manifest import utc_now
+from batchjob.io.disk import File, disk
 from batchjob.errors import EXIT_RESUMABLE, ConfigError  # what batchjob exits with after draining on a signal
 
 SCRIPT = "batchjob.sbatch"
@@ -122,8 +123,9 @@ def sbatch(script: Path) -> str:
 
 def record_submission(out: Path, job_id: str, opts: SubmitOptions, script: Path) -> None:
     line = json.dumps({"job_id": job_id, "shards": opts.shards, "script": str(script), "submitted": utc_now()})
-    with open(slurm_folder(out) / SUBMISSIONS, "a") as f:
+    with File(disk(), slurm_folder(out) / SUBMISSIONS, append=True) as f:
         f.write(line + "\n")
+        f.sync()
 
 
 def last_submission(out: Path) -> dict | None:
@@ -205,7 +207,7 @@ def submit(cfg: SubmittedJob, opts: SubmitOptions, *, dry_run: bool = False) -> 
     script = slurm_folder(out) / SCRIPT
     if dry_run:
         return text, None, out, warnings
-    (slurm_folder(out) / "logs").mkdir(parents=True, exist_ok=True)  # Slurm does not create log folders
+    disk().mkdir(slurm_folder(out) / "logs")  # Slurm does not create log folders
     from batchjob.io.manifest import atomic_write
 
     atomic_write(script, text.encode())

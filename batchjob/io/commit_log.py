@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from batchjob.io.disk import File, disk
 
 LOG = "commits.log"
 LOG_PREV = "commits.log.prev"
@@ -113,36 +114,29 @@ class CommitLog:
         self.path = out_dir / LOG
         good = read(self.path)[1] if valid_bytes is None else valid_bytes
         if self.path.exists() and self.path.stat().st_size != good:
-            with open(self.path, "r+b") as f:  # a crash cut the last append short: drop it before appending
+            # a crash cut the last append short: cut it off before appending. Not fsynced here: until the next
+            # append's fsync (which makes the new size durable too) a crash leaves the torn tail, read as torn again
+            with File(disk(), self.path, truncate=False) as f:
                 f.truncate(good)
-                os.fsync(f.fileno())
         self.bytes = good
 
     def append(self, record: dict) -> None:
+        """The record, durable when this returns. On a failure (a write or the fsync) the append is cut
+        off again where it can be and the error raised: the caller stops committing, since after a failed
+        fsync the file's unsynced pages may be gone whatever a later fsync says."""
         line = encode(record)
+        layer = disk()
         new = not self.path.exists()
-        with open(self.path, "ab") as f:
+        with File(layer, self.path, append=True) as f:
             try:
                 f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+                f.sync()
             except BaseException:
-                f.truncate(self.bytes)  # nothing half-written stays (best effort: a full disk can refuse)
+                try:
+                    f.truncate(self.bytes)  # nothing half-written stays (best effort: a full disk can refuse)
+                except OSError:
+                    pass
                 raise
         if new:
-            fsync_dir(self.path.parent)
+            layer.fsync_dir(self.path.parent)  # the log's name: without it the first records can vanish
         self.bytes += len(line)
-
-
-def fsync_dir(path: Path) -> None:
-    """Makes a rename or a new file in `path` durable; not possible on every platform or filesystem."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchjob.io.disk import File, disk
 from batchjob.io.manifest import Manifest, ManifestError, result_folders
 from batchjob.io.merge import CHUNK_ROWS, FORMATS, ExportError, write_merged
 from batchjob.io.openai_batch import response_lines
@@ -16,6 +16,7 @@ from batchjob.io.ranges import RowRanges
 
 RESULTS_FILE = "results.jsonl"  # an OpenAI Batch job's response file, in its output folder
 ERRORS_FILE = "errors.jsonl"  # and its errors file, beside it
+RESPONSE_FILES = (RESULTS_FILE, ERRORS_FILE)
 
 
 @dataclass(slots=True)
@@ -163,25 +164,28 @@ def write_responses(folders: list[Path], target: Path, created: int | None, *,
     errors_to = errors_file_for(target) if errors_to is None else errors_to
     tmp, errors_tmp = (p.with_name(f".{p.name}.tmp") for p in (target, errors_to))
     written = failed = 0
+    layer = disk()
     try:
-        with open(tmp, "w", encoding="utf-8") as results, open(errors_tmp, "w", encoding="utf-8") as errors:
+        with File(layer, tmp) as results, File(layer, errors_tmp) as errors:
             for folder in folders:
                 for line in response_lines(read_results(folder), model=model, created=created):
-                    text = json.dumps(line, ensure_ascii=False) + "\n"
+                    text = (json.dumps(line, ensure_ascii=False) + "\n").encode()
                     if line["custom_id"]:
                         results.write(text)
                         written += 1
                     if line["error"] is not None:
                         errors.write(text)
                         failed += 1
-            for file in (results, errors):
-                file.flush()
-                os.fsync(file.fileno())
-        os.replace(errors_tmp, errors_to)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-        errors_tmp.unlink(missing_ok=True)
+            results.sync()
+            errors.sync()
+        layer.rename(errors_tmp, errors_to)
+        layer.rename(tmp, target)
+    except BaseException:
+        layer.discard(tmp)
+        layer.discard(errors_tmp)
+        raise
+    for parent in dict.fromkeys((target.parent, errors_to.parent)):  # both names durable before they are reported
+        layer.fsync_dir(parent)
     return ResponseFiles(target, written, errors_to, failed)
 
 

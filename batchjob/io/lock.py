@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchjob.io.disk import File, disk
 from batchjob.io.recovery import SinkError
 
 LOCK_NAME = ".lock"
@@ -37,11 +38,13 @@ class OutputLock:
         """Takes the lock or raises LockHeld naming the folder and the holder's PID; SinkError when the
         folder cannot be created or written. `wait_s` rides out a `status` call that peeks at the lock."""
         self.fd: int | None = None
+        self.file: File | None = None
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            disk().mkdir(self.folder)
+            file = File(disk(), self.path, truncate=False)  # never emptied on open: another holder's PID stays
+            fd = file.fd
         except OSError as e:
             raise SinkError(f"cannot use output folder {self.folder}: {e.strerror or e} ({e.filename or self.path}); "
                             "choose a folder you can write to with --output") from e
@@ -52,32 +55,32 @@ class OutputLock:
                 break
             except OSError as e:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    os.close(fd)
+                    file.close()
                     raise
                 if time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                holder = _read(fd)
-                os.close(fd)
+                holder = _read_file(self.path)
+                file.close()
                 who = f"process {holder.pid}" + (f" on {holder.host}" if holder.host else "") if holder.pid else "another process"
                 raise LockHeld(f"{self.folder} is in use by {who} (lock file {self.path}); wait for it to finish "
                                f"or stop it (kill -TERM {holder.pid or 'PID'}), or use another output folder") from None
-        self.fd = fd
+        self.fd, self.file = fd, file
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record + b"\n", 0)
+        try:  # not fsynced: after a power cut no process holds the lock, whatever the file says
+            file.truncate(0)
+            file.pwrite(record + b"\n", 0)
         except OSError:
             pass  # a full disk must not stop us from holding the lock; the PID is only informative
 
     def release(self) -> None:
-        if self.fd is not None:
+        if self.file is not None:
             try:
-                os.ftruncate(self.fd, 0)  # a released lock names nobody
+                self.file.truncate(0)  # a released lock names nobody
             except OSError:
                 pass
-            os.close(self.fd)  # closing drops the flock
-            self.fd = None
+            self.file.close()  # closing drops the flock
+            self.file = self.fd = None
 
     def __del__(self) -> None:
         self.release()
@@ -107,6 +110,17 @@ def lock_holder(folder: str | Path) -> Holder:
             raise
         fcntl.flock(fd, fcntl.LOCK_UN)
         return Holder(False)
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: Path) -> Holder:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return Holder(True)
+    try:
+        return _read(fd)
     finally:
         os.close(fd)
 

@@ -10,6 +10,7 @@ log) load as the state at seq 0.
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
@@ -18,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchjob.io.commit_log import LOG, LOG_PREV, LogError, fsync_dir, read
+from batchjob.io.commit_log import LOG, LOG_PREV, LogError, read
+from batchjob.io.disk import disk
 from batchjob.io.ranges import RowRanges
 
 MANIFEST = "manifest.json"
@@ -186,22 +188,29 @@ class Manifest:
         if not (out_dir / PREVIOUS).exists():  # the first snapshot: with the logs, it rebuilds any later state
             atomic_write(out_dir / PREVIOUS, data)  # a copy, not a link: damage to one must not reach the other
         if (out_dir / LOG).exists():  # every record in it is in the snapshot now
-            os.replace(out_dir / LOG, out_dir / LOG_PREV)
-            fsync_dir(out_dir)
+            layer = disk()
+            layer.rename(out_dir / LOG, out_dir / LOG_PREV)
+            layer.fsync_dir(out_dir)
         return len(data)
 
 
 def keep_previous(path: Path, prev: Path) -> None:
+    """`prev` becomes the snapshot `path` is now (a hard link; a copy where links are refused). Not synced
+    here: the new snapshot's rename and its folder's fsync, which follow, make it durable too."""
     if prev.exists() and os.path.samefile(path, prev):
         return  # already kept (a commit that failed after this step); rename() would keep the temp link
+    layer = disk()
     tmp = prev.with_name(f".{prev.name}.tmp")
-    tmp.unlink(missing_ok=True)
+    if tmp.exists():
+        layer.unlink(tmp)
     try:
-        os.link(path, tmp)
-    except OSError:  # no hard links on this filesystem: copy
-        atomic_write(prev, path.read_bytes())
+        layer.link(path, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise  # an I/O error is an error, not a file system without hard links
+        atomic_write(prev, path.read_bytes())  # no hard links on this filesystem: copy
         return
-    os.replace(tmp, prev)
+    layer.rename(tmp, prev)
 
 
 def result_folders(root: str | Path) -> list[Path]:
@@ -217,18 +226,8 @@ def result_folders(root: str | Path) -> list[Path]:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write a temp file beside `path`, fsync, rename over `path`, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing half-written behind
-        raise
-    fsync_dir(path.parent)
+    """Write a temp file beside `path`, fsync, rename over `path`, fsync the folder (io/disk.py)."""
+    disk().write_atomic(path, data)
 
 
 def utc_now() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from batchjob.io.commit_log import fsync_dir
+from batchjob.io.disk import File, disk
 from batchjob.io.manifest import PartEntry
 from batchjob.io.parts import RESULT_SCHEMA, concat_parts, part_schema, read_part, to_text, unify_types
 
@@ -37,19 +37,20 @@ def write_merged(folder: Path, parts: list[PartEntry], to: Path, kind: str, *, c
     Returns the rows written."""
     schema = merged_schema(folder, parts)
     rows = 0
+    layer = disk()
     tmp = to.with_name(f".{to.name}.tmp-{os.getpid()}")
     try:
-        with _Writer(kind, tmp, schema) as writer:
+        with File(layer, tmp) as file, _Writer(kind, file, schema) as writer:
             for table in merge_parts(folder, parts, chunk_rows):
                 writer.write(conform(table, schema))
                 rows += table.num_rows
         if check is not None:
             check(rows)
-        os.replace(tmp, to)
+        layer.rename(tmp, to)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        layer.discard(tmp)
         raise
-    fsync_dir(to.parent)
+    layer.fsync_dir(to.parent)  # the export's name, durable before the command says it is written
     return rows
 
 
@@ -167,17 +168,52 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 # writing
 
 
+class _Guarded:
+    """The file as pyarrow's writers see it: an OSError is kept here and raised by _Writer once pyarrow has
+    returned, never thrown through pyarrow's C++ callback (on Python 3.11 an exception crossing it left the
+    interpreter's AST recursion counter off, and every later ast.parse failed). Writes after an error are
+    dropped: the file is discarded."""
+
+    def __init__(self, file: File) -> None:
+        self.file, self.error = file, None
+        self.mode = "wb"
+
+    closed = property(lambda self: self.file.closed)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                return self.file.write(data)
+            except OSError as e:
+                self.error = e
+        return len(data)
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 class _Writer:
-    def __init__(self, kind: str, path: Path, schema: pa.Schema) -> None:
-        self.kind, self.path, self.schema = kind, path, schema
-        self.file = open(path, "wb")
+    def __init__(self, kind: str, file: File, schema: pa.Schema) -> None:
+        self.kind, self.file, self.schema = kind, file, schema
+        self.guarded = _Guarded(file)
         self.writer = None
         if kind == "parquet":
             import pyarrow.parquet as pq
 
-            self.writer = pq.ParquetWriter(self.file, schema)
+            self.writer = pq.ParquetWriter(self.guarded, schema)
         elif kind == "arrow":
-            self.writer = pa.ipc.new_file(self.file, schema)
+            self.writer = pa.ipc.new_file(self.guarded, schema)
+        self.guarded.raise_error()
 
     def write(self, table: pa.Table) -> None:
         if self.kind == "jsonl":
@@ -185,16 +221,15 @@ class _Writer:
             self.file.write(lines.encode())
         else:
             self.writer.write_table(table)
+            self.guarded.raise_error()
 
     def __enter__(self) -> _Writer:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        try:
-            if self.writer is not None:
-                self.writer.close()
-            if exc_type is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
-        finally:
-            self.file.close()
+        """Close the writer (the footer), then fsync the file; the caller closes it."""
+        if self.writer is not None:
+            self.writer.close()
+        self.guarded.raise_error()
+        if exc_type is None:
+            self.file.sync()

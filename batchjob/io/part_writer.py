@@ -3,12 +3,11 @@ durably under its final name (temp file, fsync, rename, fsync of the folder)."""
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pyarrow as pa
 
-from batchjob.io.commit_log import fsync_dir
+from batchjob.io.disk import disk
 from batchjob.io.manifest import PartEntry, utc_now
 from batchjob.io.parts import RESULT_SCHEMA, counts, encode_part, part_name, part_schema, to_text, unify_types
 from batchjob.io.ranges import RowRanges
@@ -43,17 +42,10 @@ class PartWriter:
     def write(self, columns: dict[str, list], rows: RowRanges) -> PartEntry:
         data = encode_part(self.table(columns), self.part_format)
         name = part_name(self.next_number, self.part_format)
-        tmp = self.out_dir / f".{name}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.out_dir / name)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
+        try:  # a temp file, fsynced, renamed, the folder fsynced: a part under its name is whole
+            disk().write_atomic(self.out_dir / name, data)
+        except OSError as e:  # a renamed part whose folder fsync failed is never committed: removed on resume
             raise output_error(self.out_dir / name, e) from e
-        fsync_dir(self.out_dir)
         self.next_number += 1
         return PartEntry(name=name, num_rows=len(columns["row_index"]), rows=rows.to_json(), bytes=len(data),
                          sha256=hashlib.sha256(data).hexdigest(), created=utc_now(),

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from batchjob.io.disk import disk
 from batchjob.io.manifest import MANIFEST, PREVIOUS, Manifest, ManifestError, ManifestVersionError, PartEntry
 from batchjob.io.parts import PART_NAME, TEMP_NAME, adopt_part
 from batchjob.io.ranges import RowRanges
@@ -121,7 +122,7 @@ def load_manifest(out_dir: Path) -> tuple[Manifest | None, str | None]:
                             "--restart to delete them and start over, or use another output folder")
         return None, None
     if (out_dir / MANIFEST).exists():
-        os.replace(out_dir / MANIFEST, out_dir / (MANIFEST + ".corrupt"))
+        disk().rename(out_dir / MANIFEST, out_dir / (MANIFEST + ".corrupt"))  # durable with the rebuilt snapshot
     log.warning("%s; rebuilding it from %s and the part files it does not list", problem, PREVIOUS)
     return previous, problem
 
@@ -153,7 +154,7 @@ def recover(out_dir: Path, manifest: Manifest, adopt: bool) -> tuple[list[str], 
     for name in sorted(n for n in names if n not in listed):
         if TEMP_NAME.fullmatch(name):
             log.info("removing %s: written but never committed", out_dir / name)
-            (out_dir / name).unlink()
+            disk().unlink(out_dir / name)
         elif PART_NAME.fullmatch(name):
             unlisted.append(out_dir / name)
     present, folder, stat = set(names), str(out_dir), os.stat
@@ -171,7 +172,7 @@ def recover(out_dir: Path, manifest: Manifest, adopt: bool) -> tuple[list[str], 
         repaired.append(part.name)
         log.warning("%s is %s; its %d rows will be generated again", path, problem, part.num_rows)
         if path.exists():
-            path.rename(path.with_name(path.name + ".corrupt"))
+            disk().rename(path, path.with_name(path.name + ".corrupt"))
     manifest.parts = kept
     adopted = []
     done = manifest.done_rows() if adopt and unlisted else RowRanges()
@@ -179,7 +180,7 @@ def recover(out_dir: Path, manifest: Manifest, adopt: bool) -> tuple[list[str], 
         entry = adopt_part(path, done) if adopt else None
         if entry is None:
             log.info("removing %s: written but never committed", path)
-            path.unlink()
+            disk().unlink(path)
             continue
         log.warning("%s was not in the previous manifest; verified and kept (%d rows)", path, entry.num_rows)
         manifest.parts.append(entry)
@@ -201,8 +202,10 @@ def clear_results(out_dir: str | Path) -> int:
     removed = 0
     for path in out_dir.iterdir():
         if path.is_file() and (ours.fullmatch(path.name) or TEMP_NAME.fullmatch(path.name)):
-            path.unlink()
+            disk().unlink(path)
             removed += 1
+    if removed:
+        disk().fsync_dir(out_dir)  # a power cut must not bring the old results back under the new job
     return removed
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchjob.io.commit_log import CommitLog
+from batchjob.io.disk import disk
 from batchjob.io.manifest import MANIFEST, VERSION, Manifest
 from batchjob.io.part_writer import PartWriter, output_error
 from batchjob.io.parts import FINISH_REASONS, PART_FORMATS, RESULT_SCHEMA
@@ -62,7 +63,7 @@ class ArrowSink:
             raise SinkError(f"part_format {part_format!r} is not one of {', '.join(PART_FORMATS)}")
         self.part_rows, self.part_seconds, self.part_format = part_rows, part_seconds, part_format
         try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            disk().mkdir(self.out_dir)
             manifest, self.damaged_manifest = load_manifest(self.out_dir)
         except OSError as e:
             raise SinkError(f"cannot use output folder {self.out_dir}: {e}") from e

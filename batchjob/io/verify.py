@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchjob.io.disk import disk
 from batchjob.io.lock import OutputLock
 from batchjob.io.manifest import Manifest, result_folders
 from batchjob.io.recovery import check_part
@@ -40,7 +41,8 @@ def verify(out: str | Path, repair: bool = False) -> list[FolderCheck]:
                 for name, problem in check.damaged:
                     path = folder / name
                     if path.exists():
-                        path.rename(path.with_name(name + ".corrupt"))
+                        disk().rename(path, path.with_name(name + ".corrupt"))
+                disk().fsync_dir(folder)
             check.set_aside = True
         checks.append(check)
     return checks

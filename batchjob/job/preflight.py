@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from batchjob.io.export import RESPONSE_FILES
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.recovery import same_job
 from batchjob.job.config import JobConfig
@@ -17,7 +18,7 @@ from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.error_budget import job_failure
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
-from batchjob.job.modes import Quantization
+from batchjob.job.modes import OutputFormat, Quantization
 from batchjob.job.summary import JobSummary
 from batchjob.models.identity import model_identity
 from batchjob.models.location import model_source, resolve_model_path
@@ -51,6 +52,8 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
         wanted = manifest.total_rows if cfg.limit is None else min(manifest.total_rows, cfg.limit)
         if manifest.done_rows().count() < wanted:
             return None
+        if cfg.output_format == OutputFormat.OPENAI_BATCH and not all((folder / f).is_file() for f in RESPONSE_FILES):
+            return None  # every row is in, the response files are not (a crash before them): the Job writes them
         recorded = manifest.fingerprint or {}
         params, recorded_model = recorded.get("params") or {}, recorded.get("model") or {}
         if identity is None:

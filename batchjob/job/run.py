@@ -26,7 +26,7 @@ from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
 from batchjob.cluster.shards import ShardSource, claim_shard
-from batchjob.io.export import write_openai_batch
+from batchjob.io.export import RESPONSE_FILES, write_openai_batch
 from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
@@ -160,6 +160,10 @@ class Job:
             failure = self._failure(*self.before, first_error=self._recorded_error(), rerun=True)
             if failure is not None:  # a rerun exits as the job did: cron and retry loops see the failure
                 raise failure
+            if cfg.output_format == OutputFormat.OPENAI_BATCH:
+                for stream in self.streams:  # a crash after the last commit, before the response files: write them
+                    if not all((stream.sink.out_dir / name).is_file() for name in RESPONSE_FILES):
+                        write_openai_batch(stream.sink.out_dir)
             return self.summary
         line = start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
                           self.before[0], self.summary.output, self.engine.kv_pool)
@@ -178,8 +182,8 @@ class Job:
         collector = QuietCollector()
         collector.start()
         try:
-            self._mark_run("running")
             try:
+                self._mark_run("running")  # inside: a disk that fails this first commit closes the sinks too
                 feed.check_errors()  # the rows committed before may be over the limit already
                 steps = feed.driver.steps(lambda: feed.refill(self.streams, read_ahead, stop.stopping),
                                         proceed=lambda: not (feed.draining and stop.drain_over()))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from batchjob.engine.engine import StepStats
 from batchjob.engine.requests import RequestOutput
+from batchjob.io.disk import File, disk
 
 RESERVOIR = 10_000  # wait samples kept per lane for percentiles; memory stays flat on any row count
 
@@ -157,7 +158,7 @@ class StatsRecorder:
     def write(self, record: dict) -> None:
         if self.path is not None:
             try:
-                with open(self.path, "a") as f:
+                with File(disk(), self.path, append=True) as f:  # not fsynced: diagnostics, not results
                     f.write(json.dumps(record) + "\n")
             except OSError as e:  # diagnostics only: a full disk shows up where results are committed
                 if not self._write_failed:

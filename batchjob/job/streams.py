@@ -11,6 +11,7 @@ from typing import Iterator
 from batchjob.job.config import JobConfig
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.inputs import OpenedInput
+from batchjob.io.disk import disk
 from batchjob.io.export import ERRORS_FILE, RESULTS_FILE
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.parts import part_schema
@@ -77,8 +78,9 @@ def clear_for_restart(out: Path, folders: list[Path]) -> None:
         removed += clear_results(folder)
         for name in ("stats.jsonl", RESULTS_FILE, ERRORS_FILE):
             if (folder / name).is_file():
-                (folder / name).unlink()
+                disk().unlink(folder / name)
                 removed += 1
+        disk().fsync_dir(folder)
     print(f"batchjob: --restart: removed {removed} result files from {out}", file=sys.stderr)
 
 
@@ -88,7 +90,7 @@ def remove_bare_folders(folders: list[Path]) -> None:
         try:
             lock = folder / ".lock"
             if lock.is_file() and {p.name for p in folder.iterdir()} == {".lock"}:
-                lock.unlink()
+                disk().unlink(lock)
             folder.rmdir()  # only when empty
         except OSError:
             pass

@@ -19,6 +19,7 @@ from batchjob.cluster.shard_progress import ShardProgress
 from batchjob.cluster.sharded_output import has_job_file, shard_states, sharded_status
 from batchjob.cluster.shards import JobFile
 from batchjob.errors import ConfigError
+from batchjob.io.disk import disk
 from batchjob.ray.runners import Runner, make_runner, shard_slots
 from batchjob.ray.worker import STOP_FILE, ShardCall, ShardOutcome, sees_file
 
@@ -100,10 +101,10 @@ def check_shared(ray, output: Path) -> None:
     there): ConfigError naming the first node that does not see it."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    output.mkdir(parents=True, exist_ok=True)
+    disk().mkdir(output)
     probe = output / f".ray-probe-{os.getpid()}"
     token = f"{os.getpid()}-{time.time()}"
-    probe.write_text(token)
+    disk().write_atomic(probe, token.encode())
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         sees = ray.remote(sees_file)
@@ -115,7 +116,7 @@ def check_shared(ray, output: Path) -> None:
                                   "file the driver wrote there is missing on it); give a folder every node sees (NFS, "
                                   "Lustre, a shared volume)")
     finally:
-        probe.unlink(missing_ok=True)
+        disk().remove(probe)
 
 
 def _run(ray, job_file: Path, output: Path, opts: RayOptions, log) -> list[ShardOutcome]:
@@ -131,7 +132,7 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, log) -> list[Shard
     if opts.address:  # a local Ray is this machine: its one filesystem
         check_shared(ray, output)
     stop_file = output.resolve() / STOP_FILE
-    stop_file.unlink(missing_ok=True)  # an earlier driver's stop, done with
+    disk().remove(stop_file)  # an earlier driver's stop, done with
     call = ShardCall(str(job_file.resolve()), count, max(1, opts.cpus_per_shard), os.getcwd(), str(stop_file))
     progress = ShardProgress(output, log_every=PROGRESS_EVERY_S)
     runner = make_runner(opts.runner, ray, call, cpus=opts.cpus_per_shard, gpus=opts.gpus_per_shard,
@@ -145,7 +146,7 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, log) -> list[Shard
             progress.tick()
         if runner.busy:
             progress.say("batchjob: stopping: the running shards drain and commit (as SIGTERM does for `run`)")
-            stop_file.write_text(f"stopped by the driver, pid {os.getpid()}\n")
+            disk().write_atomic(stop_file, f"stopped by the driver, pid {os.getpid()}\n".encode())
             outcomes += runner.stop()
     finally:
         for sig, handler in previous.items():

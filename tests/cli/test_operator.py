@@ -340,7 +340,7 @@ def test_a_full_disk_is_said_once_and_status_says_where_it_stopped(tmp_path, mod
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd)
 
-    monkeypatch.setattr("batchjob.io.part_writer.os.fsync", fsync_until_full)
+    monkeypatch.setattr("batchjob.io.disk.os.fsync", fsync_until_full)
     src = jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i}"} for i in range(30)])
     out = tmp_path / "out"
     result = run("--model", model, "--input", src, "--output", out, "--max-tokens", 3, "--part-rows", 4,

@@ -294,3 +294,21 @@ def test_example_job_files_load():
     assert sum(r.error is None for r in rows) == 6 and rows[5].record["endpoint"] == "/v1/embeddings"
     cfg = load_job(repo / "jobs" / "sampling.toml", {})
     assert cfg.sampling_defaults().n == 2 and cfg.stop == ["\n\n"]
+
+
+def test_a_crash_after_the_last_commit_before_the_response_files_is_finished_by_the_rerun(tmp_path, tiny_model_dir):
+    """Found by the crash simulator: every row committed, the process gone before results.jsonl was renamed into
+    place (a SIGKILL, a power cut). The rerun said "already finished" and never wrote the response files."""
+    model = tiny_model_dir("llama", max_positions=1024)
+    src = write_lines(tmp_path / "batch.jsonl", [chat_line(f"req-{i}", max_tokens=2) for i in range(3)])
+    out = tmp_path / "out"
+    args = ["run", "--model", str(model), "--input", str(src), "--output", str(out), "--output-format", "openai-batch",
+            "--no-progress"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    first = read_jsonl(out / "results.jsonl")
+    (out / "results.jsonl").unlink()  # the errors file was renamed first; the crash came before this one
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "already finished" in result.output, result.output
+    again = read_jsonl(out / "results.jsonl")
+    assert [x["custom_id"] for x in again] == ["req-0", "req-1", "req-2"]
+    assert [x["response"]["body"]["choices"] for x in again] == [x["response"]["body"]["choices"] for x in first]

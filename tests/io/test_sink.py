@@ -415,11 +415,11 @@ def test_a_failed_write_is_an_output_error_and_leaves_no_temp_file(tmp_path, mon
     sink = ArrowSink(tmp_path, fingerprint=FP, part_rows=2)
     sink.write(result(0))
     real_fsync = os.fsync
-    monkeypatch.setattr("batchjob.io.part_writer.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr("batchjob.io.disk.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
     sink.write(result(1))  # a full part: the writer thread writes it, and fails
     with pytest.raises(OutputError, match="No space left on device.*rerun"):
         sink.sync()
-    monkeypatch.setattr("batchjob.io.part_writer.os.fsync", real_fsync)
+    monkeypatch.setattr("batchjob.io.disk.os.fsync", real_fsync)
     assert files(tmp_path) == ["manifest.json", "manifest.json.prev"]  # no part, no temp file
     with pytest.raises(OutputError):
         sink.commit()  # this sink is done for: the job stops, and its rows run again on resume
