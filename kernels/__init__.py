@@ -6,10 +6,22 @@ from __future__ import annotations
 
 import importlib
 
+# The kernels' surface: what the rest of the package may import of them, declared here once and enforced by
+# tests/test_layering.py. Names load from their homes on first use; `reference/`, `native/`, `triton/`,
+# `dispatch.py` and `interface.py` are reached only through these names. The test suite, the oracle's user,
+# imports the references directly.
 _HOMES = {"AttentionMetadata": "interface", "KernelSet": "interface", "paged_attention_torch": "reference.attention",
           "store_kv": "reference.attention", "CHOICES": "dispatch", "KernelError": "dispatch",
           "select_kernels": "dispatch", "Linear": "linear", "rms_norm": "reference.norm",
-          "RotaryEmbedding": "reference.rotary", "apply_rotary": "reference.rotary", "mrope_rows": "reference.rotary"}
+          "RotaryEmbedding": "reference.rotary", "apply_rotary": "reference.rotary", "mrope_rows": "reference.rotary",
+          "argmax_rows": "reference.elementwise", "LoraWeights": "reference.lora",
+          "bytes_per_token_head": "reference.kv_quant", "quantized_kv_caches": "reference.kv_quant",
+          "quantize_weight_int8": "reference.scaled_mm", "quantize_rows_int8": "reference.scaled_mm",
+          "GGUF_BLOCK": "native.quant_blocks", "GGUF_FORMATS": "native.quant_blocks",
+          "native_quant_blocks": "native.quant_blocks", "cpu_identity": "native.build", "cpu_isa": "native.build",
+          "TritonKernels": "triton.ops", "Int8Linear": "linear_int8", "W4A16Linear": "linear_w4a16"}
+# modules the rest of the package imports whole: the modes (no torch), the weight formats and matmuls, profiling
+SURFACE_MODULES = ("modes", "quantization", "linear_quant", "profiling")
 __all__ = list(_HOMES)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from batchjob.kernels.interface import KernelSet
 from batchjob.kernels.native.build import BuildError
-from batchjob.kernels.notices import notice
+from batchjob.notices import notice
 from batchjob.kernels.reference.kernel_set import TorchKernels
 from batchjob.kernels.modes import KernelChoice, KvCacheDtype
 

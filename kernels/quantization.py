@@ -189,7 +189,7 @@ def int4_linear(weight: Int4Weight, bias: torch.Tensor | None = None) -> WeightM
     if device.type == "cpu":
         if weight.packable() and native_quant_blocks() is not None:
             return BlockQuantLinear(weight.packed(), bias)
-        from batchjob.kernels.notices import notice
+        from batchjob.notices import notice
         why = (f"groups of {weight.group} weights are not computed as stored (the kernel takes multiples of 32)"
                if native_quant_blocks() is not None else "the native kernel cannot be built here (no C++ compiler)")
         notice(f"int4: {why}; such weights are dequantized at load (the compute dtype's memory and speed)")

@@ -4,6 +4,7 @@ reads the sources, imports nothing."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,6 +14,7 @@ PACKAGES = {"batchjob": "batchjob", "kernels": "batchjob.kernels"}  # folder -> 
 TOP_LEVEL: dict[str, tuple[str, ...]] = {
     "batchjob.version": (),
     "batchjob.errors": (),
+    "batchjob.notices": (),  # one line to the operator, for every layer (kernels included)
     "batchjob.device": ("batchjob.errors",),
     "batchjob.api": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.images",
                      "batchjob.device", "batchjob.errors", "batchjob.version"),
@@ -22,23 +24,23 @@ TOP_LEVEL: dict[str, tuple[str, ...]] = {
 
 # what each layer may import of ours, besides itself (a prefix matches a package and everything in it)
 LAYERS = {
-    "batchjob.kernels": (),
-    "batchjob.models": ("batchjob.kernels", "batchjob.errors"),
-    "batchjob.engine": ("batchjob.models", "batchjob.kernels", "batchjob.errors"),
-    "batchjob.io": ("batchjob.errors", "batchjob.version"),
-    "batchjob.images": ("batchjob.errors",),  # reading and decoding a row's images, pixel values
-    "batchjob.cluster": ("batchjob.io", "batchjob.errors"),
+    "batchjob.kernels": ("batchjob.notices",),
+    "batchjob.models": ("batchjob.kernels", "batchjob.errors", "batchjob.notices"),
+    "batchjob.engine": ("batchjob.models", "batchjob.kernels", "batchjob.errors", "batchjob.notices"),
+    "batchjob.io": ("batchjob.errors", "batchjob.notices", "batchjob.version"),
+    "batchjob.images": ("batchjob.errors", "batchjob.notices",),  # reading and decoding a row's images, pixel values
+    "batchjob.cluster": ("batchjob.io", "batchjob.errors", "batchjob.notices"),
     "batchjob.tools": (),  # a row's tools, the call parsers and grammars: plain data and text
-    "batchjob.reasoning": ("batchjob.engine", "batchjob.errors"),  # thinking split from answers; budgets as grammars
-    "batchjob.lora": ("batchjob.models", "batchjob.kernels", "batchjob.errors"),  # adapters read and put on a model
+    "batchjob.reasoning": ("batchjob.engine", "batchjob.errors", "batchjob.notices"),  # thinking split from answers; budgets as grammars
+    "batchjob.lora": ("batchjob.models", "batchjob.kernels", "batchjob.errors", "batchjob.notices"),  # adapters read and put on a model
     "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
-                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.version", "batchjob.tools",
+                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.tools",
                      "batchjob.reasoning", "batchjob.lora"),
-    "batchjob.ray": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors"),  # shards on Ray
+    "batchjob.ray": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors", "batchjob.notices"),  # shards on Ray
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
-                     "batchjob.cluster", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.version", "batchjob.bench"),
+                     "batchjob.cluster", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
-                       "batchjob.io", "batchjob.cluster", "batchjob.images", "batchjob.device", "batchjob.errors",
+                       "batchjob.io", "batchjob.cluster", "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices",
                        "batchjob.version"),
 }
 # what the job, the API, the command line and the cluster code may import of the engine: its surface (requests in,
@@ -164,9 +166,59 @@ def test_every_module_belongs_to_a_layer_or_the_top_level():
     assert stray == []
 
 
-def test_at_most_six_modules_sit_directly_in_batchjob():
+def test_at_most_seven_modules_sit_directly_in_batchjob():
+    """The package's face and its leaves: __init__, __main__, api, device, errors, notices, version."""
     direct = [p.name for p in (ROOT / "batchjob").glob("*.py")]
-    assert len(direct) <= 6, direct
+    assert len(direct) <= 7, direct
+
+
+def _kernels_surface() -> tuple[set[str], set[str]]:
+    """The names kernels/__init__.py serves and the modules it lets the rest import whole (read, not imported)."""
+    tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
+    values = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+              if isinstance(t, ast.Name)}
+    names = {k.value for k in values["_HOMES"].keys}
+    modules = {e.value for e in values["SURFACE_MODULES"].elts}
+    return names, modules
+
+
+# outside kernels/, what reaches past the surface, and why
+KERNELS_INSIDE = {"batchjob.bench.kv_quality": "sets the int4 KV scale group of the reference (kv_quant.GROUP4) to "
+                                               "compare layouts: an experiment on the reference itself"}
+
+
+def test_outside_kernels_only_its_surface_is_imported():
+    """Nothing outside kernels/ imports kernels.reference, native, triton, dispatch or interface: only the names
+    kernels/__init__.py serves and its SURFACE_MODULES."""
+    names, modules = _kernels_surface()
+    surface = {"batchjob.kernels", *(f"batchjob.kernels.{m}" for m in modules)}
+    bad = []
+    for name, path in _modules().items():
+        if _under(name, "batchjob.kernels") or name in KERNELS_INSIDE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and _under(node.module, "batchjob.kernels"):
+                if node.module not in surface:
+                    bad.append(f"{name}: from {node.module} import ...")
+                elif node.module == "batchjob.kernels":
+                    bad += [f"{name}: {a.name} is not on the kernels' surface" for a in node.names if a.name not in names]
+            elif isinstance(node, ast.Import):
+                bad += [f"{name}: import {a.name}" for a in node.names
+                        if _under(a.name, "batchjob.kernels") and a.name not in surface]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_kernels_surface_names_resolve():
+    names, modules = _kernels_surface()
+    for module in modules:
+        assert (ROOT / "kernels" / f"{module}.py").is_file(), module
+    for name in names:  # each name's home defines it (read, not imported: no torch here)
+        tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
+        homes = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                     and getattr(node.targets[0], "id", "") == "_HOMES")
+        home = dict(zip((k.value for k in homes.keys), (v.value for v in homes.values)))[name]
+        source = (ROOT / "kernels" / (home.replace(".", "/") + ".py")).read_text()
+        assert re.search(rf"^(def|class) {name}\b|^{name}\b\s*[:=]|^from .* import .*\b{name}\b", source, re.M), (name, home)
 
 
 def test_the_engine_core_imports_no_torch_or_numpy():

@@ -185,7 +185,7 @@ def ceilings(threads: int) -> dict:
             s = roofline.time_matmuls(spec, rows, dtype, min_s=0.5, reps=2)
             out[f"{dtype_name(dtype)}_gflops_{rows}"] = 2 * spec.matmul_params * rows / s / 1e9
     try:
-        from batchjob.kernels.linear_int8 import Int8Linear
+        from batchjob.kernels import Int8Linear
 
         g = torch.Generator().manual_seed(0)
         layers = [(i, Int8Linear(torch.randn(o, i, generator=g))) for i, o in spec.matmul_shapes()]
@@ -208,7 +208,7 @@ def _timed(fn) -> float:
 
 
 def cpu_flags() -> dict:
-    from batchjob.kernels.native.build import cpu_identity, cpu_isa
+    from batchjob.kernels import cpu_identity, cpu_isa
 
     model, flags = cpu_identity()
     isa_flags = sorted(f for f in flags if re.fullmatch(r"avx512\w*|avx2|fma|f16c|avx_vnni|amx\w*|asimd\w*|sve\w*", f))

@@ -66,7 +66,7 @@ def decode_attention(device: torch.device, rows: int, ctx: int, kv_heads: int, g
                      block_size: int = 16, repeat: int = 10) -> dict:
     """Triton paged decode attention: K/V bytes read per second."""
     from batchjob.kernels import AttentionMetadata
-    from batchjob.kernels.triton.ops import TritonKernels
+    from batchjob.kernels import TritonKernels
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kern = TritonKernels(head_dim, gqa, dtype, block_size)
@@ -155,7 +155,7 @@ def w4a16_matmuls(device: torch.device, smoke: bool) -> list[dict]:
     gate/up, down): ms per call, the int4 weight's bytes read per second, the kernel that ran (triton once its
     start-up check passed) and its largest error against the torch reference, relative to the largest result."""
     from batchjob.kernels.linear_quant import quantize_int4
-    from batchjob.kernels.linear_w4a16 import W4A16Linear
+    from batchjob.kernels import W4A16Linear
 
     dtype = torch.float32 if smoke else torch.bfloat16
     shapes = [(64, 128)] if smoke else [(2048 + 2 * 512, 2048), (2 * 8192, 2048), (2048, 8192)]

@@ -30,10 +30,10 @@ PATHS = ("bf16", "F.linear bf16", "_int_mm", "int8 GEMM", "qlinear", "_int_mm+to
 
 def _paths(n: int, k: int, rows: int, g: torch.Generator, copies: int) -> dict:
     """Each path over `copies` distinct weights (as the layers of a step: not hot in cache), one call each."""
-    from batchjob.kernels.linear import Linear
-    from batchjob.kernels.linear_int8 import Int8Linear
-    from batchjob.kernels.native.build import cpu_identity
-    from batchjob.kernels.reference.scaled_mm import quantize_rows_int8, quantize_weight_int8
+    from batchjob.kernels import Linear
+    from batchjob.kernels import Int8Linear
+    from batchjob.kernels import cpu_identity
+    from batchjob.kernels import quantize_rows_int8, quantize_weight_int8
 
     ws = [torch.randn(n, k, generator=g).mul(0.05).bfloat16() for _ in range(copies)]
     x = torch.randn(rows, k, generator=g).bfloat16()

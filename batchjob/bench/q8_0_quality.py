@@ -23,7 +23,7 @@ import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
 from batchjob.kernels.quantization import QuantizedWeight
-from batchjob.kernels.reference.scaled_mm import quantize_weight_int8
+from batchjob.kernels import quantize_weight_int8
 from batchjob.models.gguf_file import Q8_0_BLOCK
 from batchjob.models.loader import load_model
 from batchjob.models.registry import build_model
@@ -76,7 +76,7 @@ def measure(log=print) -> dict:
 
 
 def _native() -> bool:
-    from batchjob.kernels.native.build import cpu_identity
+    from batchjob.kernels import cpu_identity
 
     return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_identity()[1]
 

@@ -29,7 +29,7 @@ from batchjob.engine.spec_decode.config import SpeculativeError, SpeculativeMeth
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.engine.structured.grammar import GrammarState
 from batchjob.engine.structured.rows import StructuredRows
-from batchjob.kernels.notices import notice
+from batchjob.notices import notice
 from batchjob.models.causal_lm import CausalLM
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchjob.kernels import KernelSet
-from batchjob.kernels.reference.lora import LoraWeights
+from batchjob.kernels import LoraWeights
 from batchjob.kernels.quantization import WeightMatmul
 from batchjob.lora.adapter import LoraAdapter, LoraError
 from batchjob.models.layers import MLP

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.kernels import RotaryEmbedding, mrope_rows, select_kernels
-from batchjob.kernels.notices import notice
+from batchjob.notices import notice
 from batchjob.kernels.linear_quant import BlockQuantLinear, PackedWeight
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.quantization import WeightMatmul

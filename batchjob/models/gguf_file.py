@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from batchjob.kernels.linear_quant import PackedWeight
-from batchjob.kernels.notices import notice
-from batchjob.kernels.native.quant_blocks import GGUF_BLOCK, GGUF_FORMATS, native_quant_blocks
+from batchjob.notices import notice
+from batchjob.kernels import GGUF_BLOCK, GGUF_FORMATS, native_quant_blocks
 from batchjob.kernels.quantization import QuantizedWeight
 from batchjob.models.config import ModelConfig
 from batchjob.models.family import Family

@@ -12,7 +12,7 @@ from batchjob.kernels import AttentionMetadata, Linear, rms_norm
 from batchjob.kernels.linear_quant import Int4Weight, PackedWeight
 from batchjob.kernels.quantization import QuantizedWeight, WeightMatmul
 from batchjob.kernels.profiling import scope
-from batchjob.kernels.reference.rotary import apply_rotary
+from batchjob.kernels import apply_rotary
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from batchjob.kernels.native.build import BuildError, build, cpu_isa
-from batchjob.kernels.notices import notice
+from batchjob.notices import notice
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 NB = 64  # output columns per packed block

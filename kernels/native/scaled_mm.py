@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.kernels.native.build import BuildError, build, cpu_isa
-from batchjob.kernels.notices import notice
+from batchjob.notices import notice
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _CODES, _SUMS = 2, 2  # bj_int8_linear's x given as int8 codes; its output as the int32 sums

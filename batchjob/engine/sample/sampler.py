@@ -19,7 +19,7 @@ from batchjob.engine.sample.penalties import apply_penalties
 from batchjob.engine.sample.row_keys import uniform
 from batchjob.engine.structured.mask import apply_token_bitmask_
 from batchjob.engine.worker.input_batch import CachedRow
-from batchjob.kernels.reference.elementwise import argmax_rows
+from batchjob.kernels import argmax_rows
 
 # a generated token's logprobs: (token id, its logprob, the top alternatives [(id, logprob)])
 LogprobEntry = tuple[int, float, tuple[tuple[int, float], ...]]

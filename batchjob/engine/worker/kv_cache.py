@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from batchjob.kernels.modes import KvCacheDtype
-from batchjob.kernels.reference.kv_quant import bytes_per_token_head, quantized_kv_caches
+from batchjob.kernels import bytes_per_token_head, quantized_kv_caches
 
 
 class KVCache:
