@@ -139,7 +139,24 @@ def check_states(scenario: Scenario, recording: Recording, work: Path, *, limit:
                 break
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+            if outcome.states % 50 == 0:
+                release_memory()
     return outcome
+
+
+def release_memory() -> None:
+    """Hundreds of jobs in one process: a finished job's engine, feed and streams reference each other, so only
+    a full collection frees them, and glibc keeps what is freed in its arenas. Without this every 50 jobs the
+    suite's process grew past 18 GB (the crash states alone: 3.4 GB), with it it stays near 0.6 GB. A full
+    collection here costs ~0.3 s, too much after every job."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def result_texts(out: Path) -> list[str]:

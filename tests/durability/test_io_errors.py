@@ -13,7 +13,7 @@ from pathlib import Path
 from batchjob.io import commit_log
 from batchjob.io.disk import using
 from tests.durability.crash_model import Model
-from tests.durability.harness import check_acks, check_folder, cli, materialize
+from tests.durability.harness import check_acks, check_folder, cli, materialize, release_memory
 from tests.durability.jobs import job, responses
 from tests.durability.recorder import FaultyDisk
 
@@ -58,6 +58,8 @@ def test_an_io_error_at_every_write_point_stops_the_job_cleanly_and_a_rerun_comp
             if kind not in affected:
                 continue
             runs += 1
+            if runs % 50 == 0:
+                release_memory()
             root = tmp_path / f"{errno.errorcode[code]}-{at}"
             root.mkdir()
             disk = FaultyDisk(root, at=at, errno_=code)
@@ -134,6 +136,8 @@ def test_an_io_error_at_every_write_point_of_an_export_is_one_line_and_the_expor
                 if kind not in affected:
                     continue
                 runs += 1
+                if runs % 50 == 0:
+                    release_memory()
                 to = tmp_path / f"{name}-{errno.errorcode[code]}-{at}"
                 disk = FaultyDisk(to.parent, at=at, errno_=code)
                 with using(disk):

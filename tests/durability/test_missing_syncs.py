@@ -6,7 +6,7 @@ rerun for each sync the protocol needs. The ones it cannot catch are listed here
 from __future__ import annotations
 
 from batchjob.io import sink
-from tests.durability.harness import check_states, record
+from tests.durability.harness import check_states, record, release_memory
 from tests.durability.jobs import scenarios
 
 # syncs whose absence no crash state shows, and why they are kept
@@ -39,6 +39,7 @@ def test_removing_any_needed_sync_is_caught_by_the_simulator(model, inputs, refe
     sites = sync_sites(recordings)
     caught, missed = {}, []
     for n, (site, users) in enumerate(sorted(sites.items())):
+        release_memory()
         for i in users:
             mutant = record(jobs[i], tmp_path / f"mutant-{n}-{i}", monkeypatch, skip_sites=frozenset({site}))
             outcome = check_states(jobs[i], mutant, tmp_path / "states", stop_at_first=True)
