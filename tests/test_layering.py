@@ -172,14 +172,15 @@ def test_at_most_seven_modules_sit_directly_in_batchjob():
     assert len(direct) <= 7, direct
 
 
-def _kernels_surface() -> tuple[set[str], set[str]]:
-    """The names kernels/__init__.py serves and the modules it lets the rest import whole (read, not imported)."""
+def _kernels_surface() -> tuple[dict[str, str], set[str]]:
+    """The names kernels/__init__.py serves, each with its home module, and the modules it lets the rest import
+    whole (read, not imported)."""
     tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
     values = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
               if isinstance(t, ast.Name)}
-    names = {k.value for k in values["_HOMES"].keys}
+    homes = {k.value: v.value for k, v in zip(values["_HOMES"].keys, values["_HOMES"].values)}
     modules = {e.value for e in values["SURFACE_MODULES"].elts}
-    return names, modules
+    return homes, modules
 
 
 # outside kernels/, what reaches past the surface, and why
@@ -209,14 +210,10 @@ def test_outside_kernels_only_its_surface_is_imported():
 
 
 def test_the_kernels_surface_names_resolve():
-    names, modules = _kernels_surface()
+    homes, modules = _kernels_surface()
     for module in modules:
         assert (ROOT / "kernels" / f"{module}.py").is_file(), module
-    for name in names:  # each name's home defines it (read, not imported: no torch here)
-        tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
-        homes = next(node.value for node in tree.body if isinstance(node, ast.Assign)
-                     and getattr(node.targets[0], "id", "") == "_HOMES")
-        home = dict(zip((k.value for k in homes.keys), (v.value for v in homes.values)))[name]
+    for name, home in homes.items():  # each name's home defines it (read, not imported: no torch here)
         source = (ROOT / "kernels" / (home.replace(".", "/") + ".py")).read_text()
         assert re.search(rf"^(def|class) {name}\b|^{name}\b\s*[:=]|^from .* import .*\b{name}\b", source, re.M), (name, home)
 

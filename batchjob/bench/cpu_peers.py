@@ -25,12 +25,17 @@ LLAMA_CPP_DIR = Path("bench/cache/llama.cpp")  # `make bench-llama-cpp` builds h
 TIME = "/usr/bin/time"  # GNU time: a process's peak RSS (-f %M)
 
 
-def llama_cpp_binary() -> Path | None:
-    env = os.environ.get("LLAMA_BATCHED_BENCH")
-    for p in ([Path(env)] if env else []) + [LLAMA_CPP_DIR / "build/bin/llama-batched-bench"]:
+def llama_cpp_tool(name: str, env: str) -> Path | None:
+    """A llama.cpp program: the path in $`env`, else the one `make bench-llama-cpp` built; None when neither is there."""
+    given = os.environ.get(env)
+    for p in ([Path(given)] if given else []) + [LLAMA_CPP_DIR / "build/bin" / name]:
         if p.is_file():
             return p
     return None
+
+
+def llama_cpp_binary() -> Path | None:
+    return llama_cpp_tool("llama-batched-bench", "LLAMA_BATCHED_BENCH")
 
 
 def run_measured(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, int | None]:

@@ -24,6 +24,7 @@ import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
 from batchjob.bench.scale_models import llama_quantize_binary
+from batchjob.bench.report import json_out
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "bench/cache/gguf_quality"
@@ -129,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the report here (default: print it)")
     args = ap.parse_args(argv)
     report = measure(tuple(args.formats.split(",")), args.prompts, args.max_tokens)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    else:
-        print(json.dumps(report, indent=1))
+    json_out(report, args.json)
     return 0
 
 

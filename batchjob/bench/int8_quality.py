@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
+from batchjob.bench.report import json_out
 
 ROOT = Path(__file__).resolve().parents[2]
 # (name, quantization, int8 LM head, kernels, dtype); the first is the reference of all
@@ -88,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the report here (default: print it)")
     args = ap.parse_args(argv)
     report = measure(args.prompts, args.max_tokens)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    else:
-        print(json.dumps(report, indent=1))
+    json_out(report, args.json)
     return 0
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from batchjob.bench.report import json_out
+
 ROOT = Path(__file__).resolve().parents[2]
 KV = ("auto", "int8", "int4")
 CASES = [(8, 50, 500), (64, 50, 500), (128, 50, 500), (64, 500, 2000), (128, 500, 2000)]  # rows, context range
@@ -158,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-attention", action="store_true", help="skip the attention timings")
     args = ap.parse_args(argv)
     report = measure(args.rows, args.max_tokens, workloads=args.workloads.split(","), with_attention=not args.no_attention)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    else:
-        print(json.dumps(report, indent=1))
+    json_out(report, args.json)
     return 0
 
 

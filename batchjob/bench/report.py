@@ -222,6 +222,14 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=1, default=str))
 
 
+def json_out(report: dict, path: Path | None) -> None:
+    """A bench's `--json FILE`: the report written there, else printed."""
+    if path:
+        path.write_text(json.dumps(report, indent=1))
+    else:
+        print(json.dumps(report, indent=1))
+
+
 def chart(path: Path, rows: list[dict]) -> str | None:
     """Throughput per system and workload (one panel per model), and latency CDFs for the headline run.
     Returns None, or why no chart was drawn."""

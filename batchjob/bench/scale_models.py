@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchjob.bench.cpu_peers import LLAMA_CPP_DIR
+from batchjob.bench.cpu_peers import LLAMA_CPP_DIR, llama_cpp_tool
 
 CACHE = Path("bench/cache/scale")
 FORMATS = ("Q4_K_M", "Q4_0", "Q8_0")
@@ -94,11 +94,7 @@ DISK_BYTES_PER_PARAM = {"hf": 2.0, "BF16": 2.0, "Q8_0": 1.07, "Q4_K_M": 0.62, "Q
 
 
 def llama_quantize_binary() -> Path | None:
-    env = os.environ.get("LLAMA_QUANTIZE")
-    for p in ([Path(env)] if env else []) + [LLAMA_CPP_DIR / "build/bin/llama-quantize"]:
-        if p.is_file():
-            return p
-    return None
+    return llama_cpp_tool("llama-quantize", "LLAMA_QUANTIZE")
 
 
 def missing_tools() -> str | None:

@@ -19,6 +19,11 @@ ERRORS_FILE = "errors.jsonl"  # and its errors file, beside it
 RESPONSE_FILES = (RESULTS_FILE, ERRORS_FILE)
 
 
+def responses_written(out_dir: Path) -> bool:
+    """Both response files are in the folder (each renamed into place whole; a crash can leave one or none)."""
+    return all((out_dir / name).is_file() for name in RESPONSE_FILES)
+
+
 @dataclass(slots=True)
 class ExportSummary:
     rows: int

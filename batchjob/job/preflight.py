@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batchjob.io.export import RESPONSE_FILES
+from batchjob.io.export import responses_written
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.recovery import same_job
 from batchjob.job.config import JobConfig
@@ -52,7 +52,7 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
         wanted = manifest.total_rows if cfg.limit is None else min(manifest.total_rows, cfg.limit)
         if manifest.done_rows().count() < wanted:
             return None
-        if cfg.output_format == OutputFormat.OPENAI_BATCH and not all((folder / f).is_file() for f in RESPONSE_FILES):
+        if cfg.output_format == OutputFormat.OPENAI_BATCH and not responses_written(folder):
             return None  # every row is in, the response files are not (a crash before them): the Job writes them
         recorded = manifest.fingerprint or {}
         params, recorded_model = recorded.get("params") or {}, recorded.get("model") or {}

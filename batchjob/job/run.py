@@ -26,7 +26,7 @@ from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
 from batchjob.cluster.shards import ShardSource, claim_shard
-from batchjob.io.export import RESPONSE_FILES, write_openai_batch
+from batchjob.io.export import responses_written, write_openai_batch
 from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
@@ -162,7 +162,7 @@ class Job:
                 raise failure
             if cfg.output_format == OutputFormat.OPENAI_BATCH:
                 for stream in self.streams:  # a crash after the last commit, before the response files: write them
-                    if not all((stream.sink.out_dir / name).is_file() for name in RESPONSE_FILES):
+                    if not responses_written(stream.sink.out_dir):
                         write_openai_batch(stream.sink.out_dir)
             return self.summary
         line = start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,

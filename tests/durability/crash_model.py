@@ -74,7 +74,7 @@ def _apply_data(content: bytearray, op: Op, cut: int | None = None, zeros: bool 
     content[op.offset:end] = data
 
 
-def _apply_name(names_of, op: Op, inode_of) -> None:
+def _apply_name(names_of, op: Op) -> None:
     """One name op on the name maps (`names_of(folder)` gives a folder's dict); skipped where its source is
     gone (the op that made it was lost)."""
     if op.kind in ("create", "mkdir"):
@@ -126,7 +126,7 @@ class Model:
                 self.files[op.inode] = _File()
             if op.kind == "mkdir":
                 self.folder(op.path)
-            _apply_name(lambda p: self.folder(p).volatile, op, None)
+            _apply_name(lambda p: self.folder(p).volatile, op)
             for path in {_parent(op.path), _parent(op.to) if op.to else _parent(op.path)}:
                 self.folder(path).pending.append(op)
         elif op.kind == "fsync_dir":
@@ -151,7 +151,7 @@ class Model:
             for op, kept in zip(folder.pending, keep):
                 if kept and id(op) not in applied:
                     applied.add(id(op))
-                    _apply_name(lambda p: crashed.setdefault(p, {}), op, None)
+                    _apply_name(lambda p: crashed.setdefault(p, {}), op)
         contents: dict[int, bytes] = {}
         for inode, f in self.files.items():
             content = bytearray(f.durable)

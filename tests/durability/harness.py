@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,17 @@ def record(scenario: Scenario, root: Path, monkeypatch, skip_sites: frozenset[st
     if scenario.prepare is not None:
         scenario.prepare(root)
     recorder = RecordingDisk(root, skip_sites)
+    with using(recorder), acknowledging(recorder, monkeypatch):
+        for command in scenario.recorded:
+            cli(command(root))
+            for name in scenario.acked_files:  # the command said it wrote these
+                recorder.ack(("file", name, (root / name).read_bytes()))
+    return recorder.recording
+
+
+@contextmanager
+def acknowledging(recorder: RecordingDisk, monkeypatch) -> Iterator[None]:
+    """Inside: each commit-log append that returns (the commit the job acknowledges) is marked in the recording."""
     append = commit_log.CommitLog.append
 
     def acknowledged_append(log, record_):
@@ -63,14 +75,9 @@ def record(scenario: Scenario, root: Path, monkeypatch, skip_sites: frozenset[st
 
     monkeypatch.setattr(commit_log.CommitLog, "append", acknowledged_append)
     try:
-        with using(recorder):
-            for command in scenario.recorded:
-                cli(command(root))
-                for name in scenario.acked_files:  # the command said it wrote these
-                    recorder.ack(("file", name, (root / name).read_bytes()))
+        yield
     finally:
         monkeypatch.setattr(commit_log.CommitLog, "append", append)
-    return recorder.recording
 
 
 class Lost(AssertionError):
@@ -142,6 +149,19 @@ def check_states(scenario: Scenario, recording: Recording, work: Path, *, limit:
             if outcome.states % 50 == 0:
                 release_memory()
     return outcome
+
+
+def fault_points(kinds: list[str], errnos: dict[int, tuple[str, ...]]) -> Iterator[tuple[int, int]]:
+    """(errno, operation number) for each operation of `kinds` (1-based) that can meet each error, memory released
+    every 50 (a run each)."""
+    runs = 0
+    for code, affected in errnos.items():
+        for at, kind in enumerate(kinds, start=1):
+            if kind in affected:
+                runs += 1
+                if runs % 50 == 0:
+                    release_memory()
+                yield code, at
 
 
 def release_memory() -> None:

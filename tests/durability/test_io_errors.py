@@ -10,10 +10,9 @@ import errno
 import os
 from pathlib import Path
 
-from batchjob.io import commit_log
 from batchjob.io.disk import using
 from tests.durability.crash_model import Model
-from tests.durability.harness import check_acks, check_folder, cli, materialize, release_memory
+from tests.durability.harness import acknowledging, check_acks, check_folder, cli, fault_points, materialize
 from tests.durability.jobs import job, responses
 from tests.durability.recorder import FaultyDisk
 
@@ -53,65 +52,50 @@ def test_an_io_error_at_every_write_point_stops_the_job_cleanly_and_a_rerun_comp
     kinds = operations(model, inputs[0], tmp_path / "count")
     assert len(kinds) > 40, kinds
     problems, runs = [], 0
-    for code, affected in ERRNOS.items():
-        for at, kind in enumerate(kinds, start=1):
-            if kind not in affected:
-                continue
-            runs += 1
-            if runs % 50 == 0:
-                release_memory()
-            root = tmp_path / f"{errno.errorcode[code]}-{at}"
-            root.mkdir()
-            disk = FaultyDisk(root, at=at, errno_=code)
-            append = commit_log.CommitLog.append
+    for code, at in fault_points(kinds, ERRNOS):
+        runs += 1
+        root = tmp_path / f"{errno.errorcode[code]}-{at}"
+        root.mkdir()
+        disk = FaultyDisk(root, at=at, errno_=code)
+        writers = sink_writers()
+        try:
+            with using(disk), acknowledging(disk, monkeypatch):
+                result = cli(job(model, inputs[0])(root), code=None)
+        except AssertionError as e:  # an exception escaped: a traceback, not a clear line
+            problems.append(f"{errno.errorcode[code]} at op {at} ({disk.failed}): {e}")
+            continue
+        where = f"{errno.errorcode[code]} at op {at} ({disk.failed})"
+        try:
+            assert disk.failed is not None, "the fault never fired: the job took another path"
+            assert sink_writers() == writers, "a sink's writer thread outlived the failed job"
+            lines = [line for line in result.output.splitlines() if line.startswith("batchjob: error")]
+            if diagnostic(disk.failed):
+                assert result.exit_code == 0, f"a diagnostic write stopped the job: {result.output[-300:]}"
+            else:
+                assert result.exit_code != 0, "the job exited 0 after an I/O error"
+                assert len(lines) == 1 and "internal error" not in lines[0], result.output[-600:]
+                assert "Traceback" not in result.output
+                assert os.strerror(code) in lines[0], lines[0]
+            # nothing acknowledged that a power cut right now would take away
+            model_ = Model(disk.recording)
+            for op in disk.recording.ops:
+                model_.apply(op)
+            synced = model_.state(len(disk.recording.ops), "only the synced",
+                                  names={p: [False] * len(f.pending) for p, f in model_.folders.items()},
+                                  data={i: [False] * len(f.pending) for i, f in model_.files.items()})
+            materialize(synced, tmp_path / "synced")
+            check_acks(synced, tmp_path / "synced")
+            # the fault is gone: the same command finishes the job
+            rerun = cli(job(model, inputs[0])(root), code=None)
+            assert rerun.exit_code == 0, f"the rerun failed: {rerun.output[-400:]}"
+            check_folder(root / "out", texts, root / "check.parquet")
+        except AssertionError as e:
+            problems.append(f"{where}: {e}")
+        finally:
+            import shutil
 
-            def acknowledged(log, record, disk=disk, append=append):
-                append(log, record)
-                part = record.get("part")
-                disk.ack(("commit", str(log.path.parent.relative_to(disk.root)), part and part["name"]))
-
-            monkeypatch.setattr(commit_log.CommitLog, "append", acknowledged)
-            writers = sink_writers()
-            try:
-                with using(disk):
-                    result = cli(job(model, inputs[0])(root), code=None)
-            except AssertionError as e:  # an exception escaped: a traceback, not a clear line
-                problems.append(f"{errno.errorcode[code]} at op {at} ({disk.failed}): {e}")
-                continue
-            finally:
-                monkeypatch.setattr(commit_log.CommitLog, "append", append)
-            where = f"{errno.errorcode[code]} at op {at} ({disk.failed})"
-            try:
-                assert disk.failed is not None, "the fault never fired: the job took another path"
-                assert sink_writers() == writers, "a sink's writer thread outlived the failed job"
-                lines = [line for line in result.output.splitlines() if line.startswith("batchjob: error")]
-                if diagnostic(disk.failed):
-                    assert result.exit_code == 0, f"a diagnostic write stopped the job: {result.output[-300:]}"
-                else:
-                    assert result.exit_code != 0, "the job exited 0 after an I/O error"
-                    assert len(lines) == 1 and "internal error" not in lines[0], result.output[-600:]
-                    assert "Traceback" not in result.output
-                    assert os.strerror(code) in lines[0], lines[0]
-                # nothing acknowledged that a power cut right now would take away
-                model_ = Model(disk.recording)
-                for op in disk.recording.ops:
-                    model_.apply(op)
-                synced = model_.state(len(disk.recording.ops), "only the synced",
-                                      names={p: [False] * len(f.pending) for p, f in model_.folders.items()},
-                                      data={i: [False] * len(f.pending) for i, f in model_.files.items()})
-                materialize(synced, tmp_path / "synced")
-                check_acks(synced, tmp_path / "synced")
-                # the fault is gone: the same command finishes the job
-                rerun = cli(job(model, inputs[0])(root), code=None)
-                assert rerun.exit_code == 0, f"the rerun failed: {rerun.output[-400:]}"
-                check_folder(root / "out", texts, root / "check.parquet")
-            except AssertionError as e:
-                problems.append(f"{where}: {e}")
-            finally:
-                import shutil
-
-                shutil.rmtree(tmp_path / "synced", ignore_errors=True)
-                shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(tmp_path / "synced", ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
     print(f"{runs} faults injected")
     assert not problems, f"{len(problems)} of {runs} faults:\n" + "\n".join(problems[:25])
 
@@ -131,33 +115,28 @@ def test_an_io_error_at_every_write_point_of_an_export_is_one_line_and_the_expor
         count = FaultyDisk(tmp_path / f"count-{name}", at=0, errno_=errno.EIO)
         with using(count):
             cli(command(tmp_path / f"count-{name}" / "to"))
-        for code, affected in ERRNOS.items():
-            for at, kind in enumerate(count.kinds, start=1):
-                if kind not in affected:
-                    continue
-                runs += 1
-                if runs % 50 == 0:
-                    release_memory()
-                to = tmp_path / f"{name}-{errno.errorcode[code]}-{at}"
-                disk = FaultyDisk(to.parent, at=at, errno_=code)
-                with using(disk):
-                    result = cli(command(to), code=None)
-                try:
-                    assert disk.failed is not None, "the fault never fired"
-                    lines = [line for line in result.output.splitlines() if line.startswith("batchjob: error")]
-                    assert result.exit_code == 1 and len(lines) == 1, result.output[-400:]
-                    assert "Traceback" not in result.output and "internal error" not in lines[0], lines[0]
-                    assert os.strerror(code) in lines[0], lines[0]
-                    assert not [p for p in (to.iterdir() if to.is_dir() else []) if p.name.startswith(".")], \
-                        "a temp file was left behind"
-                    cli(command(to))  # the fault is gone
-                    if name == "rows":
-                        import pyarrow.parquet as pq
+        for code, at in fault_points(count.kinds, ERRNOS):
+            runs += 1
+            to = tmp_path / f"{name}-{errno.errorcode[code]}-{at}"
+            disk = FaultyDisk(to.parent, at=at, errno_=code)
+            with using(disk):
+                result = cli(command(to), code=None)
+            try:
+                assert disk.failed is not None, "the fault never fired"
+                lines = [line for line in result.output.splitlines() if line.startswith("batchjob: error")]
+                assert result.exit_code == 1 and len(lines) == 1, result.output[-400:]
+                assert "Traceback" not in result.output and "internal error" not in lines[0], lines[0]
+                assert os.strerror(code) in lines[0], lines[0]
+                assert not [p for p in (to.iterdir() if to.is_dir() else []) if p.name.startswith(".")], \
+                    "a temp file was left behind"
+                cli(command(to))  # the fault is gone
+                if name == "rows":
+                    import pyarrow.parquet as pq
 
-                        assert pq.read_table(to / "all.parquet").column("generated_text").to_pylist() == texts
-                    else:
-                        assert responses(to / "responses.jsonl") == answers
-                except AssertionError as e:
-                    problems.append(f"export {name}, {errno.errorcode[code]} at op {at} ({disk.failed}): {e}")
+                    assert pq.read_table(to / "all.parquet").column("generated_text").to_pylist() == texts
+                else:
+                    assert responses(to / "responses.jsonl") == answers
+            except AssertionError as e:
+                problems.append(f"export {name}, {errno.errorcode[code]} at op {at} ({disk.failed}): {e}")
     print(f"{runs} faults injected into exports")
     assert not problems, f"{len(problems)} of {runs} faults:\n" + "\n".join(problems[:25])

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from batchjob.cli.main import main
 from batchjob.io.disk import Disk, File, using
+from tests.durability.recorder import RecordingDisk
 
 PACKAGE = Path(__file__).resolve().parents[2] / "batchjob"
 OUTSIDE = {"bench"}  # benchmarks write their own caches and reports, never a job's output
@@ -31,7 +32,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
-def writes_around_the_layer(path: Path) -> list[str]:
+def writes_around_the_layer(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     found = []
     for node in ast.walk(tree):
@@ -55,7 +56,7 @@ def writes_around_the_layer(path: Path) -> list[str]:
                     what = "os.open for writing"
             elif f.attr in WRITES_BY_NAME:
                 what = f".{f.attr}()"
-        rel = str(path.relative_to(PACKAGE.parent))
+        rel = str(path.relative_to(root))
         if what and (rel, what) not in ALLOWED:
             found.append(f"{rel}:{node.lineno}: {what}")
     return found
@@ -74,12 +75,7 @@ def test_the_scan_sees_each_kind_of_write(tmp_path):
     sample.write_text("import os, shutil\nopen('a', 'w')\nopen('a', mode='ab')\nos.replace('a', 'b')\n"
                       "os.open('a', os.O_WRONLY)\np.write_text('x')\np.unlink()\nshutil.move('a', 'b')\n"
                       "open('a')\nopen('a', 'rb')\n'x'.replace('a', 'b')\nos.open('a', os.O_RDONLY)\n")
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, tmp_path
-    try:
-        hits = writes_around_the_layer(sample)
-    finally:
-        PACKAGE = saved
+    hits = writes_around_the_layer(sample, root=tmp_path)
     assert [h.split(": ", 1)[1] for h in hits] == ["open(..., 'w')", "open(..., 'ab')", "os.replace", "os.open for writing",
                                                    ".write_text()", ".unlink()", "shutil.move"]
 
@@ -130,25 +126,14 @@ def test_a_file_system_without_folder_fsync_is_no_error(tmp_path, monkeypatch):
 # gap 2: `batchjob export` renamed its result and errors files into place without syncing their folder
 
 
-class Syncs(Disk):
-    """Notes renames and folder fsyncs, in order."""
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[str, str]] = []
-
-    def rename(self, src, dst) -> None:
-        super().rename(src, dst)
-        self.ops.append(("rename", str(dst)))
-
-    def fsync_dir(self, path) -> None:
-        super().fsync_dir(path)
-        self.ops.append(("fsync_dir", str(path)))
-
-
-def renamed_then_synced(ops: list[tuple[str, str]], target: Path) -> bool:
+def renamed_then_synced(layer: RecordingDisk, target: Path) -> bool:
     """`target` was renamed into place and its folder fsynced after that."""
-    renames = [i for i, op in enumerate(ops) if op == ("rename", str(target))]
-    return bool(renames) and ("fsync_dir", str(target.parent)) in ops[renames[-1]:]
+    ops = [(op.kind, op.to if op.kind == "rename" else op.path) for op in layer.recording.ops]
+    target = target.resolve()
+    name = str(target.relative_to(layer.root))
+    renames = [i for i, op in enumerate(ops) if op == ("rename", name)]
+    folder = "" if target.parent == layer.root else str(target.parent.relative_to(layer.root))
+    return bool(renames) and ("fsync_dir", folder) in ops[renames[-1]:]
 
 
 def test_every_export_syncs_the_folder_it_renames_its_files_into(tmp_path, tiny_model_dir):
@@ -164,18 +149,18 @@ def test_every_export_syncs_the_folder_it_renames_its_files_into(tmp_path, tiny_
         (["export", str(out), "--format", "openai-batch", "--to", str(tmp_path / "oa" / "responses.jsonl")],
          [tmp_path / "oa" / "responses.jsonl", tmp_path / "oa" / "responses.errors.jsonl"]),
     ):
-        layer = Syncs()
+        layer = RecordingDisk(tmp_path)
         with using(layer):
             result = runner.invoke(main, args)
         assert result.exit_code == 0, result.output
         for target in targets:
-            assert renamed_then_synced(layer.ops, target), (target, layer.ops)
+            assert renamed_then_synced(layer, target), (target, layer.recording.ops)
     (out / "results.jsonl").unlink()  # the job's own response files, written again by a rerun
-    layer = Syncs()
+    layer = RecordingDisk(tmp_path)
     with using(layer):
         assert runner.invoke(main, ["run", *common, "--input", str(src), "--output", str(out),
                                     "--output-format", "openai-batch"]).exit_code == 0
-    assert all(renamed_then_synced(layer.ops, out / name) for name in ("results.jsonl", "errors.jsonl")), layer.ops
+    assert all(renamed_then_synced(layer, out / name) for name in ("results.jsonl", "errors.jsonl")), layer.recording.ops
 
 
 def test_a_file_of_the_layer_feeds_pyarrow_writers_and_write_atomic_leaves_nothing_on_failure(tmp_path, monkeypatch):
