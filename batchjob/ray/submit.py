@@ -68,6 +68,31 @@ def import_ray():
     return ray
 
 
+CLIENT_ATTEMPTS = 3  # a Ray Client server that failed to start this client's session is asked again, twice
+
+
+def connect(ray, address: str | None, log=print) -> None:
+    """ray.init: a Ray of our own when `address` is None ("local", even where another was started on this machine),
+    else the cluster at `address`. Through the Ray Client (ray://) the cluster's proxy starts a server for each
+    driver, and that start fails now and then on a busy head node ("Initialization failure from server": the
+    server process exits at once, with an empty log); that failure is retried after 2 s, then 4 s, and said.
+    Any other failure is RayUnavailable at once."""
+    for attempt in range(1, CLIENT_ATTEMPTS + 1):
+        try:
+            ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"num_cpus": os.cpu_count()}))
+            return
+        except Exception as e:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... for a cluster not there
+            transient = (isinstance(e, ConnectionAbortedError) and (address or "").startswith("ray://")
+                         and "Initialization failure from server" in str(e))
+            if not transient or attempt == CLIENT_ATTEMPTS:
+                raise RayUnavailable(f"Ray cluster {address or '(local)'}: {type(e).__name__}: {e}") from None
+            log(f"batchjob: Ray cluster {address}: its client server did not start this session "
+                f"(attempt {attempt} of {CLIENT_ATTEMPTS}); connecting again in {2 ** attempt} s")
+            ray.shutdown()
+            time.sleep(2 ** attempt)
+
+
 def submit_and_wait(job_file: Path, output: str, opts: RayOptions, log=print) -> Submission:
     """Run every unfinished shard on Ray and wait for all of them (a shard that failed after its retries has an exit
     code of 1 and its error). `output` as the job gives it (a Path would fold an URL's `//`)."""
@@ -78,12 +103,7 @@ def submit_and_wait(job_file: Path, output: str, opts: RayOptions, log=print) ->
     ray = import_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     t0 = time.perf_counter()
-    try:
-        # no address: a Ray of our own ("local"), even where another was started on this machine
-        ray.init(address=opts.address or "local", include_dashboard=False, log_to_driver=False,
-                 **({} if opts.address else {"num_cpus": os.cpu_count()}))
-    except Exception as e:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... for a cluster not there
-        raise RayUnavailable(f"Ray cluster {opts.address or '(local)'}: {type(e).__name__}: {e}") from None
+    connect(ray, opts.address, log)
     try:
         outcomes = _run(ray, job_file, output, opts, log)
     finally:
