@@ -205,7 +205,9 @@ def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cl
 def test_a_node_lost_mid_shard_its_shard_resumes_on_the_other_node(tmp_path, tmp_path_factory, model):
     """The second node's processes all SIGKILLed while its actor runs a shard: Ray restarts the actor on the head
     once the head's actor has no shard left (it gives its CPU back), and the shard resumes, exactly once."""
-    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(160)]
+    # 640 rows: after the first commit a shard has ~280 rows left, far more than the ~1 s the stop takes to reach it
+    # (the driver's and the worker's 0.5 s polls); with 160, an idle machine finished them first (exit 0, not 75)
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(640)]
     plain = job_file(tmp_path, model, "plain", rows, seqs=1)
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     job = job_file(tmp_path, model, "ray", rows, seqs=1)
@@ -256,7 +258,9 @@ def _wait_for_commits(out: Path, proc: subprocess.Popen, shard: int, rows: int) 
 def test_the_driver_stopped_by_ctrl_c_drains_and_a_killed_driver_continues_on_rerun(tmp_path, cluster, model):
     """Ctrl-C: the running shards drain and commit, exit 75; a rerun continues. SIGKILL: the rerun continues too.
     Every row once, the text of a plain run."""
-    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(160)]
+    # 640 rows: after the first commit a shard has ~280 rows left, far more than the ~1 s the stop takes to reach it
+    # (the driver's and the worker's 0.5 s polls); with 160, an idle machine finished them first (exit 0, not 75)
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(640)]
     plain = job_file(tmp_path, model, "plain", rows, seqs=1)
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     want = exported(tmp_path / "plain", tmp_path)
