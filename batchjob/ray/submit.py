@@ -63,8 +63,8 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise RayUnavailable("ray is not installed: pip install 'batchjob[ray]' (the version batchjob is tested "
-                             "with)") from None
+        raise RayUnavailable("ray is not installed: in the batchjob checkout, .venv/bin/pip install -e '.[ray]' "
+                             "(the Ray version batchjob is tested with)") from None
     return ray
 
 

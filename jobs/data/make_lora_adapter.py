@@ -1,7 +1,7 @@
 """Writes a small random LoRA adapter for the embedded SmolLM2 (rank 8 on q_proj and v_proj of every layer), in PEFT's
 folder format, for jobs/lora.toml: random weights, so it changes the text without teaching it anything.
 
-    python jobs/data/make_lora_adapter.py [FOLDER]      (default: jobs/data/adapters/smollm2-demo)
+    .venv/bin/python jobs/data/make_lora_adapter.py [FOLDER]      (default: jobs/data/adapters/smollm2-demo)
 """
 import json
 import sys

@@ -1,6 +1,6 @@
 """Regenerate the sample inputs in jobs/data/ (deterministic, no network):
 
-    python jobs/data/make_sample_data.py
+    .venv/bin/python jobs/data/make_sample_data.py
 
 prompts.jsonl / prompts.parquet: ~300 single-turn prompts (id, prompt, category), mostly short,
 some a few hundred words; chat.jsonl: ~20 conversations in a `messages` column.

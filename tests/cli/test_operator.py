@@ -300,9 +300,16 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, model):
                              "--output", str(tmp_path / "out"), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell
-    time.sleep(1.0)
+    while True:  # until the job opened the stream for reading (its start-up well under way), however busy the machine
+        try:
+            writer = os.open(src, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while no reader has it open
+            break
+        except OSError:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=600)
+    os.close(writer)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["batchjob: interrupted during start-up: nothing ran and nothing was written"]
     assert not (tmp_path / "out").exists()

@@ -93,7 +93,7 @@ def cluster(tmp_path_factory):
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + GUARD  # a hang guard: on a busy machine Ray starts slower
     while time.monotonic() < deadline:
         assert proc.poll() is None, "ray start --head exited"
         with socket.socket() as s:
@@ -105,13 +105,37 @@ def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
 
 def _wait_for_nodes(address: str, count: int) -> None:
     probe = f"import ray; ray.init(address={address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + GUARD  # a hang guard: on a busy machine Ray starts slower
     while time.monotonic() < deadline:
-        out = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, timeout=GUARD)
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
         time.sleep(0.5)
     raise TimeoutError(f"{count} Ray nodes did not join {address}")
+
+GUARD = 1800  # s: a hang guard, never a window the test's outcome depends on; every wait ends on an event
+
+
+def until(proc: subprocess.Popen, found):
+    """Poll `found()` until it gives something true (returned) or the driver ends (None). On a busy machine it only
+    waits longer; past the hang guard it fails saying the driver still runs (not that it finished first)."""
+    t0 = time.monotonic()
+    while proc.poll() is None:
+        try:
+            hit = found()
+        except Exception:  # noqa: BLE001 - a reader may race a commit
+            hit = None
+        if hit:
+            return hit
+        assert time.monotonic() - t0 < GUARD, f"the driver still runs after {GUARD} s and the awaited state never came"
+        time.sleep(0.01)
+    return None
+
+
+def committing(out: Path, shard: int) -> bool:
+    """Shard `shard` has committed rows and has rows left."""
+    state = shard_states(out)[1][shard] if (out / "job.json").is_file() else None
+    return state is not None and state.done > 0 and not state.complete
 
 
 def job_file(tmp_path: Path, model: Path, name: str, rows: list[dict], seqs: int = 2, **extra) -> Path:
@@ -165,7 +189,7 @@ def test_four_shards_over_two_nodes_give_the_plain_runs_rows_once(tmp_path, clus
     job = job_file(tmp_path, model, "ray", rows)
     address = cluster.address if via == "gcs" else cluster.client_address
     proc = submit(job, address, "--shards", "4", "--runner", runner)
-    out, err = proc.communicate(timeout=600)
+    out, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 0, err
     assert f"4 shards on Ray ({address}, {runner}, 2 at a time)" in err
     assert f"finished: {ROWS} rows (0 errors) in all; 4 shards" in out
@@ -173,7 +197,7 @@ def test_four_shards_over_two_nodes_give_the_plain_runs_rows_once(tmp_path, clus
     got = exported(tmp_path / "ray", tmp_path)
     assert [r["row_index"] for r in got] == list(range(ROWS)) and got == want
     again = submit(job, address)  # a rerun: the count from OUT/job.json, every shard finished already
-    _, err = again.communicate(timeout=300)
+    _, err = again.communicate(timeout=GUARD)
     assert again.returncode == 0 and "4 already finished" in err, err
 
 
@@ -184,20 +208,11 @@ def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cl
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     job = job_file(tmp_path, model, "ray", rows, seqs=1)
     proc = submit(job, cluster.address, "--shards", "2", "--max-retries", "2", "--runner", runner)
-    killed = None
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and killed is None and time.monotonic() < deadline:
-        try:
-            started = (tmp_path / "ray" / "job.json").is_file() and 0 < shard_states(tmp_path / "ray")[1][1].done < 40
-        except Exception:  # noqa: BLE001 - a reader may race the first commit
-            started = False
-        pid = shard_process(tmp_path / "ray", 1) if started else None
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            killed = pid
-        time.sleep(0.01)
-    out, err = proc.communicate(timeout=600)
-    assert killed, "the shard finished before it could be killed"
+    killed = until(proc, lambda: committing(tmp_path / "ray", 1) and shard_process(tmp_path / "ray", 1))
+    if killed:
+        os.kill(killed, signal.SIGKILL)
+    out, err = proc.communicate(timeout=GUARD)
+    assert killed, "the driver ended before shard 1 committed a row with rows left"
     assert proc.returncode == 0, err
     assert exported(tmp_path / "ray", tmp_path) == exported(tmp_path / "plain", tmp_path)
 
@@ -213,19 +228,17 @@ def test_a_node_lost_mid_shard_its_shard_resumes_on_the_other_node(tmp_path, tmp
     job = job_file(tmp_path, model, "ray", rows, seqs=1)
     with ray_cluster(tmp_path_factory.mktemp("ray")) as lost:  # a short path: Ray's socket paths must fit
         proc = submit(job, lost.address, "--shards", "2", "--max-retries", "2")
-        second = None
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and second is None and time.monotonic() < deadline:
-            for k in (0, 1):  # the shard whose process is in the second node's session
+        def on_second() -> int | None:  # the shard whose process is in the second node's session, mid-shard
+            for k in (0, 1):
                 pid = shard_process(tmp_path / "ray", k)
-                with contextlib.suppress(ProcessLookupError):
-                    on_second = pid and os.getsid(pid) == lost.nodes[1].pid
-                    if on_second and 0 < shard_states(tmp_path / "ray")[1][k].done < 40:
-                        second = k
-            time.sleep(0.01)
-        assert second is not None, "no shard ran on the second node before the job ended"
+                if pid and os.getsid(pid) == lost.nodes[1].pid and committing(tmp_path / "ray", k):
+                    return k + 1  # true for shard 0 too
+            return None
+
+        second = until(proc, on_second)
+        assert second, "no shard ran on the second node before the job ended"
         kill_node(lost.nodes[1])  # its raylet, its workers, everything
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 0, err
     assert exported(tmp_path / "ray", tmp_path) == exported(tmp_path / "plain", tmp_path)
 
@@ -235,48 +248,45 @@ def test_a_shard_that_cannot_succeed_fails_after_its_retries_and_the_others_comp
         r["prompt"] = "word " * 400
     job = job_file(tmp_path, model, "ray", rows, max_errors=0, max_model_len=128)
     proc = submit(job, cluster.address, "--shards", "4", "--max-retries", "1")
-    _, err = proc.communicate(timeout=600)
+    _, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 1, err
     assert "shard 3 failed after its retries" in err and "shard 0 failed" not in err
     _, states = shard_states(tmp_path / "ray")
     assert [s.complete for s in states] == [True, True, True, False]
 
 
-def _wait_for_commits(out: Path, proc: subprocess.Popen, shard: int, rows: int) -> bool:
-    """Until shard `shard` has committed rows but not `rows` of them (False: the driver ended first)."""
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if (out / "job.json").is_file() and 0 < shard_states(out)[1][shard].done < rows:
-                return True
-        except Exception:  # noqa: BLE001 - a reader may race the first commit
-            pass
-        time.sleep(0.01)
-    return False
-
-
 def test_the_driver_stopped_by_ctrl_c_drains_and_a_killed_driver_continues_on_rerun(tmp_path, cluster, model):
     """Ctrl-C: the running shards drain and commit, exit 75; a rerun continues. SIGKILL: the rerun continues too.
-    Every row once, the text of a plain run."""
-    # 640 rows: after the first commit a shard has ~280 rows left, far more than the ~1 s the stop takes to reach it
-    # (the driver's and the worker's 0.5 s polls); with 160, an idle machine finished them first (exit 0, not 75)
-    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(640)]
-    plain = job_file(tmp_path, model, "plain", rows, seqs=1)
-    assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
-    want = exported(tmp_path / "plain", tmp_path)
+    Every row once, the text of a plain run. The stop is sent once shard 1 has committed rows and has rows left; if
+    the shards still finish everything within the second a stop takes to reach them (the driver's and the worker's
+    0.5 s polls), there was nothing to drain and the case runs again with four times the rows."""
+    plain: dict[int, list[dict]] = {}
+
+    def want(count: int, rows: list[dict]) -> list[dict]:
+        if count not in plain:
+            job = job_file(tmp_path, model, f"plain-{count}", rows, seqs=1)
+            assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 0
+            plain[count] = exported(tmp_path / f"plain-{count}", tmp_path)
+        return plain[count]
+
     for name, sig in (("ctrl-c", signal.SIGINT), ("killed", signal.SIGKILL)):
-        job = job_file(tmp_path, model, name, rows, seqs=1)
-        proc = submit(job, cluster.address, "--shards", "2")
-        assert _wait_for_commits(tmp_path / name, proc, 1, 40), "the job finished before it could be stopped"
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=300)
+        for count in (640, 2560, 10240):
+            rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox"} for i in range(count)]
+            job = job_file(tmp_path, model, f"{name}-{count}", rows, seqs=1)
+            out = tmp_path / f"{name}-{count}"
+            proc = submit(job, cluster.address, "--shards", "2")
+            assert until(proc, lambda: committing(out, 1)), "the driver ended before shard 1 committed a row"
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=GUARD)
+            if not (sig == signal.SIGINT and proc.returncode == 0):
+                break  # else: every row was done before the stop reached the shards; nothing to drain
         if sig == signal.SIGINT:
             assert proc.returncode == 75, err
             assert "stopped; rerun" in err
         again = submit(job, cluster.address)
-        _, err = again.communicate(timeout=600)
+        _, err = again.communicate(timeout=GUARD)
         assert again.returncode == 0, err
-        assert exported(tmp_path / name, tmp_path) == want, name
+        assert exported(out, tmp_path) == want(count, rows), name
 
 
 def test_a_probe_file_is_seen_only_where_it_is(tmp_path):
@@ -308,7 +318,7 @@ def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, r
 
     monkeypatch.setattr(builtins, "__import__", no_ray)
     result = CliRunner().invoke(main, ["ray", "submit", str(job_file(tmp_path, model, "x", rows)), "--shards", "2"])
-    assert result.exit_code == 1 and "pip install 'batchjob[ray]'" in result.output
+    assert result.exit_code == 1 and ".venv/bin/pip install -e '.[ray]'" in result.output
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
     shutil.rmtree(tmp_path / "x", ignore_errors=True)
 

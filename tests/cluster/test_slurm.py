@@ -294,6 +294,12 @@ def test_dry_run_prints_an_array_script_that_requeues_itself(tmp_path, sample):
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+def _traps_set(pid: int) -> bool:
+    """The batch shell catches USR1 and ignores TERM (/proc/PID/status: its caught and ignored signal masks)."""
+    masks = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    return bool(int(masks["SigCgt"], 16) >> (signal.SIGUSR1 - 1) & 1) and bool(int(masks["SigIgn"], 16) >> (signal.SIGTERM - 1) & 1)
+
+
 FAKE_BATCHJOB = """#!/bin/bash
 # stands in for `python -m batchjob.cli.main run ...`: drains on USR1/TERM like batchjob (exit 75)
 trap 'echo "batchjob got USR1" >> "$LOG"; exit 75' USR1
@@ -318,20 +324,17 @@ def test_batch_script_forwards_signals_and_requeues_only_after_the_warning(tmp_p
     log = tmp_path / "calls.log"
     log.touch()
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "LOG": str(log),
-           "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9", "STEPS": "50" if signal_name else "5"}
+           "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "9", "STEPS": "6000" if signal_name else "5"}  # 10 min: ended by the signal
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    deadline = time.monotonic() + 10
-    while "started" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while not ("started" in log.read_text() and _traps_set(proc.pid)) and proc.poll() is None:
+        time.sleep(0.05)  # the fake writes "started" once its traps are set; the batch shell sets its own after it
     assert '--shard 2/4' in log.read_text()
     if signal_name == "USR1":  # --signal=B:USR1: the batch shell only
-        time.sleep(0.2)  # the fake's traps are set
         proc.send_signal(signal.SIGUSR1)
     elif signal_name == "TERM":  # scancel / scontrol requeue: every process of the job
-        time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGTERM)
-    output = proc.communicate(timeout=30)[0]
+    output = proc.communicate(timeout=600)[0]
     calls = log.read_text()
     assert proc.returncode == exit_code, output + calls
     if signal_name:
