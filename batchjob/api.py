@@ -25,7 +25,7 @@ from batchjob.job.chat_templates import check_chat_template, template_text
 from batchjob.job.keywords import api_words, check_names, job_config
 from batchjob.job.modes import Task
 from batchjob.job.options import Api, api_keywords
-from batchjob.job.tool_rows import ToolRows
+from batchjob.job.tool_rows import ToolRows, carries_tools
 from batchjob.job.prompt_builder import PromptBuilder
 from batchjob.job.prompt_records import PROMPT_KEYS, conversation_records, prompt_records
 from batchjob.job.images import ImageRows
@@ -49,6 +49,10 @@ ENGINE_OPTIONS = api_keywords(Api.ENGINE)
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                    "grammar": "grammar"}  # structured_outputs={...} (vLLM's names) -> the job field
 SAMPLING_KEYWORDS = SAMPLING_OPTIONS + ("structured_outputs", "lora")  # lora: an adapter of LLM(adapters=...)
+GENERATE_KEYWORDS = SAMPLING_KEYWORDS + CHAT_OPTIONS  # generate()'s
+CHAT_KEYWORDS = tuple(k for k in GENERATE_KEYWORDS if k != "chat")  # chat()'s: a conversation is a chat already
+# LLM()'s: the engine's, and every call's as the defaults of the calls that take them (a call's own keywords win)
+LLM_KEYWORDS = tuple(dict.fromkeys(ENGINE_OPTIONS + GENERATE_KEYWORDS + EMBED_OPTIONS + SCORE_OPTIONS))
 CACHE_SIZE = 2  # loaded engines generate() keeps (each holds its weights and its KV cache)
 
 
@@ -56,12 +60,16 @@ class LLM:
     """A model loaded once, with its engine: `LLM(model="smollm2", dtype=..., max_num_seqs=...)`, then
     `.generate(prompts, temperature=..., ...)` or `.chat(conversations, ...)` as often as needed. `model`:
     "smollm2" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file; the keywords are
-    the engine fields of a job file (batchjob.api.ENGINE_OPTIONS: dtype, device, kernels, max_num_seqs, max_model_len,
-    kv_cache_gb, kv_cache_dtype, quantization, ...). Raises ConfigError (a bad keyword or value), ModelLoadError,
+    the job file's fields the API takes (batchjob.api.LLM_KEYWORDS): the engine's (ENGINE_OPTIONS: dtype, device,
+    kernels, max_num_seqs, max_model_len, kv_cache_gb, kv_cache_dtype, quantization, adapters, ...) and any call's
+    (reasoning_parser, tool_parser, chat_template, max_tokens, pooling, ...), which become the defaults of the calls
+    that take them (a call's own keywords win). Raises ConfigError (a bad keyword or value), ModelLoadError,
     UnsupportedModelError, KernelError (QuantizationError among them) or KvBudgetError. Calls are serialized (one engine)."""
 
-    def __init__(self, model: str = "smollm2", **engine: Any):
-        check_names(engine, ENGINE_OPTIONS, "LLM()")
+    def __init__(self, model: str = "smollm2", **options: Any):
+        check_names(options, LLM_KEYWORDS, "LLM()")
+        engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+        self.defaults = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS and v is not None}
         with api_words():
             self.options = {k: v for k, v in engine.items() if v is not None}
             self.config = job_config({"model": model, **self.options})
@@ -73,6 +81,18 @@ class LLM:
             self._models = build_models(job, self.loaded)  # they take the weights
             self._engine: Engine | None = engine_for(self.config, self.loaded, *self._models)
         self._lock = threading.Lock()
+        checked = self._with_defaults({}, GENERATE_KEYWORDS)
+        checked.pop("lora", None)  # a prompt's adapter, named per prompt
+        self._prepare([], checked)  # the calls' defaults checked now, not at a call
+        for task, names in ((Task.EMBED, EMBED_OPTIONS), (Task.SCORE, SCORE_OPTIONS)):
+            given = self._with_defaults({}, names)
+            if given:
+                with api_words():
+                    job_config({"model": model, **self.options, "task": task, **given})
+
+    def _with_defaults(self, options: dict, names: tuple[str, ...]) -> dict:
+        """A call's keywords over the defaults given to LLM() that such a call takes."""
+        return {**{k: v for k, v in self.defaults.items() if k in names}, **options}
 
     @property
     def kernels(self) -> str:
@@ -88,20 +108,22 @@ class LLM:
     def generate(self, prompts: Any, **options: Any) -> list[Result]:
         """One Result per prompt, in input order. `prompts`: a prompt or a list of them, each a string, a list
         of token ids, a conversation (a list of {role, content}) or a dict of a job row's fields (prompt or
-        prompt_token_ids, messages, per-prompt sampling). `options`: sampling parameters (SAMPLING_OPTIONS)
-        and chat, chat_template, system_prompt. A bad keyword or value raises ValueError (ConfigError); a bad
+        prompt_token_ids, messages, per-prompt sampling, tools). `options` (GENERATE_KEYWORDS): sampling
+        parameters (SAMPLING_OPTIONS), structured_outputs, lora and the chat options (CHAT_OPTIONS: chat,
+        chat_template, system_prompt, chat_template_kwargs, reasoning_parser, tool_parser, ...). A bad keyword or value raises ValueError (ConfigError); a bad
         prompt is a Result with an error. Plain prompts that end at their first token from a model with a chat
         template warn (ChatHintWarning): the model probably wants chat=True."""
-        check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "generate()")
-        return self._run(prompt_records(prompts), options)
+        check_names(options, GENERATE_KEYWORDS, "generate()")
+        return self._run(prompt_records(prompts), self._with_defaults(options, GENERATE_KEYWORDS))
 
     def chat(self, conversations: Any, **options: Any) -> list[Result]:
         """One Result per conversation, as vLLM's `LLM.chat`: `conversations` is one conversation (a list of
         {role, content} messages) or a list of them, each rendered with the model's chat template (or
-        chat_template=, a file or the Jinja text) and a generation prompt. `options`: sampling parameters,
-        chat_template, system_prompt (prepended to a conversation that has no system message)."""
-        check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt"), "chat()")
-        return self._run(conversation_records(conversations), options)
+        chat_template=, a file or the Jinja text) and a generation prompt. `options`: generate()'s less `chat`
+        (CHAT_KEYWORDS): sampling parameters, chat_template, system_prompt (prepended to a conversation that has no
+        system message), chat_template_kwargs, reasoning_parser, tool_parser, limit_images_per_prompt."""
+        check_names(options, CHAT_KEYWORDS, "chat()")
+        return self._run(conversation_records(conversations), self._with_defaults(options, CHAT_KEYWORDS))
 
     def embed(self, texts: Any, **options: Any) -> list[Result]:
         """One Result per text, in input order, with `.embedding` (a list of floats), as `--task embed`:
@@ -110,6 +132,7 @@ class LLM:
         last), normalize (L2, default True), dimensions (keep the first N, then normalise), embed_prefix
         (prepended to each text). No chat template is applied."""
         check_names(options, EMBED_OPTIONS, "embed()")
+        options = self._with_defaults(options, EMBED_OPTIONS)
         with api_words():
             cfg = job_config({"model": self.config.model, **self.options, "task": Task.EMBED, **options})
             cfg = resolve_pooling(cfg, resolve_model_path(self.config.model))
@@ -129,6 +152,7 @@ class LLM:
         `options`: prompt_logprobs (the top N alternatives per position in `.prompt_top_logprobs`). No chat
         template is applied."""
         check_names(options, SCORE_OPTIONS, "score()")
+        options = self._with_defaults(options, SCORE_OPTIONS)
         records = score_records(prompts, continuations)
         with api_words():
             cfg = job_config({"model": self.config.model, **self.options, "task": Task.SCORE, **options})
@@ -169,13 +193,22 @@ class LLM:
         system_prompt = options.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a string, got {system_prompt!r}")
+        # prompts with tools and no tool_parser: auto, as a job's (job/inputs.py)
+        implied = options.get("tool_parser") is None and any(isinstance(r, dict) and carries_tools(r) for r in records)
         with api_words():
-            cfg = job_config({"model": self.config.model, **self.options, **options})
-        if cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records):
+            cfg = job_config({"model": self.config.model, **self.options, **options,
+                              **({"tool_parser": "auto"} if implied else {})})
+            tool_rows = ToolRows.of(cfg.tool_parser, self.tokenizer, template, implied=implied)
+        chat = cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records)
+        if chat:
             check_chat_template(template or self.tokenizer.chat_template)
+        elif records and cfg.chat_template_kwargs:  # as a job of plain prompts (job/inputs.py)
+            raise ConfigError("chat_template_kwargs: the prompts are plain prompts, which no chat template renders, so "
+                              "its variables would be ignored; pass chat=True (each prompt becomes a user message) or "
+                              "call chat()")
         return cfg, PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
                                   images=self._images, image_base=Path.cwd(), model_name=self.loaded.name,
-                                  tool_rows=ToolRows.of(cfg.tool_parser, self.tokenizer, template),
+                                  tool_rows=tool_rows,
                                   adapters=None if self._models[0].adapters is None else self._models[0].adapters.slots)
 
     def _chat_hint(self, cfg: JobConfig, records: list[dict | str], results: list[Result]) -> None:
@@ -244,8 +277,9 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
       repetition_penalty, presence_penalty, frequency_penalty, stop (a string or a list), stop_token_ids,
       include_stop_str_in_output, ignore_eos, logprobs (top-N per token), n (completions per prompt), seed
       (prompt i's random stream comes from (seed, i), as row i of a job).
+      Also max_reasoning_tokens, structured_outputs (vLLM's dict) and lora (an adapter loaded with adapters=).
     Chat keywords: chat (wrap plain prompts as user messages), chat_template (a file or the Jinja text),
-      system_prompt.
+      system_prompt, chat_template_kwargs, reasoning_parser, tool_parser, limit_images_per_prompt (CHAT_OPTIONS).
     Engine keywords (the engine is loaded once per model and engine keywords, and cached): dtype, device,
       kernels, threads, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_gb, kv_cache_dtype, quantization,
       gpu_memory_utilization, block_size, prefix_caching, speculative, ... (batchjob.api.ENGINE_OPTIONS).
@@ -257,7 +291,7 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
     UnsupportedModelError for a model that cannot load; KernelError or KvBudgetError for an engine that
     cannot run here. Warns (ChatHintWarning) when plain prompts end at their first token from a model with
     a chat template: it probably wants chat=True or batchjob.chat()."""
-    check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS + ENGINE_OPTIONS, "generate()")
+    check_names(options, GENERATE_KEYWORDS + ENGINE_OPTIONS, "generate()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).generate(prompts, **call)
@@ -266,9 +300,10 @@ def generate(prompts: Any, *, model: str = "smollm2", **options: Any) -> list[Re
 def chat(conversations: Any, *, model: str = "smollm2", **options: Any) -> list[Result]:
     """Chat in memory, as vLLM's `LLM.chat`: `conversations` is one conversation (a list of {"role",
     "content"} messages) or a list of them, each rendered with the model's chat template and a generation
-    prompt. Returns one Result per conversation. The keywords are generate()'s, less `chat`: sampling,
-    chat_template, system_prompt and the engine's; the same errors."""
-    check_names(options, SAMPLING_KEYWORDS + ("chat_template", "system_prompt") + ENGINE_OPTIONS, "chat()")
+    prompt. Returns one Result per conversation. The keywords are generate()'s, less `chat`: sampling, chat
+    (chat_template, system_prompt, chat_template_kwargs, reasoning_parser, tool_parser, ...) and the engine's; the
+    same errors."""
+    check_names(options, CHAT_KEYWORDS + ENGINE_OPTIONS, "chat()")
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     call = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     return cached_llm(model, **engine).chat(conversations, **call)
@@ -335,7 +370,7 @@ class LLMStage:
         thread that runs it: Ray Data calls a stage from a thread of its own, and OpenMP's workers are fast only for
         the one thread that makes them (libgomp throttles its workers' spinning once a second thread has a team of its
         own: the stage ran 1.6x slower when the model loaded on the actor's main thread; docs/benchmarks.md)."""
-        check_names(options, SAMPLING_KEYWORDS + CHAT_OPTIONS, "LLMStage()")
+        check_names(options, GENERATE_KEYWORDS, "LLMStage()")
         self._args, self._engine_options, self._options = model, dict(engine or {}), options
         self._loaded: tuple[LLM, RowServer] | None = None  # at the first batch
         self._start = threading.Lock()

@@ -372,3 +372,39 @@ def test_the_ray_data_stage_runs_batches_given_at_once_in_shared_steps(tiny_mode
         assert got[b]["generated_text"] == [r.text for r in want], b
         assert list(got[b]["id"]) == list(batch["id"]) and got[b]["error"] == [None] * 8
     assert max(seen) > 8  # rows of more than one batch in one step
+
+
+# the job options the API has no keyword for: `model` is LLM()'s first argument and `task` its call (generate, embed,
+# score); the rest name files, columns and the run of a job (run() takes them all)
+NOT_KEYWORDS = {"model", "task", "input", "input_format", "output", "output_format", "part_rows", "part_seconds",
+                "part_format", "keep_columns", "id_column", "prompt_column", "messages_column", "image_column",
+                "continuation_column", "lora_column", "lanes", "lane_column", "progress", "log_every", "limit",
+                "drain_timeout", "max_errors", "shard"}
+
+
+def test_every_per_job_option_is_a_keyword_of_the_api_from_the_one_options_table():
+    from batchjob.job.options import OPTIONS, Api, api_keywords
+
+    assert {name for name, o in OPTIONS.items() if not o.api} == NOT_KEYWORDS
+    assert set(api.LLM_KEYWORDS) == set(OPTIONS) - NOT_KEYWORDS | {"structured_outputs", "lora"}
+    assert set(api.GENERATE_KEYWORDS) == set(api_keywords(Api.SAMPLING, Api.CHAT)) | {"structured_outputs", "lora"}
+    assert set(api.CHAT_KEYWORDS) == set(api.GENERATE_KEYWORDS) - {"chat"}  # a conversation is a chat already
+    for name in ("reasoning_parser", "tool_parser", "chat_template_kwargs", "limit_images_per_prompt",
+                 "max_reasoning_tokens"):
+        assert name in api.CHAT_KEYWORDS and name in api.LLM_KEYWORDS
+
+
+def test_call_options_given_to_llm_are_the_defaults_of_the_calls_that_take_them(model_dir):
+    llm = api.LLM(str(model_dir), max_tokens=3, pooling="mean", **SMALL)
+    assert all(r.completion_tokens <= 3 for r in llm.generate(PROMPTS))  # a generate() default
+    assert all(r.completion_tokens <= 3 for r in llm.chat([{"role": "user", "content": "hi"}]))
+    assert llm.generate(PROMPTS[0], max_tokens=5)[0].completion_tokens == 5  # a call's own keyword wins
+    assert llm.embed(PROMPTS[:1]) == llm.embed(PROMPTS[:1], pooling="mean") != llm.embed(PROMPTS[:1], pooling="last")
+    with pytest.raises(ConfigError, match="reasoning_parser 'nope' is unknown"):
+        api.LLM(str(model_dir), reasoning_parser="nope", **SMALL)  # checked when the LLM is made, not at a call
+    with pytest.raises(ConfigError, match=r"chat_template_kwargs: the prompts are plain prompts.*chat=True"):
+        llm.generate(PROMPTS, chat_template_kwargs={"enable_thinking": False})
+    assert llm.generate(PROMPTS[0], chat=True, chat_template_kwargs={"x": 1}, max_tokens=2)[0].error is None
+    [row] = llm.generate({"prompt": "x", "chat_template_kwargs": {"x": 1}}, max_tokens=2)
+    assert row.error.startswith("chat_template_kwargs: this row is a plain prompt, which no chat template renders") \
+        and "chat=True" in row.error

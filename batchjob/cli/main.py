@@ -131,10 +131,20 @@ def _internal_error(e: Exception, output: str | None) -> None:
     sys.exit(1)
 
 
+def _output_folder(out: str) -> None:
+    """`status`, `export`, `show` and `verify` of a folder that is not there, or is a file: one line, exit 1."""
+    from pathlib import Path
+
+    if not Path(out).exists():
+        _fail(f"{out}: no such folder; name a job's output folder (its --output)", EXIT_FAILED)
+    if not Path(out).is_dir():
+        _fail(f"{out} is a file; name a job's output folder (its --output)", EXIT_FAILED)
+
+
 # `status` and `export` of an output folder: one folder, a folder of per-lane folders, or a sharded job's
 # (OUT/job.json + OUT/shard-K-of-N/).
 @main.command("status")
-@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.argument("out")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def status_cmd(out: str, as_json: bool) -> None:
     """Progress of the output folder OUT: rows done / total per shard and for the whole job, whether
@@ -146,6 +156,7 @@ def status_cmd(out: str, as_json: bool) -> None:
     from batchjob.cluster.sharded_output import ShardError, is_planned_or_submitted, sharded_status
     from batchjob.io.folder_status import status
 
+    _output_folder(out)
     if not is_planned_or_submitted(out):  # one output folder (and its per-lane folders)
         try:
             progress = status(out)
@@ -163,7 +174,7 @@ def status_cmd(out: str, as_json: bool) -> None:
 
 
 @main.command("export")
-@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.argument("out")
 @click.option("--to", "to", required=True, type=click.Path(dir_okay=False), help="a .parquet, .jsonl or .arrow file")
 @click.option("--format", "fmt", type=click.Choice(["rows", "openai-batch"]), default="rows",
               help="rows: the result rows, as the --to suffix says (default); openai-batch: OpenAI Batch response lines")
@@ -176,10 +187,13 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
 
     from batchjob.io.disk import disk
 
+    _output_folder(out)
     try:
         disk().mkdir(Path(to).parent)
     except OSError as e:
-        _fail(f"--to {to}: cannot create its folder ({e.strerror or e})", 1)
+        in_the_way = next((p for p in Path(to).parents if p.exists() and not p.is_dir()), None)
+        _fail(f"--to {to}: {in_the_way} is a file, not a folder" if in_the_way else
+              f"--to {to}: cannot create its folder ({e.strerror or e}); choose a place you can write to", 1)
     if fmt == "openai-batch":  # one output folder or a sharded one
         from batchjob.io.manifest import ManifestError
         from batchjob.cluster.shards import ShardError as _ShardError
@@ -225,16 +239,27 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
 
 
 def _export_failed(to: str, e: OSError) -> None:
-    """A disk error while exporting (a full disk, EIO, a read-only file system): one line, exit 1. The export
-    is written under a temp name and renamed: `to` holds the old file or nothing, never a half of the new."""
-    where = f" ({e.filename})" if e.filename and str(e.filename) != str(to) else ""
+    """A disk error while exporting (a full disk, EIO, a folder that takes no files): one line, exit 1, saying
+    what to do about it. The export is written under a temp name beside `to` and renamed: `to` holds the old
+    file or nothing, never a half of the new (the temp name is not said: it holds nothing either)."""
+    import errno
+    from pathlib import Path
+
+    beside = e.filename is not None and Path(e.filename).parent == Path(to).parent
+    where = f" ({e.filename})" if e.filename and not beside else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space and run the export again"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+        fix = "choose a place you can write to with --to"
+    else:
+        fix = "check the disk and run the export again"
     click.echo(f"batchjob: error: cannot write {to}: {e.strerror or e}{where}; nothing was written under that name: "
-               "free space (or fix the disk) and run the export again", err=True)
+               f"{fix}", err=True)
     sys.exit(1)
 
 
 @main.command("show")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out")
 @click.option("-n", "n", type=int, default=5, show_default=True, help="rows to print")
 @click.option("--width", type=int, default=100, show_default=True, help="trim text to this many characters")
 def show_cmd(out: str, n: int, width: int) -> None:
@@ -243,6 +268,7 @@ def show_cmd(out: str, n: int, width: int) -> None:
     from batchjob.cli.show import show
     from batchjob.io.manifest import ManifestError
 
+    _output_folder(out)
     try:
         text = show(out, n, width)
     except ManifestError as e:
@@ -251,7 +277,7 @@ def show_cmd(out: str, n: int, width: int) -> None:
 
 
 @main.command("verify")
-@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.argument("out")
 @click.option("--repair", is_flag=True, help="set damaged parts aside (.corrupt) so the next run regenerates their rows")
 def verify_cmd(out: str, repair: bool) -> None:
     """Read every committed part of OUT (and of its lane and shard folders) and check it against its
@@ -261,6 +287,7 @@ def verify_cmd(out: str, repair: bool) -> None:
     from batchjob.io.manifest import ManifestError
     from batchjob.io.verify import format_checks, verify
 
+    _output_folder(out)
     try:
         checks = verify(out, repair=repair)
     except (ManifestError, LockHeld) as e:
@@ -270,6 +297,9 @@ def verify_cmd(out: str, repair: bool) -> None:
     click.echo(format_checks(checks))
     if any(c.damaged for c in checks):
         sys.exit(1)
+
+
+OUTPUT_HELP = "the output folder, over the job file's `output` (as `batchjob run --output`); its shards go below it"
 
 
 @main.group("slurm")
@@ -291,7 +321,9 @@ def slurm_group() -> None:
               help="seconds before the time limit at which Slurm sends USR1: batchjob drains, commits, requeues")
 @click.option("--sbatch-option", "sbatch_options", multiple=True, help="another #SBATCH option, e.g. --qos=low (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the sbatch script; write and submit nothing")
-def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: bool, sbatch_options: tuple, **options) -> None:
+@click.option("--output", help=OUTPUT_HELP)
+def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: bool, sbatch_options: tuple,
+                     output: str | None, **options) -> None:
     """Submit JOB as an array of SHARDS tasks, each running `batchjob run JOB --shard K/SHARDS`. Writes
     OUTPUT/slurm/batchjob.sbatch (task logs in OUTPUT/slurm/logs/), submits it with sbatch and prints
     the job id."""
@@ -301,7 +333,7 @@ def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: boo
 
     opts = SubmitOptions(shards=shards, time=time_limit, sbatch_options=list(sbatch_options), **options)
     try:
-        cfg = load_job(job, {})
+        cfg = load_job(job, {"output": output})
         facts = SubmittedJob(Path(job), cfg.input, cfg.output, cfg.drain_timeout, bool(cfg.per_lane_inputs))
         text, job_id, out, warnings = submit(facts, opts, dry_run=dry_run)
     except (ConfigError, SlurmError) as e:
@@ -338,8 +370,9 @@ def ray_group() -> None:
 @click.option("--runner", type=click.Choice([r.value for r in Runner]), default=Runner.ACTORS.value, show_default=True,
               help="actors: a long-lived Ray actor per shard slot runs shard after shard, its model loaded once; "
               "tasks: a Ray task per shard, each a `batchjob run` process of its own (docs/guide/ray.md)")
+@click.option("--output", help=OUTPUT_HELP)
 def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_shard: int, gpus_per_shard: float,
-                   max_retries: int, runner: str) -> None:
+                   max_retries: int, runner: str, output: str | None) -> None:
     """Run JOB's shards on Ray, each `batchjob run JOB --shard K/N` into OUTPUT/shard-K-of-N/, until all are done;
     progress from the shards' manifests. Exits as `run` does: 0, 1 (a shard failed after its retries; the others
     complete), 75 (stopped by Ctrl-C or SIGTERM after the running shards drained)."""
@@ -348,10 +381,10 @@ def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_s
     from batchjob.ray.submit import RayOptions, submit_and_wait
 
     try:
-        cfg = load_job(job, {})
+        cfg = load_job(job, {"output": output})
         if cfg.per_lane_inputs:
             raise ConfigError("lanes with their own inputs cannot be sharded; run each lane's input as its own job")
-        opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries, Runner(runner))
+        opts = RayOptions(shards, address, cpus_per_shard, gpus_per_shard, max_retries, Runner(runner), output)
         done = submit_and_wait(Path(job), cfg.output, opts, log=lambda m: click.echo(m, err=True))
     except ConfigError as e:
         click.echo(f"batchjob: error: {e}", err=True)
@@ -364,7 +397,8 @@ def ray_submit_cmd(job: str, shards: int | None, address: str | None, cpus_per_s
     if failed:
         sys.exit(1)
     if stopped:
-        click.echo(f"batchjob: stopped; rerun `batchjob ray submit {job}` to continue", err=True)
+        again = f" --output {output}" if output else ""
+        click.echo(f"batchjob: stopped; rerun `batchjob ray submit {job}{again}` to continue", err=True)
         sys.exit(EXIT_RESUMABLE)
     click.echo(f"batchjob: `batchjob status {cfg.output}` shows each shard, `batchjob export {cfg.output} --to FILE` "
                "writes the rows in input order", err=True)

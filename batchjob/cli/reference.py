@@ -12,16 +12,19 @@ from batchjob.job.config import FIELDS, TABLES
 HEADER = """# `batchjob run` options
 
 Generated from the options table (`batchjob/job/options.py`) by `python -m batchjob.cli.reference`; do not
-edit by hand. Every option is also a job-file key: the flag overrides the file. A key stands at the top level
-of the job file or in its table (`[sampling]`, `[structured_outputs]`, `[embed]`, `[engine]`, `[output]`); a key in another
-table is an error.
+edit by hand. Every option is also a job-file key: the flag overrides the file. A flag marked repeatable names a
+list: `--stop a --stop b` is the list of both (as vLLM's repeated `--lora-modules` entries), and it replaces the
+job file's list rather than adding to it. A key stands at the top level of the job file or in its table
+(`[sampling]`, `[structured_outputs]`, `[embed]`, `[engine]`, `[output]`, `[lora]`); a key in another table is an
+error.
 `[[lanes]]` tables are described in [the scheduling guide](../guide/scheduling.md).
 """
 
 SECTION_TITLES = {"job": "The job: model, input, prompts, run control", "sampling": "Sampling (`[sampling]`)",
                   "structured_outputs": "Structured outputs for every row (`[structured_outputs]`; at most one)",
                   "embed": "Embeddings, `task = \"embed\"` (`[embed]`; [the guide](../guide/embeddings.md))",
-                  "engine": "Engine (`[engine]`)", "output": "Output (`[output]`)"}
+                  "engine": "Engine (`[engine]`)", "output": "Output (`[output]`)",
+                  "lora": "LoRA adapters (`[lora]`; [the guide](../guide/lora.md))"}
 
 
 def table_of(field: str) -> str:
@@ -29,6 +32,10 @@ def table_of(field: str) -> str:
 
 
 def value_of(opt: RunOption) -> str:
+    return _value_of(opt) + (", repeatable" if opt.repeatable else "")
+
+
+def _value_of(opt: RunOption) -> str:
     if opt.type is None:
         return "true / false"
     if isinstance(opt.type, click.Choice):

@@ -1,7 +1,10 @@
 """`batchjob run`'s flags, made from the options table (job/options.py): one per job-file field, each overriding
-the job file's value."""
+the job file's value. A flag that names a list (`--lora`, `--stop`, `--keep-columns`, ...) may be repeated: all its
+values together are the list (as vLLM's repeated `--lora-modules` entries), which replaces the job file's."""
 from __future__ import annotations
 
+import functools
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +19,7 @@ class RunOption:
     field: str  # the JobConfig field (and job-file key) it sets
     type: Any  # a click type, or None for a boolean flag pair
     help: str
+    repeatable: bool = False  # names a list: each use adds to it (click hands the values over as a tuple)
 
 
 def _click_type(name: str, o: Option):
@@ -43,17 +47,31 @@ def _flag(name: str, o: Option) -> str:
     return f"--{dashed}/--no-{dashed}" if TYPES[name] is bool else f"--{dashed}"
 
 
+def _names_a_list(name: str) -> bool:
+    """A list option, or the adapters (NAME=PATH pairs): its flag may be repeated (job/config.py joins the values)."""
+    return name == "adapters" or any(typing.get_origin(t) is list for t in scalar_types(name))
+
+
 # Every option of the table (job/options.py) but the job-file-only ones has a flag; a flag overrides the job file.
 # docs/reference/run-options.md is made from these (cli/reference.py).
-RUN_OPTIONS = [RunOption(_flag(name, o), name, _click_type(name, o), o.help) for name, o in OPTIONS.items() if o.flag != ""]
+RUN_OPTIONS = [RunOption(_flag(name, o), name, _click_type(name, o), o.help, _names_a_list(name))
+               for name, o in OPTIONS.items() if o.flag != ""]
+REPEATED = " (repeatable: all the values given form the list)"
 
 
 def run_options(fn):
     """The JOB argument and a click option per RUN_OPTIONS entry; an option not given is None, so the job
-    file's value stands."""
+    file's value stands. A repeatable flag given once or more is the tuple of its values."""
+
+    @functools.wraps(fn)
+    def given(*args, **options):
+        return fn(*args, **{k: None if v == () else v for k, v in options.items()})  # a repeatable flag not given
+
     for o in reversed(RUN_OPTIONS):
         if o.type is None:
-            fn = click.option(o.flag, o.field, default=None, help=o.help)(fn)
+            given = click.option(o.flag, o.field, default=None, help=o.help)(given)
+        elif o.repeatable:
+            given = click.option(o.flag, o.field, type=o.type, multiple=True, help=o.help + REPEATED)(given)
         else:
-            fn = click.option(o.flag, o.field, type=o.type, default=None, help=o.help)(fn)
-    return click.argument("job", required=False, type=click.Path(dir_okay=False))(fn)
+            given = click.option(o.flag, o.field, type=o.type, default=None, help=o.help)(given)
+    return click.argument("job", required=False, type=click.Path(dir_okay=False))(given)

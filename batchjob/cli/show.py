@@ -94,10 +94,19 @@ def preview(table, n: int, width: int, prompts: tuple[str, dict[int, object]] | 
             lines.append(f"  {prompt_col}: {trim(prompt_text(row[prompt_col]), width)}")
         elif prompts is not None and row["row_index"] in prompts[1]:
             lines.append(f"  {prompts[0]}: {trim(prompt_text(prompts[1][row['row_index']]), width)}")
+        if row.get("reasoning"):  # a reasoning parser's: the thinking, before the answer it led to
+            lines.append(f"  reasoning: {trim(row['reasoning'], width)}")
+        calls = row.get("tool_calls") or []
         if row["error"]:
             lines.append(f"  error: {trim(row['error'], width)}")
-        else:
+        elif row["generated_text"] or not calls:  # a row of calls alone has no text to show
             lines.append(f"  -> {trim(row['generated_text'] or '', width)}")
+        for call in calls:  # a tool parser's: each call as name(arguments)
+            function = call.get("function") or {}
+            called = f"{function.get('name')}({function.get('arguments') or ''})"
+            lines.append(f"  tool call: {trim(called, width)}")
+        if row.get("tool_call_error"):
+            lines.append(f"  tool call error: {trim(row['tool_call_error'], width)}")
         lines.append(f"  ({row['finish_reason']}, {row['prompt_tokens']} prompt + "
                      f"{row['completion_tokens']} completion tokens)")
     return "\n".join(lines)

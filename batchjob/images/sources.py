@@ -10,6 +10,7 @@ import base64
 import binascii
 import hashlib
 import io
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -44,6 +45,9 @@ class ImageInput:
         return self.image.size
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+
+
 def from_bytes(data: bytes, origin: str) -> ImageInput:
     """Decode an encoded image (PNG, JPEG, WebP, GIF: its first frame, ...)."""
     try:
@@ -54,9 +58,18 @@ def from_bytes(data: bytes, origin: str) -> ImageInput:
         img.load()
     except ImageError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageError(f"{origin}: does not decode as an image ({type(e).__name__}: {e})") from None
+    except UnidentifiedImageError:  # PIL's text names the BytesIO object by its address: another each run
+        raise ImageError(f"{origin}: does not decode as an image (PIL cannot identify it: not an image, a damaged one "
+                         f"or a format PIL does not read; {len(data):,} bytes starting {data[:8]!r})") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"{origin}: does not decode as an image ({type(e).__name__}: {_no_address(str(e))})") from None
     return ImageInput(img, hashlib.sha256(data).hexdigest(), origin)
+
+
+def _no_address(text: str) -> str:
+    """An error's text without an object's memory address (`<_io.BytesIO object at 0x7f...>` -> `<_io.BytesIO
+    object>`): a row's error is the same on every run."""
+    return _ADDRESS.sub(">", text)
 
 
 def from_pil(img: Image.Image) -> ImageInput:

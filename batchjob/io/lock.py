@@ -62,9 +62,7 @@ class OutputLock:
                     continue
                 holder = _read_file(self.path)
                 file.close()
-                who = f"process {holder.pid}" + (f" on {holder.host}" if holder.host else "") if holder.pid else "another process"
-                raise LockHeld(f"{self.folder} is in use by {who} (lock file {self.path}); wait for it to finish "
-                               f"or stop it (kill -TERM {holder.pid or 'PID'}), or use another output folder") from None
+                raise LockHeld(_in_use(self.folder, holder)) from None
         self.fd, self.file = fd, file
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
         try:  # not fsynced: after a power cut no process holds the lock, whatever the file says
@@ -90,6 +88,20 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_free(folder: str | Path) -> None:
+    """LockHeld, as OutputLock says it, when another process holds `folder`: a run asks before it imports torch
+    or loads a model (job/preflight.py), so a second run on a busy folder is refused in a second."""
+    holder = lock_holder(folder)
+    if holder.held:
+        raise LockHeld(_in_use(Path(folder), holder))
+
+
+def _in_use(folder: Path, holder: Holder) -> str:
+    who = f"process {holder.pid}" + (f" on {holder.host}" if holder.host else "") if holder.pid else "another process"
+    return (f"{folder} is in use by {who} (lock file {folder / LOCK_NAME}); wait for it to finish or stop it "
+            f"(kill -TERM {holder.pid or 'PID'}), or use another output folder")
 
 
 def lock_holder(folder: str | Path) -> Holder:

@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 
 from batchjob.engine.config import speculative_config
-from batchjob.reasoning.parsers import check_parser_name
+from batchjob.reasoning.parsers import PARSERS as REASONING_PARSERS, check_parser_name
 from batchjob.tools.parsers import PARSERS as TOOL_PARSERS
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 from batchjob.job.modes import SpeculativeMethod, Task
@@ -112,8 +112,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     if cfg.image_column is not None and cfg.task != Task.GENERATE:
         raise ConfigError(f"image_column: images are read by generate rows only (this job's task is {cfg.task})")
     if cfg.max_reasoning_tokens is not None and cfg.reasoning_parser is None:
-        raise ConfigError("max_reasoning_tokens: needs reasoning_parser (qwen3, deepseek_r1 or auto), which knows where "
-                          "the model's thinking ends")
+        raise ConfigError(f"max_reasoning_tokens: needs reasoning_parser ({', '.join(REASONING_PARSERS)} or auto), "
+                          "which knows where the model's thinking ends")
     if cfg.tool_parser is not None and cfg.tool_parser not in ("auto", *TOOL_PARSERS):
         raise ConfigError(f"tool_parser {cfg.tool_parser!r} is unknown; choices: auto, {', '.join(TOOL_PARSERS)}")
     if cfg.reasoning_parser is not None:
@@ -235,6 +235,8 @@ def _coerce(name: str, value):
     the wrong type is a ConfigError naming the field."""
     if name == "max_errors":
         return _error_limit(value)
+    if isinstance(value, tuple):  # a repeated flag (cli/run_options.py): each value read as one flag's, then joined
+        return _joined(name, [_coerce(name, v) for v in value])
     members = scalar_types(name)
     if value is None:
         if type(None) not in members:
@@ -265,6 +267,19 @@ def _coerce(name: str, value):
     if typing.get_origin(base) is list:  # a flag gives them comma-separated
         return _list(name, value, typing.get_args(base)[0])
     return value
+
+
+def _joined(name: str, parts: list):
+    """The values of a repeated flag as one: the lists end to end; the adapters' names together (one name given two
+    paths is refused)."""
+    if name != "adapters":
+        return [item for part in parts for item in part]
+    joined: dict[str, str] = {}
+    for part in parts:
+        for adapter, path in part.items():
+            if joined.setdefault(adapter, path) != path:
+                raise ConfigError(f"lora: adapter {adapter!r} is given twice, as {joined[adapter]} and {path}")
+    return joined
 
 
 def _mode(name: str, mode: type[Enum], value):

@@ -2,12 +2,15 @@
 torch is imported): each input path with its output folder and lane, opened, with the columns the job reads."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from batchjob.cluster.shards import ShardSpec, check_unsharded
 from batchjob.errors import ConfigError
 from batchjob.job.config import JobConfig
+from batchjob.job.modes import Task
 from batchjob.io.sources import OpenAIBatchSource, Source, SourceError, open_source, validate_columns
+from batchjob.tools.requests import TOOLS_COLUMN
 
 OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
 
@@ -61,6 +64,11 @@ def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
         use_messages[id(source)] = uses
         if isinstance(source, OpenAIBatchSource):
             source.check_task(cfg.task)
+    chat = cfg.chat or cfg.image_column is not None or any(use_messages.values())
+    if cfg.chat_template_kwargs and cfg.task == Task.GENERATE and not chat and len(empty_inputs) < len(sources):
+        raise ConfigError(f"chat_template_kwargs: the rows are plain prompts (the input has no {cfg.messages_column!r} "
+                          "column and the job is not --chat), which no chat template renders, so its variables would "
+                          "be ignored; pass --chat (each prompt becomes a user message) or give the rows as messages")
     return sources, use_messages, empty_inputs
 
 
@@ -71,3 +79,16 @@ def _is_empty(source: Source, path: str) -> bool:
     if source.columns:
         return False
     return next(iter(source.rows()), None) is None
+
+
+def with_tool_parser(cfg: JobConfig, sources: list[OpenedInput]) -> JobConfig:
+    """The job's options with `tool_parser` auto where it names none and its input carries tools (a `tools` column;
+    an OpenAI Batch file's chat bodies with tools): their calls are read by the parser the chat template calls for,
+    named on the start line (job/run.py), or the job stops at start when there is none (job/tool_rows.py)."""
+    if cfg.tool_parser is not None or cfg.task != Task.GENERATE:
+        return cfg
+    for source, *_ in sources:
+        reader = getattr(source, "inner", source)  # a shard's whole input
+        if reader.tool_rows if isinstance(reader, OpenAIBatchSource) else TOOLS_COLUMN in source.columns:
+            return dataclasses.replace(cfg, tool_parser="auto")
+    return cfg

@@ -61,8 +61,8 @@ class JobConfig:
         "variables for the chat template, a JSON object (e.g. {\"enable_thinking\": false}); a row's own "
         "`chat_template_kwargs` column adds to them; any key is passed as vLLM passes it", api=Api.CHAT, fingerprint=WHEN_SET)
     reasoning_parser: str | None = opt(None,
-        "split each answer's thinking into the `reasoning` column: qwen3, deepseek_r1, or auto (from the chat "
-        "template and vocabulary) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)
+        "split each answer's thinking into the `reasoning` column: qwen3, deepseek_r1, gpt_oss, or auto (from the "
+        "chat template and vocabulary) (default: off)", api=Api.CHAT, fingerprint=WHEN_SET)
     adapters: str | dict | None = opt(None,
         "LoRA adapters by name: NAME=PATH,... (a PEFT folder, or an org/name in the local Hugging Face cache); "
         "the job file's [lora] adapters = {NAME = \"PATH\"}", table=Table.LORA, fingerprint=WHEN_SET, flag="--lora",

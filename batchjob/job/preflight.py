@@ -1,23 +1,25 @@
-"""What a run can tell before torch is imported or a model is loaded (seconds each): a missing or unreadable
-input, a missing column, a model that is not there, and a rerun of a job that is already finished. `batchjob
-run` asks here first (cli/main.py); the Job (run.py) checks the same things again, under the output lock, when
-the run goes on. A finished job is recognised only when its recorded fingerprint is this run's: the input by
-content, the parameters, the model's files (models/identity.py); what `auto` chose on the machine that ran it
-(the compute dtype; a pre-quantized checkpoint's matmuls) is taken as recorded, since a finished job computes
-nothing more. Anything less certain goes on to the Job, which says what differs."""
+"""What a run can tell before torch is imported or a model is loaded (seconds each): an output folder another run
+holds, a missing or unreadable input, a missing column, a model that is not there, and a rerun of a job that is
+already finished. `batchjob run` asks here first (cli/main.py); the Job (run.py) checks the same things again,
+under the output lock, when the run goes on. A finished job is recognised only when its recorded fingerprint is
+this run's: the input by content, the parameters, the model's files (models/identity.py); what `auto` chose on the
+machine that ran it (the compute dtype; a pre-quantized checkpoint's matmuls) is taken as recorded, since a
+finished job computes nothing more. Anything less certain goes on to the Job, which says what differs."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from batchjob.io.export import responses_written
+from batchjob.io.lock import check_free
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
+from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import same_job
 from batchjob.job.config import JobConfig
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.error_budget import job_failure
 from batchjob.job.fingerprint import ModelFacts, fingerprint
-from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
+from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder, with_tool_parser
 from batchjob.job.modes import OutputFormat, Quantization
 from batchjob.job.summary import JobSummary
 from batchjob.models.identity import model_identity
@@ -26,9 +28,11 @@ from batchjob.models.location import model_source, resolve_model_path
 
 def preflight(cfg: JobConfig, restart: bool = False) -> JobSummary | None:
     """A finished job's summary (its rerun's verdict: raises AllRowsFailed / TooManyErrors as the job ended), or
-    None when the job is to run. Raises ConfigError, SourceError or ModelLoadError for what cannot run."""
+    None when the job is to run. Raises LockHeld, ConfigError, SourceError or ModelLoadError for what cannot run."""
     out, shard = output_folder(cfg)
+    check_free(out)  # another run holds the folder: refused before anything else is read
     sources, _, empty_inputs = open_inputs(cfg, input_folders(cfg, out))
+    cfg = with_tool_parser(cfg, sources)  # as the Job's: its fingerprint
     path = resolve_model_path(cfg.model)
     model = model_source(path)
     if restart or shard is not None or empty_inputs:  # a shard's slice and its claim are the Job's to check
@@ -45,14 +49,15 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
             manifest = Manifest.load(folder) if (folder / MANIFEST).is_file() else None
         except ManifestError:
             return None  # the Job repairs or refuses it
-        if manifest is None or manifest.total_rows is None:
+        if manifest is None:
             return None
-        if source.num_rows is not None and source.num_rows != manifest.total_rows:
+        if source.num_rows is not None and manifest.total_rows is not None and source.num_rows != manifest.total_rows:
             return None  # the Job says how the input changed (a JSONL input is counted as it is read)
-        wanted = manifest.total_rows if cfg.limit is None else min(manifest.total_rows, cfg.limit)
-        if manifest.done_rows().count() < wanted:
+        wanted = rows_of_finished_run(manifest.total_rows, manifest.done_rows(), cfg.limit)
+        if wanted is None:
             return None
-        if cfg.output_format == OutputFormat.OPENAI_BATCH and not responses_written(folder):
+        whole = wanted == manifest.total_rows  # not a trial run's first rows: the response files are due
+        if cfg.output_format == OutputFormat.OPENAI_BATCH and whole and not responses_written(folder):
             return None  # every row is in, the response files are not (a crash before them): the Job writes them
         recorded = manifest.fingerprint or {}
         params, recorded_model = recorded.get("params") or {}, recorded.get("model") or {}
@@ -73,6 +78,16 @@ def _finished(cfg: JobConfig, out: Path, sources: list[OpenedInput], model: Path
     if failure is not None:
         raise failure
     return summary
+
+
+def rows_of_finished_run(total_rows: int | None, done: RowRanges, limit: int | None) -> int | None:
+    """The rows a run with this --limit (None: none) has to do on a folder, when every one of them is committed:
+    the input's rows, or its first `limit` (a trial run, finished though the rest of a JSONL input is unread and
+    uncounted); None while some are not committed, or the input's end is unknown and no limit ends the run."""
+    if total_rows is None:
+        return limit if limit is not None and done.covers(0, limit) else None
+    wanted = total_rows if limit is None else min(total_rows, limit)
+    return wanted if done.count() >= wanted else None
 
 
 def _prequantized(model: Path) -> bool:

@@ -214,6 +214,11 @@ class PromptBuilder:
         """("ids", token ids given as they are) | ("prompt", text) | ("chat", the rendered template)."""
         msgs = self.messages(record)
         if msgs is None:
+            if record.get(TEMPLATE_KWARGS_COLUMN) is not None and self.config.task == Task.GENERATE:
+                chat = "pass chat=True" if self.in_memory else "run the job with --chat"
+                raise RowError(f"{self._named(TEMPLATE_KWARGS_COLUMN)}: this row is a plain prompt, which no chat "
+                               f"template renders, so its variables would be ignored; give the row as messages (or "
+                               f"{chat})")
             value = record.get(self.config.prompt_column)
             pair = self._scored_pair(record)
             if pair is not None:

@@ -36,11 +36,12 @@ from batchjob.job.kept_models import ModelKeeper
 from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.models.loader import resolve_model_path
+from batchjob.job.preflight import rows_of_finished_run
 from batchjob.job.progress import Progress, Snapshot
 from batchjob.job.stats import StatsRecorder, peak_rss_bytes
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
 from batchjob.job.signals import StopSignals
-from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder
+from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder, with_tool_parser
 from batchjob.job.tool_rows import ToolRows
 from batchjob.reasoning.parsers import job_parser
 from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
@@ -67,6 +68,10 @@ class Job:
                                 bar_shown=lambda: self.progress.bar is not None)
         out, self.shard = output_folder(cfg)
         sources, self.use_messages, self.empty_inputs = open_inputs(cfg, input_folders(cfg, out))
+        # rows with tools and no --tool-parser: auto (its name on the start line, or the job stops at start)
+        self.tools_implied = cfg.tool_parser is None
+        self.cfg = cfg = with_tool_parser(cfg, sources)
+        self.tools_implied &= cfg.tool_parser is not None
         # an unsharded job of empty inputs computes nothing: its folder records 0 rows, and no model loads
         self.nothing_to_compute = self.shard is None and len(self.empty_inputs) == len(sources)
         template = read_template(cfg.chat_template) if cfg.chat_template else None
@@ -90,7 +95,7 @@ class Job:
         lane_column_out = bool(cfg.lanes) and not cfg.per_lane_inputs  # rows pick lanes: record it per row
         if self.nothing_to_compute:  # every input is empty: the model is described from its files, not loaded
             described = job.describe(cfg.model)
-            self.reasoning, self.reasoning_name = None, None
+            self.reasoning, self.reasoning_name, self.tool_parser_name = None, None, None
             self.model_facts = ModelFacts(described.identity, job.dtype_name, job.quantization(described))
             self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
             self.summary = JobSummary(output=str(out), kernels="none", prefill_only=cfg.task != Task.GENERATE)
@@ -110,7 +115,8 @@ class Job:
         if any(self.use_messages.values()) or cfg.chat or cfg.image_column is not None:  # a broken template fails the job once
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         self.reasoning, self.reasoning_name = job_parser(cfg.reasoning_parser, self.loaded.tokenizer, template)
-        tool_rows = ToolRows.of(cfg.tool_parser, self.loaded.tokenizer, template)
+        tool_rows = ToolRows.of(cfg.tool_parser, self.loaded.tokenizer, template, implied=self.tools_implied)
+        self.tool_parser_name = None if tool_rows is None else tool_rows.parser
         self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,
                                   prefill_only=cfg.task != Task.GENERATE, model=self.loaded.name)
@@ -124,6 +130,19 @@ class Job:
                             images, bases, self.reasoning, tool_rows)
         self.chat_hint = ChatHint(cfg, self.loaded, any(self.use_messages.values()))
         self.stats = StatsRecorder(out / "stats.jsonl", kernels=self.engine.model.kernels.name)
+
+    def _parsers_said(self) -> str:
+        """The start line's parsers: the names they resolved to, and how."""
+        said, cfg = "", self.cfg
+        if self.reasoning_name is not None:
+            how = ["auto"] if cfg.reasoning_parser == "auto" else []
+            if not (cfg.chat or cfg.image_column is not None or any(self.use_messages.values())):
+                how.append("plain prompts: no chat template is applied; the model thinks where a prompt asks it to")
+            said += f"; reasoning parser: {self.reasoning_name}" + (f" ({'; '.join(how)})" if how else "")
+        if self.tool_parser_name is not None:
+            how = " (auto: the rows carry tools)" if self.tools_implied else " (auto)" if cfg.tool_parser == "auto" else ""
+            said += f"; tool parser: {self.tool_parser_name}{how}"
+        return said
 
     def _claim_shard(self, source: Source, path: str, folder: Path, lane: str | None) -> OpenedInput:
         """Swap the input for this shard's slice, after checking OUT/job.json (or writing it first)."""
@@ -162,15 +181,13 @@ class Job:
                 raise failure
             if cfg.output_format == OutputFormat.OPENAI_BATCH:
                 for stream in self.streams:  # a crash after the last commit, before the response files: write them
-                    if not responses_written(stream.sink.out_dir):
+                    limited = cfg.limit is not None and stream.sink.manifest.total_rows != stream.sink.done.count()
+                    if not limited and not responses_written(stream.sink.out_dir):
                         write_openai_batch(stream.sink.out_dir)
             return self.summary
         line = start_line(cfg, self.loaded, self.engine.model, [str(s.source.path) for s in self.streams], total,
                           self.before[0], self.summary.output, self.engine.kv_pool)
-        if self.reasoning_name is not None:
-            auto = " (auto)" if cfg.reasoning_parser == "auto" else ""
-            line += f"; reasoning parser: {self.reasoning_name}{auto}"
-        print(line, file=sys.stderr, flush=True)
+        print(line + self._parsers_said(), file=sys.stderr, flush=True)
         self.progress = self._progress(total)
         for stream in self.streams:
             stream.rows = uncommitted_rows(stream, cfg.limit)
@@ -259,13 +276,8 @@ class Job:
 
     def _already_finished(self) -> bool:
         """Every input row committed (a rerun from cron or Slurm after the end): nothing to do."""
-        for stream in self.streams:
-            total = stream.sink.manifest.total_rows
-            if total is None:
-                return False
-            if self.cfg.limit is not None:
-                total = min(total, self.cfg.limit)
-            if stream.sink.done.count() < total:
+        for stream in self.streams:  # a --limit N trial run is finished once its first N rows are in
+            if rows_of_finished_run(stream.sink.manifest.total_rows, stream.sink.done, self.cfg.limit) is None:
                 return False
         return bool(self.streams) and not self.empty_inputs
 

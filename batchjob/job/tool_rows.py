@@ -11,9 +11,8 @@ from batchjob.engine.requests import SamplingParams, StructuredOutputs
 from batchjob.errors import ConfigError
 from batchjob.tools.grammar import AUTO_CONSTRAINED, CONSTRAINED, auto_grammar, call_grammar
 from batchjob.tools.parsers import PARSERS, detect
-from batchjob.tools.requests import ToolRequest, tool_request
-
-TOOLS_COLUMN, TOOL_CHOICE_COLUMN, PARALLEL_COLUMN = "tools", "tool_choice", "parallel_tool_calls"
+from batchjob.tools.requests import (PARALLEL_COLUMN, TOOL_CHOICE_COLUMN, TOOLS_COLUMN, ToolRequest, carries_tools,
+                                     tool_request)
 
 
 class ToolRowError(ValueError):
@@ -27,17 +26,20 @@ class ToolRows:
     renders_tools: bool  # the chat template reads `tools`
 
     @classmethod
-    def of(cls, name: str | None, tokenizer, template: str | None) -> ToolRows | None:
-        """The job's tool rows for `tool_parser` NAME (None: the job parses no calls). ConfigError for auto on a
-        template whose call syntax is none we know."""
+    def of(cls, name: str | None, tokenizer, template: str | None, implied: bool = False) -> ToolRows | None:
+        """The job's tool rows for `tool_parser` NAME (None: the job parses no calls); `implied`: the job named no
+        parser, its rows carry tools (job/inputs.py: auto). ConfigError for auto on a template whose call syntax is
+        none we know."""
         if name is None:
             return None
         template = template or tokenizer.chat_template
         if name == "auto":
             name = detect(template)
             if name is None:
-                raise ConfigError(f"tool_parser auto: the chat template writes no tool-call syntax batchjob knows; name "
-                                  f"the parser ({', '.join(PARSERS)})")
+                why = ("tool_parser: the rows carry `tools` and the job names no tool parser; auto" if implied
+                       else "tool_parser auto")
+                raise ConfigError(f"{why}: the chat template writes no tool-call syntax batchjob knows; name the "
+                                  f"parser, --tool-parser NAME ({', '.join(PARSERS)})")
         return cls(name, tokenizer.token_id, template is not None and "tools" in template)
 
     def request(self, record: dict) -> ToolRequest | None:
@@ -73,8 +75,10 @@ class ToolRows:
 
 
 def tools_refused(record: dict) -> str | None:
-    """Why a row with tools cannot run in a job without a tool parser, or None."""
-    if record.get(TOOLS_COLUMN) in (None, []) and record.get(TOOL_CHOICE_COLUMN) in (None, "none"):
+    """Why a row with tools cannot run in a job without a tool parser, or None. A job whose input carries tools
+    reads them with `auto` (job/inputs.py); this is a row whose tools its input's first lines did not show (a JSONL
+    file's columns are learned from them), or a Ray Data batch's."""
+    if not carries_tools(record):
         return None
-    return ("tools: this job parses no tool calls; run it with --tool-parser (hermes, llama3_json, mistral, pythonic, "
-            "or auto)")
+    return ("tools: this job parses no tool calls (its input showed no tools when it started); run it with "
+            f"--tool-parser ({', '.join(PARSERS)}, or auto)")

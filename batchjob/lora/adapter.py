@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from batchjob.errors import ConfigError, ModelLoadError
-from batchjob.models.location import resolve_model_path
+from batchjob.models.location import hf_cache_snapshot, hf_id
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # the projections of the families we run, by PEFT's module names (Phi-3 names its fused ones qkv_proj, gate_up_proj)
@@ -93,15 +93,24 @@ def read_adapter(name: str, path: str | Path, max_rank: int | None = None) -> Lo
 
 
 def read_adapters(paths: dict[str, str], max_rank: int | None = None) -> list[LoraAdapter]:
-    """The job's adapters, in the order given (slot i = the i-th); a path that is no folder may be an org/name in the
-    local Hugging Face cache (models/location.py)."""
-    out = []
-    for name, path in paths.items():
-        folder = Path(path)
-        if not folder.is_dir():
-            try:
-                folder = resolve_model_path(path)
-            except ModelLoadError as e:
-                raise LoraError(f"lora {name!r}: {path}: not a folder, nor in the local Hugging Face cache ({e})") from None
-        out.append(read_adapter(name, folder, max_rank))
-    return out
+    """The job's adapters, in the order given (slot i = the i-th)."""
+    return [read_adapter(name, adapter_folder(name, path), max_rank) for name, path in paths.items()]
+
+
+def adapter_folder(name: str, path: str) -> Path:
+    """The folder of adapter `name`: `path`, or an org/name[@revision] snapshot in the local Hugging Face cache
+    (models/location.py) holding adapter_config.json; LoraError says what an adapter folder holds when it is not
+    there (not what a model folder holds)."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    where, holds = f"lora {name!r}: {path}", f"an adapter is a PEFT folder holding {CONFIG} and {WEIGHTS}"
+    if folder.exists():
+        raise LoraError(f"{where}: a file, not a folder; {holds}")
+    named = hf_id(path)
+    if named is None:
+        raise LoraError(f"{where}: no such folder; {holds} (or name an org/name in the local Hugging Face cache)")
+    try:
+        return hf_cache_snapshot(*named, needs=CONFIG)
+    except ModelLoadError as e:
+        raise LoraError(f"{where}: no such folder, nor in the local Hugging Face cache ({e}); {holds}") from None

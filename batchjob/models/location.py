@@ -39,12 +39,18 @@ def resolve_model_spec(spec: str) -> tuple[Path, str | None]:
     if path.exists():
         # a symlinked file keeps its name (a snapshot's model.gguf links to blobs/<hash>, which has no suffix)
         return (path.parent.resolve() / path.name if path.is_symlink() and path.is_file() else path.resolve()), None
-    if m := _HF_ID.fullmatch(spec):
-        return hf_cache_snapshot(m["org"], m["name"], m["revision"]), f"{m['org']}/{m['name']}"
+    if (named := hf_id(spec)) is not None:
+        return hf_cache_snapshot(*named), f"{named[0]}/{named[1]}"
     raise ModelLoadError(
         f"model {spec!r}: no such file or folder (expected an HF folder with config.json, a .gguf file, "
         f"an org/name id in the Hugging Face cache, or one of: {', '.join(BUILTIN_MODELS)})"
     )
+
+
+def hf_id(spec: str) -> tuple[str, str, str | None] | None:
+    """(org, name, revision or None) of an `org/name[@revision]` id; None when `spec` is not one."""
+    m = _HF_ID.fullmatch(spec)
+    return None if m is None else (m["org"], m["name"], m["revision"])
 
 
 def _builtin_path(spec: str) -> Path:
@@ -74,8 +80,9 @@ def hf_hub_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def hf_cache_snapshot(org: str, name: str, revision: str | None = None) -> Path:
-    """The snapshot folder of model `org/name` at `revision` in the HF cache, with config.json or a .gguf file.
+def hf_cache_snapshot(org: str, name: str, revision: str | None = None, *, needs: str | None = None) -> Path:
+    """The snapshot folder of model `org/name` at `revision` in the HF cache, with config.json or a .gguf file (or,
+    given `needs`, with that file: a LoRA adapter's adapter_config.json).
 
     The layout `huggingface-cli download` leaves: models--{org}--{name}/refs/<branch or tag> holds a commit
     hash, snapshots/<hash>/ holds the files (symlinks into blobs/). `revision` is a ref name, a commit hash
@@ -103,7 +110,11 @@ def hf_cache_snapshot(org: str, name: str, revision: str | None = None) -> Path:
                              f"(refs: {', '.join(refs) or 'none'}; snapshots: {', '.join(s[:12] for s in snapshots)}); "
                              f"{fetch}")
     snapshot = repo / "snapshots" / commit
-    if not (snapshot / "config.json").is_file() and not any(p.is_file() for p in snapshot.glob("*.gguf")):
+    if needs is not None:
+        if not (snapshot / needs).is_file():
+            raise ModelLoadError(f"{spec!r}: the cached snapshot {snapshot} has no {needs} (an unfinished download, "
+                                 f"or not an adapter?); {fetch}")
+    elif not (snapshot / "config.json").is_file() and not any(p.is_file() for p in snapshot.glob("*.gguf")):
         raise ModelLoadError(f"model {spec!r}: the cached snapshot {snapshot} has neither config.json nor a .gguf "
                              f"file (an unfinished download, or a dataset?); {fetch}")
     return snapshot.resolve()

@@ -8,6 +8,7 @@ and run again continues), and on Ctrl-C or SIGTERM has the running shards drain 
 `run`."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -39,6 +40,7 @@ class RayOptions:
     gpus_per_shard: float = 0
     max_retries: int = 3
     runner: Runner = Runner.ACTORS
+    output: str | None = None  # --output: over the job file's (every shard is told it), as for `batchjob run`
 
 
 @dataclass(slots=True)
@@ -79,8 +81,10 @@ def connect(ray, address: str | None, log=print) -> None:
     Any other failure is RayUnavailable at once."""
     for attempt in range(1, CLIENT_ATTEMPTS + 1):
         try:
+            # Ray's own log lines (token authentication, "Started a local Ray instance") are not the operator's:
+            # only its errors show, so our lines come first; the workers' output stays in their logs
             ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
-                     **({} if address else {"num_cpus": os.cpu_count()}))
+                     logging_level=logging.ERROR, **({} if address else {"num_cpus": os.cpu_count()}))
             return
         except Exception as e:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ... for a cluster not there
             transient = (isinstance(e, ConnectionAbortedError) and (address or "").startswith("ray://")
@@ -153,7 +157,8 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, log) -> list[Shard
         check_shared(ray, output)
     stop_file = output.resolve() / STOP_FILE
     disk().remove(stop_file)  # an earlier driver's stop, done with
-    call = ShardCall(str(job_file.resolve()), count, max(1, opts.cpus_per_shard), os.getcwd(), str(stop_file))
+    call = ShardCall(str(job_file.resolve()), count, max(1, opts.cpus_per_shard), os.getcwd(), str(stop_file),
+                     None if opts.output is None else str(output.resolve()))
     progress = ShardProgress(output, log_every=PROGRESS_EVERY_S)
     runner = make_runner(opts.runner, ray, call, cpus=opts.cpus_per_shard, gpus=opts.gpus_per_shard,
                          max_retries=opts.max_retries, slots=min(slots, len(todo)), log=progress.say)

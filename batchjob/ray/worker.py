@@ -47,11 +47,18 @@ class ShardCall:
     threads: int  # the shard's torch threads: --cpus-per-shard
     cwd: str  # the driver's: relative paths in the job file are taken from it (where a worker has that folder)
     stop_file: str
+    output: str | None = None  # `ray submit --output`: over the job file's, as `run --output` is
+
+    def overrides(self, index: int) -> dict:
+        """The options shard `index` runs with over the job file's (as flags: run_args)."""
+        given = {"shard": f"{index}/{self.count}", "threads": self.threads, "progress": False}
+        return given if self.output is None else {**given, "output": self.output}
 
     def run_args(self, index: int) -> list[str]:
         """`batchjob run`'s arguments for shard `index`."""
+        output = [] if self.output is None else ["--output", self.output]
         return ["run", self.job_file, "--shard", f"{index}/{self.count}", "--threads", str(self.threads),
-                "--no-progress"]
+                "--no-progress", *output]
 
 
 class ShardWorker:
@@ -81,8 +88,7 @@ class ShardWorker:
         self.keeper = self.keeper or ModelKeeper()
         done = threading.Event()
         try:
-            cfg = load_job(call.job_file, {"shard": f"{index}/{call.count}", "threads": call.threads,
-                                           "progress": False})
+            cfg = load_job(call.job_file, call.overrides(index))
             with contextlib.ExitStack() as held:  # the shard's output lock goes back however it ends
                 job = Job(cfg, resources=held, keeper=self.keeper)
                 threading.Thread(target=_stop_on_file, args=(call.stop_file, job.stop, done), daemon=True).start()

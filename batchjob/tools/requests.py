@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 CHOICES = ("auto", "none", "required")
+TOOLS_COLUMN, TOOL_CHOICE_COLUMN, PARALLEL_COLUMN = "tools", "tool_choice", "parallel_tool_calls"  # a row's fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +87,8 @@ def tool_request(tools, tool_choice, parallel_tool_calls=None) -> ToolRequest | 
     if parallel_tool_calls not in (None, True, False):
         raise ValueError(f"parallel_tool_calls: expected true or false, got {parallel_tool_calls!r}")
     return ToolRequest(tuple(parsed), choice, parallel_tool_calls is not False)
+
+
+def carries_tools(record: dict) -> bool:
+    """Whether a row asks for tool calls: tools, or a tool_choice other than none."""
+    return record.get(TOOLS_COLUMN) not in (None, []) or record.get(TOOL_CHOICE_COLUMN) not in (None, "none")

@@ -388,3 +388,20 @@ def test_the_final_line_counts_the_prompt_tokens_of_the_rows_that_ran(tmp_path, 
     assert rows[1]["error"] and rows[1]["prompt_tokens"] > 1024  # the refused row keeps its count in its row
     ran = rows[0]["prompt_tokens"] + rows[2]["prompt_tokens"]
     assert f"3 rows (1 errors), {ran} prompt tokens," in result.stdout, result.stdout
+
+
+def test_a_repeated_list_flag_gives_all_its_values_and_replaces_the_job_files_list(tmp_path, model):
+    """As vLLM's repeated --lora-modules entries: each use of a flag that names a list adds to it (comma-separated
+    values and JSON lists as one use takes them); the list given by flags replaces the job file's."""
+    src = jsonl(tmp_path / "in.jsonl", [{"prompt": "a b c", "id": "r0", "tag": "x", "note": "n"}])
+    job = tmp_path / "job.toml"
+    job.write_text(f'model = "{model}"\ninput = "{src}"\noutput = "{tmp_path / "out"}"\nkeep_columns = ["note"]\n'
+                   '[sampling]\nmax_tokens = 2\nstop = ["from the file"]\n')
+    run(job, "--stop-token-ids", "5,6", "--stop-token-ids", "7", "--stop", "x", "--stop", '["y,z"]',
+        "--keep-columns", "id", "--keep-columns", "tag", "--no-progress")
+    params = Manifest.load(tmp_path / "out").fingerprint["params"]
+    assert params["stop_token_ids"] == [5, 6, 7] and params["stop"] == ["x", "y,z"]
+    assert params["keep_columns"] == ["id", "tag"]  # the file's ["note"] is replaced, not added to
+    run(job, "--output", tmp_path / "file", "--no-progress")  # no flag: the file's lists stand
+    params = Manifest.load(tmp_path / "file").fingerprint["params"]
+    assert params["stop"] == ["from the file"] and params["keep_columns"] == ["note"]

@@ -1,9 +1,12 @@
 """`batchjob status` and `batchjob export` on finished, running, stopped, killed, per-lane and sharded folders."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -397,3 +400,49 @@ def test_a_folder_without_a_recorded_limit_reads_as_before(tmp_path):
     with pytest.raises(ExportError, match="not read its input to the end"):
         export(out, tmp_path / "x.jsonl")
     assert status(out)["total_rows"] is None
+
+
+@pytest.mark.parametrize("command", [["status"], ["export", "--to", "x.jsonl"], ["show"], ["verify"]])
+def test_a_missing_or_file_folder_is_one_line_naming_it_and_exit_1_for_every_command(tmp_path, command):
+    missing, file = tmp_path / "nothing", tmp_path / "file.txt"
+    file.write_text("not a folder")
+    name, *rest = command
+    result = CliRunner().invoke(main, [name, str(missing), *rest])
+    assert (result.exit_code, result.output) == (
+        1, f"batchjob: error: {missing}: no such folder; name a job's output folder (its --output)\n")
+    result = CliRunner().invoke(main, [name, str(file), *rest])
+    assert (result.exit_code, result.output) == (
+        1, f"batchjob: error: {file} is a file; name a job's output folder (its --output)\n")
+
+
+@pytest.mark.parametrize("fmt", ["rows", "openai-batch"])
+@pytest.mark.parametrize("to, says", [
+    ("/proc/x.jsonl", "cannot write /proc/x.jsonl: No such file or directory"),  # a folder no file can be made in
+    ("/etc/hostname/x.jsonl", "--to /etc/hostname/x.jsonl: /etc/hostname is a file, not a folder"),
+])
+def test_export_to_a_place_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, to, says, fmt):
+    """The real command in its own process: one line on stderr, no traceback (the cleanup after the failed write
+    does not raise again). Both places refuse root as well, so the test holds for any user."""
+    with ArrowSink(tmp_path / "out", fingerprint={**FP, "model": {"path": "tiny"}}, total_rows=10) as sink:
+        for i in range(10):
+            sink.write(result(i))
+    done = subprocess.run([sys.executable, "-m", "batchjob", "export", str(tmp_path / "out"), "--to", to, "--format", fmt],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr.startswith(f"batchjob: error: {says}") and done.stderr.count("\n") == 1, done.stderr
+    assert "free space" not in done.stderr  # not a full disk: the line says to choose another place
+
+
+def test_export_to_a_full_disk_says_to_free_space(tmp_path):
+    from batchjob.io.disk import Disk, using
+
+    class Full(Disk):
+        def write(self, fd, data, offset=None):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = folder_of(tmp_path, range(10), 10)
+    with using(Full()):
+        printed = cli("export", out, "--to", tmp_path / "x.parquet", code=1)
+    assert printed == (f"batchjob: error: cannot write {tmp_path / 'x.parquet'}: No space left on device; nothing was "
+                       "written under that name: free space and run the export again\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -348,3 +348,19 @@ def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, m
     assert sorted(r["id"] for r in got) == sorted(want)
     assert {r["id"]: r["generated_text"] for r in got} == want
     assert all(r["error"] is None and r["completion_tokens"] == 12 for r in got)
+
+
+def test_a_local_submit_says_our_lines_first_and_writes_where_output_says(tmp_path, model, rows):
+    """Ray's own log lines (its token authentication's WARNING and INFO, "Started a local Ray instance") are not
+    shown: the first line is ours. --output overrides the job file's folder, for the driver and every shard. Ray's
+    token authentication is left as Ray sets it (the token goes to a HOME of the test's own)."""
+    job = job_file(tmp_path, model, "in-file", rows[:4])
+    env = {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}
+    env.update(HOME=str(tmp_path), XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")))
+    proc = subprocess.run([sys.executable, "-m", "batchjob", "ray", "submit", str(job), "--shards", "2", "--output",
+                           str(tmp_path / "flag")], cwd=REPO, env=env, capture_output=True, text=True, timeout=GUARD)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith(f"batchjob: {job} as 2 shards on Ray (local, "), proc.stderr
+    assert all(line.startswith("batchjob: ") for line in proc.stderr.splitlines()), proc.stderr
+    assert f"-> {tmp_path / 'flag'}" in proc.stdout and not (tmp_path / "in-file").exists()
+    assert [r["row_index"] for r in exported(tmp_path / "flag", tmp_path)] == [0, 1, 2, 3]

@@ -294,6 +294,13 @@ def test_dry_run_prints_an_array_script_that_requeues_itself(tmp_path, sample):
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+def test_output_flag_overrides_the_job_files_output_as_for_run(tmp_path, sample):
+    job = write_job(tmp_path / "job.toml", sample, tmp_path / "out")
+    script = batchjob("slurm", "submit", job, "--shards", 2, "--output", tmp_path / "elsewhere", "--dry-run").stdout
+    assert f"#SBATCH --output={tmp_path / 'elsewhere'}/slurm/logs/%A_%a.log" in script.splitlines()
+    assert f"run {job} --output {tmp_path / 'elsewhere'} --no-progress" in script and f"{tmp_path / 'out'}" not in script
+
+
 def _traps_set(pid: int) -> bool:
     """The batch shell catches USR1 and ignores TERM (/proc/PID/status: its caught and ignored signal masks)."""
     masks = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)

@@ -126,3 +126,21 @@ def test_a_batchs_http_images_are_fetched_together_and_a_failed_one_stays_its_ow
         assert from_url(f"{base}/5.png", fetched={}).digest == hashlib.sha256(png(seed=5)).hexdigest()
     finally:
         httpd.shutdown()
+
+
+def test_an_undecodable_images_error_is_the_same_text_on_every_run(tmp_path):
+    """PIL names the BytesIO it was given by its memory address; a row's error must not change from run to run."""
+    import subprocess
+    import sys
+
+    (tmp_path / "junk.png").write_bytes(b"not an image at all")
+    (tmp_path / "cut.png").write_bytes(png()[:40])  # a PNG cut short
+    said = "from batchjob.images.sources import ImageError, from_url\n" \
+           "for name in ('junk.png', 'cut.png', 'data:image/png;base64,AAAA'):\n" \
+           "    try:\n        from_url(name, base=__import__('pathlib').Path(r'%s'))\n" \
+           "    except ImageError as e:\n        print(e)\n" % tmp_path
+    runs = [subprocess.run([sys.executable, "-c", said], capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert runs[0].returncode == 0 and runs[0].stdout.count("does not decode as an image") == 3, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and "0x" not in runs[0].stdout, runs[0].stdout
+    assert "junk.png: does not decode as an image (PIL cannot identify it" in runs[0].stdout
+    assert "19 bytes starting b'not an i'" in runs[0].stdout

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from batchjob.job import fingerprint as fingerprint_module
 from batchjob.cli.main import main
-from batchjob.job.config import JobConfig
+from batchjob.job.config import ConfigError, JobConfig
 from batchjob.job.fingerprint import input_identity
 from batchjob.io.manifest import Manifest
 from batchjob.io.ranges import RowRanges
@@ -476,3 +476,40 @@ def test_a_finished_job_on_a_streamed_input_can_be_exported(tmp_path, tiny_model
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["export", str(out), "--to", str(tmp_path / "all.parquet")])
     assert r.exit_code == 0, r.output
+
+
+def test_an_input_with_tools_and_no_tool_parser_is_read_with_auto(tmp_path):
+    """A `tools` column, or an OpenAI Batch file whose chat bodies carry tools, makes a job that names no tool parser
+    read their calls with auto (job/inputs.py); a job that names one, or whose input has none, keeps its own."""
+    from batchjob.job.config import load_job
+    from batchjob.job.inputs import input_folders, open_inputs, with_tool_parser
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    line = {"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", **chat}}
+    inputs = {"column.jsonl": [{**chat, "tools": [tool]}, chat], "plain.jsonl": [chat],
+              "batch.jsonl": [{"custom_id": "a", **line}, {"custom_id": "b", **line, "body": {**line["body"], "tools": [tool]}}],
+              "batch_without.jsonl": [{"custom_id": "a", **line}]}
+    for name, rows in inputs.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, given, want in (("column.jsonl", None, "auto"), ("batch.jsonl", None, "auto"), ("plain.jsonl", None, None),
+                              ("batch_without.jsonl", None, None), ("column.jsonl", "hermes", "hermes")):
+        cfg = load_job(None, {"input": str(tmp_path / name), "output": str(tmp_path / "out"), "tool_parser": given})
+        sources, _, _ = open_inputs(cfg, input_folders(cfg, tmp_path / "out"))
+        assert with_tool_parser(cfg, sources).tool_parser == want, name
+
+
+def test_template_kwargs_for_a_job_of_plain_prompts_stop_it_at_start(tmp_path):
+    """No chat template renders a plain prompt: the job's chat_template_kwargs would be ignored (vLLM's generate()
+    takes none); with --chat, a messages column or an image column they reach the template."""
+    from batchjob.job.config import load_job
+    from batchjob.job.inputs import input_folders, open_inputs
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    values = {"input": str(src), "output": str(tmp_path / "out"), "chat_template_kwargs": {"enable_thinking": False}}
+    cfg = load_job(None, values)
+    with pytest.raises(ConfigError, match="chat_template_kwargs: the rows are plain prompts .* pass --chat"):
+        open_inputs(cfg, input_folders(cfg, tmp_path / "out"))
+    cfg = load_job(None, {**values, "chat": True})
+    open_inputs(cfg, input_folders(cfg, tmp_path / "out"))

@@ -223,3 +223,69 @@ def test_gpt_oss_channels_with_a_budget(tmp_path, harmony_model):
         assert row["error"] is None and row["reasoning_tokens"] <= 6
         assert (row["reasoning"] is None) == (row["reasoning_tokens"] == 0)
     assert any(r["reasoning"] for r in got)
+
+
+@pytest.mark.parametrize("template", [QWEN3_THINKING, R1], ids=["qwen3-thinking", "deepseek-r1"])
+def test_a_thinking_budget_of_n_gives_exactly_n_reasoning_tokens(tmp_path, thinker, template):
+    """A random model never closes its thinking by itself: the budget closes it after exactly N tokens, as
+    `reasoning_tokens` counts them (the tokens between the tags), for each N."""
+    (tmp_path / "t.jinja").write_text(template)
+    budgets = (1, 2, 4, 6, 8)
+    rows = [chat(f"question {i}", max_reasoning_tokens=n) for i, n in enumerate(budgets)]
+    _, got = run(tmp_path, thinker, rows, "--chat-template", tmp_path / "t.jinja", "--reasoning-parser", "auto",
+                 "--max-tokens", 24)
+    assert [r["reasoning_tokens"] for r in got] == list(budgets), got
+
+
+def test_plain_prompts_say_no_template_is_applied_and_a_rows_template_kwargs_fail_it(tmp_path, thinker):
+    """vLLM's generate() applies no chat template and takes no chat_template_kwargs: a plain prompt's kwargs (valid or
+    not) fail its row, the job's stop the job at start, and the start line says the parser reads plain prompts."""
+    rows = [{"prompt": "hello", "chat_template_kwargs": {"enable_thinking": False}},
+            {"prompt": "hello", "chat_template_kwargs": [1]}, {"prompt": "hello"}]
+    result, got = run(tmp_path, thinker, rows, "--reasoning-parser", "qwen3")
+    assert ("; reasoning parser: qwen3 (plain prompts: no chat template is applied; the model thinks where a prompt "
+            "asks it to)") in result.output
+    for row in got[:2]:
+        assert row["error"] == ("column 'chat_template_kwargs': this row is a plain prompt, which no chat template "
+                                "renders, so its variables would be ignored; give the row as messages (or run the job "
+                                "with --chat)")
+    assert got[2]["error"] is None
+    src = write_jsonl(tmp_path / "job.jsonl", [{"prompt": "hello"}])
+    stopped = CliRunner().invoke(main, ["run", "--model", str(thinker), "--input", str(src), "--output",
+                                        str(tmp_path / "job"), "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert stopped.exit_code != 0 and "chat_template_kwargs: the rows are plain prompts" in stopped.output
+    (tmp_path / "t.jinja").write_text(QWEN3)
+    result, chatted = run(tmp_path, thinker, rows, "--chat", "--chat-template", tmp_path / "t.jinja",
+                          "--reasoning-parser", "qwen3", name="chat")
+    assert "; reasoning parser: qwen3\n" in result.output  # --chat: the template applies, nothing to say
+    assert chatted[0]["error"] is None and chatted[0]["prompt_tokens"] > chatted[2]["prompt_tokens"]  # thinking off
+    assert "expected an object" in chatted[1]["error"]
+
+
+def test_the_python_api_takes_the_reasoning_options_in_llm_chat_and_generate(tmp_path, thinker):
+    from batchjob import api
+
+    (tmp_path / "t.jinja").write_text(QWEN3_THINKING)
+    hello = [{"role": "user", "content": "hello"}]
+    llm = api.LLM(str(thinker), dtype="float32", kv_cache_gb=0.05, reasoning_parser="qwen3",
+                  chat_template=str(tmp_path / "t.jinja"), max_tokens=12, ignore_eos=True)
+    [r] = llm.chat(hello, max_reasoning_tokens=4)  # LLM()'s parser and template, the call's budget
+    assert r.reasoning_tokens == 4 and r.reasoning and r.text and r.completion_tokens == 12
+    assert llm.generate([hello], max_reasoning_tokens=4) == [r]
+    plain = api.LLM(str(thinker), dtype="float32", kv_cache_gb=0.05)
+    [same] = plain.chat(hello, reasoning_parser="qwen3", chat_template=str(tmp_path / "t.jinja"), max_tokens=12,
+                        ignore_eos=True, max_reasoning_tokens=4)  # the same, per call
+    assert same == r
+    [same] = api.chat(hello, model=str(thinker), dtype="float32", kv_cache_gb=0.05, reasoning_parser="qwen3",
+                      chat_template=str(tmp_path / "t.jinja"), max_tokens=12, ignore_eos=True, max_reasoning_tokens=4)
+    assert same == r
+    with pytest.raises(ValueError, match=r"max_reasoning_tokens: needs reasoning_parser \(qwen3, deepseek_r1, gpt_oss "
+                                         r"or auto\)"):
+        plain.chat(hello, max_reasoning_tokens=4)
+
+
+def test_the_reasoning_parser_help_names_every_parser():
+    from batchjob.job.options import OPTIONS
+    from batchjob.reasoning.parsers import PARSERS
+
+    assert all(name in OPTIONS["reasoning_parser"].help for name in PARSERS)

@@ -155,3 +155,51 @@ def test_the_example_job_runs_with_the_adapter_its_script_writes(tmp_path, smoll
     assert result.exit_code == 0, result.output
     rows = read_results(tmp_path / "o").sort_by("row_index").to_pylist()
     assert [r["error"] for r in rows] == [None] * 4 and rows[0]["generated_text"] != rows[1]["generated_text"]
+
+
+def test_a_repeated_lora_flag_adds_adapters_as_repeated_lora_modules_do_in_vllm(tmp_path, folders):
+    base, model, paths = folders
+    rows = [{"prompt": PROMPTS[i], "lora": name} for i, name in enumerate(["a0", "a1", "a2", None])]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    flags = [x for k, p in enumerate(paths) for x in ("--lora", f"a{k}={p}")]  # one use per adapter
+    result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(tmp_path / "o"),
+                                       *flags, "--max-tokens", "8", "--ignore-eos", "--dtype", "float32",
+                                       "--no-progress"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    got = read_results(tmp_path / "o").sort_by("row_index").to_pylist()
+    assert [r["error"] for r in got] == [None] * 4
+    assert [r["generated_text"] for r in got] == [decode(model, reference(base, p, PROMPTS[i]))
+                                                  for i, p in enumerate([*paths, None])]
+    twice = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(tmp_path / "t"),
+                                      "--lora", f"a0={paths[0]}", "--lora", f"a0={paths[1]}", "--no-progress"])
+    assert twice.exit_code == 2 and f"lora: adapter 'a0' is given twice, as {paths[0]} and {paths[1]}" in twice.output
+
+
+def test_a_missing_adapter_folder_is_described_as_an_adapter_not_a_model(tmp_path, folders):
+    _, model, paths = folders
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": PROMPTS[0]}])
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    for path, says in ((tmp_path / "nothing", "no such folder"), (tmp_path / "weights.bin", "a file, not a folder"),
+                       ("someone/no-such-adapter", "no such folder, nor in the local Hugging Face cache")):
+        result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output",
+                                           str(tmp_path / "o"), "--lora", f"gone={path}", "--no-progress"])
+        assert result.exit_code != 0 and f"lora 'gone': {path}: {says}" in result.output, result.output
+        assert "an adapter is a PEFT folder holding adapter_config.json and adapter_model.safetensors" in result.output
+        assert "config.json, a .gguf" not in result.output and "Traceback" not in result.output
+
+
+def test_an_adapter_in_the_local_hugging_face_cache_is_found_by_its_id(tmp_path, folders, monkeypatch):
+    """A snapshot of an adapter holds adapter_config.json, not a model's config.json: it is found all the same."""
+    base, model, paths = folders
+    snapshot = tmp_path / "hub" / "models--me--adapter" / "snapshots" / "0123456789abcdef"
+    shutil.copytree(paths[1], snapshot)
+    (tmp_path / "hub" / "models--me--adapter" / "refs").mkdir()
+    (tmp_path / "hub" / "models--me--adapter" / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": PROMPTS[0], "lora": "cached"}])
+    result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(tmp_path / "o"),
+                                       "--lora", "cached=me/adapter", "--max-tokens", "8", "--ignore-eos", "--dtype",
+                                       "float32", "--no-progress"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    row, = read_results(tmp_path / "o").to_pylist()
+    assert row["error"] is None and row["generated_text"] == decode(model, reference(base, paths[1], PROMPTS[0]))

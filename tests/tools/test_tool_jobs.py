@@ -2,8 +2,10 @@
 tools in a system turn, calls in `<tool_call>` blocks, results as `<tool_response>` turns): with tool_choice
 `required` or a named function every row's calls name a declared tool and their arguments validate against its
 schema (jsonschema), finish_reason `tool_calls`; an OpenAI Batch file with `tools` comes back in OpenAI's response
-shape; a multi-turn conversation with an assistant's tool_calls and a tool message renders; tools in a job without a
-tool parser, or with a template that cannot render them, fail the row alone."""
+shape; a multi-turn conversation with an assistant's tool_calls and a tool message renders; `required` with parallel
+calls cut by max_tokens keeps the complete calls; rows with tools in a job without a tool parser are read with `auto`
+(named on the start line; a template without a call syntax stops the job at start); a template that cannot render
+tools fails the row alone."""
 from __future__ import annotations
 
 import json
@@ -58,12 +60,13 @@ def template(tmp_path):
     return path
 
 
-def run(tmp_path, smollm2_gguf_path, rows, *args, name="out"):
+def run(tmp_path, smollm2_gguf_path, rows, *args, name="out", said=None):
     src = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     result = CliRunner().invoke(main, ["run", "--model", str(smollm2_gguf_path), "--input", str(src), "--output",
                                        str(tmp_path / name), "--max-tokens", "60", "--no-progress", *map(str, args)],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    assert said is None or said in result.output, result.output
     return read_results(tmp_path / name).sort_by("row_index").to_pylist()
 
 
@@ -126,12 +129,57 @@ def test_an_openai_batch_file_with_tools_answers_in_openais_shape(tmp_path, smol
     assert multi["error"] is None and multi["response"]["body"]["usage"]["prompt_tokens"] > 100
 
 
-def test_tools_without_a_parser_or_a_template_that_renders_them_fail_the_row(tmp_path, smollm2_gguf_path, template):
+def test_required_with_parallel_calls_cut_by_max_tokens_keeps_the_complete_calls(tmp_path, smollm2_gguf_path, template):
+    """OpenAI's default (parallel calls allowed): SmolLM2 repeats calls until max_tokens cuts one in half; the calls
+    before it are kept, finish_reason stays `length`, tool_call_error quotes the cut one."""
+    rows = [{"messages": [{"role": "user", "content": q}], "tools": TOOLS, "tool_choice": "required"} for q in QUESTIONS]
+    got = run(tmp_path, smollm2_gguf_path, rows, "--chat-template", template, "--tool-parser", "hermes")
+    cut = [row for row in got if row["finish_reason"] == "length"]
+    assert cut, got  # the case this test is about happened
+    for row in got:
+        assert row["error"] is None and row["tool_calls"] and [valid(c) for c in row["tool_calls"]], row
+    for row in cut:
+        assert row["tool_call_error"].startswith("the length limit cut the answer after ") and "(kept)" in row["tool_call_error"]
+        assert row["generated_text"].startswith("<tool_call>") and repr(row["generated_text"][:80]) in row["tool_call_error"]
+    assert all(row["tool_call_error"] is None for row in got if row["finish_reason"] == "tool_calls")
+
+
+def test_rows_with_tools_in_a_job_without_a_tool_parser_are_read_with_auto(tmp_path, smollm2_gguf_path, template):
+    rows = [{"messages": [{"role": "user", "content": QUESTIONS[0]}], "tools": TOOLS, "tool_choice": "required",
+             "parallel_tool_calls": False}, {"messages": [{"role": "user", "content": "hi"}]}]
+    got = run(tmp_path, smollm2_gguf_path, rows, "--chat-template", template, name="noparser",
+              said="; tool parser: hermes (auto: the rows carry tools)")
+    assert got[0]["finish_reason"] == "tool_calls" and [valid(c) for c in got[0]["tool_calls"]]
+    assert got[1]["error"] is None and got[1]["tool_calls"] is None
+    run(tmp_path, smollm2_gguf_path, rows, "--chat-template", template, "--tool-parser", "auto", "--max-tokens", 2,
+        name="named", said="; tool parser: hermes (auto)")
+    plain = tmp_path / "plain.jinja"  # no call syntax: auto finds no parser, and the job stops at start, once
+    plain.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    src = write_jsonl(tmp_path / "plain.jsonl", rows)
+    result = CliRunner().invoke(main, ["run", "--model", str(smollm2_gguf_path), "--input", str(src), "--output",
+                                       str(tmp_path / "stopped"), "--chat-template", str(plain), "--no-progress"])
+    assert result.exit_code != 0 and "tool_parser: the rows carry `tools` and the job names no tool parser; auto: the " \
+        "chat template writes no tool-call syntax batchjob knows; name the parser, --tool-parser NAME (hermes, " in result.output
+    assert not (tmp_path / "stopped" / "manifest.json").exists()
+
+
+def test_tools_with_a_template_that_cannot_render_them_fail_the_row(tmp_path, smollm2_gguf_path):
     rows = [{"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}, {"messages": [{"role": "user", "content": "hi"}]}]
-    got = run(tmp_path, smollm2_gguf_path, rows, "--chat-template", template, "--max-tokens", 2, name="noparser")
-    assert "this job parses no tool calls; run it with --tool-parser" in got[0]["error"] and got[1]["error"] is None
     plain = tmp_path / "plain.jinja"
     plain.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     got = run(tmp_path, smollm2_gguf_path, rows, "--chat-template", plain, "--tool-parser", "hermes", "--max-tokens", 2,
               name="plain")
     assert "the chat template does not render tools" in got[0]["error"] and got[1]["error"] is None
+
+
+def test_the_python_api_reads_prompts_with_tools_with_auto_when_no_parser_is_named(smollm2_gguf_path):
+    from batchjob import api
+    from batchjob.errors import ConfigError
+
+    llm = api.LLM(str(smollm2_gguf_path), chat_template=HERMES, max_tokens=60)  # the template: a default of its calls
+    prompt = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "tools": TOOLS, "tool_choice": "required",
+              "parallel_tool_calls": False}
+    [r] = llm.generate(prompt)
+    assert r.finish_reason == "tool_calls" and [valid(c) for c in r.tool_calls] and r.tool_call_error is None
+    with pytest.raises(ConfigError, match=r"auto: the chat template writes no tool-call syntax .* tool_parser=NAME"):
+        llm.generate(prompt, chat_template="{% for m in messages %}{{ m.tools }}{{ m.content }}{% endfor %}")

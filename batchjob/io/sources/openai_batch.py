@@ -49,6 +49,7 @@ class OpenAIBatchSource(JsonlSource):
         self.columns = list(COLUMNS)
         self.kinds: dict[bool, int] = {}  # whether embeddings -> the first row of that kind (a job runs one kind)
         self.models: Counter[str] = Counter()  # body.model -> lines naming it
+        self.tool_rows = 0  # chat lines whose body carries tools
         self.duplicates, self.num_rows = self._scan_custom_ids()
 
     def check_task(self, task: str) -> None:
@@ -110,6 +111,7 @@ class OpenAIBatchSource(JsonlSource):
                     model = body.get("model") if isinstance(body, dict) else None
                     if isinstance(model, str):
                         self.models[model] += 1
+                    self.tool_rows += url == CHAT and isinstance(body, dict) and body.get("tools") not in (None, [])
                 if isinstance(cid, str):
                     if cid in first:
                         duplicates[row] = first[cid]
