@@ -18,7 +18,7 @@ import batchjob
 from batchjob import api
 from batchjob.cli.main import main
 from batchjob.job.config import ConfigError, load_job
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 from batchjob.job.engine_setup import build_engine
 from batchjob.job.resolved import ResolvedJob
 from batchjob.job.keywords import api_message

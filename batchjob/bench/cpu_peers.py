@@ -140,7 +140,8 @@ def drive_engine(engine, rows: int, prompt: int, gen: int, seed: int = 31) -> di
     and the decode steps that run all `rows` rows (their mean ms and tokens/s)."""
     import numpy as np
 
-    from batchjob.engine.core.sequence import SamplingParams, Sequence
+    from batchjob.engine.params import SamplingParams
+    from batchjob.engine.core.sequence import Sequence
     from batchjob.engine.sample.row_keys import row_key
 
     rng = np.random.default_rng(seed)

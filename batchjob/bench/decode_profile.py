@@ -25,7 +25,8 @@ def profile_decode(model_path: str, kernels: str = "auto", rows: int = 64, steps
     from batchjob.engine.engine import Engine, EngineConfig
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
-    from batchjob.engine.core.sequence import SamplingParams, Sequence
+    from batchjob.engine.params import SamplingParams
+    from batchjob.engine.core.sequence import Sequence
     from batchjob.models.registry import build_model
     from batchjob.models.loader import load_model
 

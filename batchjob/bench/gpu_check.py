@@ -115,7 +115,8 @@ def decode_throughput(cfg, weights, device, dtype, kernels: str, rows: int, prom
     from batchjob.engine.engine import Engine, EngineConfig
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
-    from batchjob.engine.core.sequence import SamplingParams, Sequence
+    from batchjob.engine.params import SamplingParams
+    from batchjob.engine.core.sequence import Sequence
     from batchjob.models.registry import build_model
 
     model = build_model(cfg, dict(weights), dtype, str(device), kernels=kernels, quantization=quantization)

@@ -34,7 +34,8 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     from batchjob.engine.worker.model_runner import ModelRunner
     from batchjob.engine.core.scheduler import Step
     from batchjob.models.step_context import StepContext
-    from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+    from batchjob.engine.params import SamplingParams
+    from batchjob.engine.core.sequence import Sequence, SeqStatus
 
     bs = 16
     runner = ModelRunner(model, -(-len(ids) // bs) + 1, bs)

@@ -62,7 +62,7 @@ def run_one(system: str, folder: Path, n: int, prompt: int, max_tokens: int) -> 
     """In this process: load, then generate; peak RSS (MiB) after loading, generation tokens/s."""
     ps = rows(n, prompt)
     if system == "batchjob":
-        from batchjob.engine.core.sequence import SamplingParams
+        from batchjob.engine.params import SamplingParams
         from batchjob.job.config import load_job
         from batchjob.job.engine_setup import build_engine
         from batchjob.job.resolved import ResolvedJob

@@ -63,7 +63,8 @@ class BatchjobRunner:
 
     def run(self, workload: Workload) -> RunResult:
         from batchjob.engine.sample.row_keys import row_key
-        from batchjob.engine.core.sequence import SamplingParams, Sequence
+        from batchjob.engine.params import SamplingParams
+        from batchjob.engine.core.sequence import Sequence
 
         engine = self._engine()
         seqs = [Sequence(i, list(r.prompt), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), rng_key=row_key(0, i))

@@ -23,7 +23,8 @@ from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
 from batchjob.engine.core.output import OutputProcessor
 from batchjob.engine.requests import EngineRequest, RequestOutput
-from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeError, SpeculativeMethod
 from batchjob.engine.spec_decode.ngram import NgramProposer

@@ -4,7 +4,7 @@ the job's identity (the fingerprint) and which keyword group of the Python API t
 fingerprint (job/fingerprint.py) and docs/reference/run-options.md are all made from this table.
 
 Adding an option: one `opt(...)` line below (and the code that reads it); a sampling parameter also needs its
-field in SamplingParams (engine/core/sequence.py) and the sampler's part (engine/sample/sampler.py)."""
+field in SamplingParams (engine/params.py) and the sampler's part (engine/sample/sampler.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -8,7 +8,8 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.sample.row_keys import row_key
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from tests.builders import prompts
 
 

@@ -14,7 +14,8 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.sample.row_keys import sequence_key
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.models.config import ModelConfig
 from batchjob.models.registry import build_model
 from batchjob.models.causal_lm import CausalLM

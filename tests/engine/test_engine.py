@@ -8,7 +8,8 @@ import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import Lane, SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.sample.row_keys import row_key
 from batchjob.engine.worker.input_batch import rows_of, step_inputs
 from tests.builders import make_engine, prompts

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from batchjob.engine.core.block_pool import BlockPool, block_hashes
 from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 
 # CPython's hash(-1) is -2 (-1 is its error code), so these blocks' tuples hash alike and the old key,
 # chained hash((parent, tuple(block))) from 0, was the same for both prefixes

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 from tests.builders import run_rows
 from tests.engine.test_determinism import tiny_model as determinism_model
 from tests.job.test_embed import ours

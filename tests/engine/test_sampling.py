@@ -16,7 +16,8 @@ from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.sample.sampler import NUCLEUS_WINDOW, sampleable
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.io.parts import read_results
 from batchjob.models.registry import build_model
 from batchjob.models.loader import load_model

@@ -5,7 +5,8 @@ import itertools
 
 from batchjob.engine.core.block_pool import BlockPool
 from batchjob.engine.core.scheduler import Lane, Scheduler, SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence, SeqStatus
 
 
 class Clock:

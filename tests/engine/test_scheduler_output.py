@@ -9,7 +9,8 @@ import pytest
 
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.core.scheduler_output import SchedulerOutput
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.sample.row_keys import row_key
 from batchjob.engine.spec_decode.config import SpeculativeConfig

@@ -10,7 +10,8 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.sample.row_keys import row_key
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.spec_decode.config import SpeculativeConfig, SpeculativeError
 from batchjob.engine.spec_decode.ngram import NgramProposer
 from batchjob.models.config import ModelConfig
@@ -108,7 +109,7 @@ def test_a_row_whose_proposals_fail_backs_off_and_a_large_batch_does_not_propose
     for _ in range(4):
         prop.observe(seq, 4, 0)
     prop.propose([seq], 1000)
-    assert seq.draft is None and seq.spec_state.skip == 3  # 4 steps without proposals, this one included
+    assert seq.draft is None and prop.state(seq).skip == 3  # 4 steps without proposals, this one included
     others = [Sequence(i, [1, 2, 1, 2], SamplingParams(max_tokens=9)) for i in range(3)]
     for s in others:
         s.num_computed = s.num_tokens - 1

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import PoolingParams, SamplingParams, Sequence
+from batchjob.engine.params import PoolingParams, SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.models.loader import load_model
 from batchjob.models.registry import build_model

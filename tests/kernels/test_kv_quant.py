@@ -12,7 +12,8 @@ import torch
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.kernels import AttentionMetadata, KernelError, paged_attention_torch, select_kernels, store_kv
 from batchjob.kernels.reference.kv_quant import GROUP4, QuantizedKV, dequantize, quantize
 from batchjob.kernels.native.ops import PackedKV

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.kernels import KernelError, select_kernels
 from batchjob.kernels.native.build import compile_only, isa_runs_here
 from batchjob.kernels.reference.kernel_set import TorchKernels

@@ -315,7 +315,8 @@ def graphs_case(device):
     from batchjob.engine.engine import Engine, EngineConfig
     from batchjob.engine.sample.row_keys import row_key
     from batchjob.engine.core.scheduler import SchedulerConfig
-    from batchjob.engine.core.sequence import SamplingParams, Sequence
+    from batchjob.engine.params import SamplingParams
+    from batchjob.engine.core.sequence import Sequence
     from batchjob.models.registry import build_model
 
     cfg, weights = random_llama(512, 64, 128, 2, 4, 2, device=device, dtype=torch.float32, max_positions=256)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchjob.engine.core.scheduler import SchedulerConfig
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.models import registry
 from batchjob.models.loader import load_model

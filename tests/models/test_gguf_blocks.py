@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.kernels.linear_quant import BlockQuantLinear, PackedWeight
 from batchjob.kernels.native.build import ISAS, isa_runs_here

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.models import registry
 from batchjob.models.config import ModelConfig, UnsupportedModelError

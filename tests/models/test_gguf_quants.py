@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 from batchjob.models import gguf_file
 from batchjob.models.loader import load_model
 from batchjob.models.registry import build_model

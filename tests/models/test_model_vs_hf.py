@@ -11,7 +11,8 @@ import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
-from batchjob.engine.core.sequence import SamplingParams, Sequence
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.worker.input_batch import rows_of, step_inputs
 from batchjob.models.registry import build_model
 from batchjob.models.causal_lm import CausalLM

@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from batchjob.engine.core.scheduler import SchedulerConfig  # noqa: E402
-from batchjob.engine.core.sequence import SamplingParams  # noqa: E402
+from batchjob.engine.params import SamplingParams  # noqa: E402
 from batchjob.engine.engine import Engine, EngineConfig  # noqa: E402
 from batchjob.models import registry  # noqa: E402
 from batchjob.models.loader import load_model  # noqa: E402

@@ -18,7 +18,7 @@ def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: 
                  images=()) -> list[bytes]:
     """Chained digests of the full blocks of `token_ids` from block index `start` on: each is
     SHA-256(parent digest + the block's token ids as int64 + the digest of each image whose placeholders the block
-    holds). `images`: the row's ImageSlots (engine/core/sequence.py): the same text with another image is another
+    holds). `images`: the row's ImageSlots (engine/params.py): the same text with another image is another
     prefix, the same image with the same text the same one."""
     out = []
     h = parent if parent is not None else ROOT

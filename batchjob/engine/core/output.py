@@ -8,7 +8,8 @@ from typing import Protocol
 
 from batchjob.engine.core.block_pool import BlockPool
 from batchjob.engine.core.scheduler import Scheduler, Step
-from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence, SeqStatus
 
 
 class ProposalObserver(Protocol):

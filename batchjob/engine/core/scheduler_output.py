@@ -10,13 +10,18 @@ them (Executor.release)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from batchjob.engine.core.scheduler import Step
-from batchjob.engine.core.sequence import ImageSlot, SamplingParams
+from batchjob.engine.params import ImageSlot, SamplingParams
 
-if TYPE_CHECKING:  # a step mask holds torch tensors; this module stays torch-free
-    from batchjob.engine.structured.rows import StepMask
+
+class GrammarMask(Protocol):
+    """A step's token bitmask for its structured rows (engine/structured/rows.py's StepMask), filled while the forward
+    runs: `wait()` gives (bitmask int32 [rows, words], the logits rows it constrains), tensors the worker stages (the
+    core carries the mask and never reads it: it stays torch-free)."""
+
+    def wait(self) -> tuple: ...
 
 
 class NewRow(NamedTuple):  # NamedTuples: immutable, and made at C speed (a step makes one per row)
@@ -53,7 +58,7 @@ class SchedulerOutput:
     updates: list[RowUpdate] = field(default_factory=list)
     preempted_ids: list[int] = field(default_factory=list)  # their block tables are gone until they resume
     # the structured rows' token bitmask over the sampled positions (filled while the forward runs), or None
-    grammar: StepMask | None = None
+    grammar: GrammarMask | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 
 
 class PenalizedRow(Protocol):

@@ -2,7 +2,7 @@
 uniform draw at each output position, a pure function of (key, position) (splitmix64, no RNG state)."""
 from __future__ import annotations
 
-from batchjob.engine.core.sequence import SamplingParams
+from batchjob.engine.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 SEEDED_ROW = _MASK64  # the row index a row's own seed is hashed with: no input row has it

@@ -12,20 +12,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import torch
 
-from batchjob.engine.sample.penalties import apply_penalties
+from batchjob.engine.sample.penalties import PenalizedRow, apply_penalties
 from batchjob.engine.sample.row_keys import uniform
 from batchjob.engine.structured.mask import apply_token_bitmask_
-from batchjob.engine.worker.input_batch import CachedRow
 from batchjob.kernels import argmax_rows
+
+
+class SampledRow(PenalizedRow, Protocol):
+    """What the sampler reads of a row (the worker's CachedRow, or a draft model's row): its parameters, its output
+    position (the row key's counter) and the tokens its min_tokens masks."""
+    rng_key: int
+    stop_token_set: frozenset[int]
+
+    @property
+    def num_output(self) -> int: ...
 
 # a generated token's logprobs: (token id, its logprob, the top alternatives [(id, logprob)])
 LogprobEntry = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
-def sample(logits: torch.Tensor, seqs: Seq[CachedRow], argmax=None, offsets: list[int] | None = None,
+def sample(logits: torch.Tensor, seqs: Seq[SampledRow], argmax=None, offsets: list[int] | None = None,
            mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
     """logits: [B, V] for the worker's rows `seqs` (the sampled token is at output position `row.num_output`).
     Returns one token id per row, still on the logits' device (`SampledTokens.tolist()` waits for them); rows

@@ -44,15 +44,16 @@ class DraftProposer(NgramProposer):
         if not rows:
             return
         for seq in rows:
-            state = seq.spec_state
+            state = self.state(seq)
             if state.preemptions != seq.num_preemptions:
                 state.computed, state.preemptions = 0, seq.num_preemptions  # its blocks are new: nothing held
-        behind = [s for s in rows if s.spec_state.computed < s.num_tokens - 1]
+        behind = [s for s in rows if self.state(s).computed < s.num_tokens - 1]
         if behind:  # catch up: the tokens it has not seen, but the last (the first draft step reads it)
-            self._forward([(s.token_ids[s.spec_state.computed:s.num_tokens - 1], s.spec_state.computed, s.block_table)
-                           for s in sorted(behind, key=lambda s: s.num_tokens - 1 - s.spec_state.computed != 1)])
+            done = {id(s): self.state(s).computed for s in behind}
+            self._forward([(s.token_ids[done[id(s)]:s.num_tokens - 1], done[id(s)], s.block_table)
+                           for s in sorted(behind, key=lambda s: s.num_tokens - 1 - done[id(s)] != 1)])
             for s in behind:
-                s.spec_state.computed = s.num_tokens - 1
+                self.state(s).computed = s.num_tokens - 1
         for j in range(max(len(s.draft) for s in rows)):
             active = [s for s in rows if len(s.draft) > j]
             inputs = [(s.token_ids[-1] if j == 0 else s.draft[j - 1], s.num_tokens - 1 + j) for s in active]
@@ -60,7 +61,7 @@ class DraftProposer(NgramProposer):
             tokens = sampler.sample(logits, [_sampling_row(s) for s in active], offsets=[j] * len(active)).tolist()
             for s, tok in zip(active, tokens):
                 s.draft[j] = tok
-                s.spec_state.computed = s.num_tokens + j
+                self.state(s).computed = s.num_tokens + j
 
     def _forward(self, rows, sample: bool = False) -> torch.Tensor | None:
         model, runner = self.model, self.runner
@@ -72,7 +73,7 @@ class DraftProposer(NgramProposer):
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         super().observe(seq, proposed, accepted)
-        state = seq.spec_state
+        state = self.state(seq)
         state.computed = min(state.computed, seq.num_computed)  # past the verified tokens it holds rejected ones
 
 

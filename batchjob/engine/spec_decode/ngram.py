@@ -14,6 +14,8 @@ decoding rows than `max_rows`: there the batch already fills the machine and ext
 they save (make bench: the speculative workload)."""
 from __future__ import annotations
 
+import weakref
+
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.spec_decode.config import SpeculativeConfig
 from batchjob.engine.spec_decode.row_index import RowIndex
@@ -24,6 +26,14 @@ class NgramProposer:
         self.config = config
         self.proposed = 0  # tokens proposed, summed over the run
         self.accepted = 0  # of them, kept
+        self._rows: weakref.WeakKeyDictionary[Sequence, RowIndex] = weakref.WeakKeyDictionary()  # a row's, while it lives
+
+    def state(self, seq: Sequence) -> RowIndex:
+        """The row's index and back-off state, made at its first proposal."""
+        state = self._rows.get(seq)
+        if state is None:
+            state = self._rows[seq] = RowIndex()
+        return state
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -39,9 +49,7 @@ class NgramProposer:
             seq.draft = None
             if not allowed or not self.eligible(seq):
                 continue
-            state = seq.spec_state
-            if state is None:
-                state = seq.spec_state = RowIndex()
+            state = self.state(seq)
             if state.skip:
                 state.skip -= 1
                 continue
@@ -69,7 +77,7 @@ class NgramProposer:
         """A row's verified proposal: count it, and back off a row whose proposals keep failing."""
         self.proposed += proposed
         self.accepted += accepted
-        state = seq.spec_state
+        state = self.state(seq)
         state.proposed += proposed
         state.accepted += accepted
         if state.proposed >= 4 * self.config.num_tokens:

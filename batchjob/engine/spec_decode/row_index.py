@@ -1,4 +1,4 @@
-"""A speculating row's state, kept on its Sequence (`spec_state`): the n-gram index of prompt lookup (ngram.py), its
+"""A speculating row's state, kept by its proposer (weakly keyed by the row: gone with it): the n-gram index of prompt lookup (ngram.py), its
 back-off, and how far a draft model's cache has caught up with the row (draft.py)."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 
 from batchjob.engine.core.scheduler import Step
 from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
-from batchjob.engine.core.sequence import ImageSlot, SamplingParams
+from batchjob.engine.params import ImageSlot, SamplingParams
 from batchjob.engine.sample.penalties import PenaltyState
 from batchjob.kernels import AttentionMetadata
 

@@ -15,7 +15,8 @@ from batchjob.engine.worker.model_runner import ModelRunner
 from batchjob.engine.config import KvPool, KvSizing
 from batchjob.engine.core.scheduler import SchedulerConfig, Step
 from batchjob.engine.core.scheduler_output import WorkerView
-from batchjob.engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from batchjob.engine.params import SamplingParams
+from batchjob.engine.core.sequence import Sequence, SeqStatus
 from batchjob.errors import KvBudgetError  # noqa: F401 - raised here, defined with the other errors
 
 GIB = 1 << 30

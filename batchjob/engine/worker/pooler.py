@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchjob.engine.core.sequence import Pooling
+from batchjob.engine.params import Pooling
 from batchjob.engine.worker.input_batch import CachedRow
 
 
