@@ -148,6 +148,24 @@ def test_the_engines_parts_import_each_other_in_one_direction():
     assert _cycles(parts) == []
 
 
+def test_the_job_asks_a_source_through_its_interface():
+    """job/, the API and the command line never ask which Source class they hold (isinstance on a *Source, or a
+    shard's `inner` read around it): what they need is a method of io/sources/base.py's Source."""
+    found = []
+    for name, path in _modules().items():
+        if not (_under(name, "batchjob.job") or _under(name, "batchjob.cli") or name == "batchjob.api"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                if node.func.id == "isinstance" and any(ast.unparse(k).endswith("Source") for k in kinds):
+                    found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and any(isinstance(a, ast.Constant) and a.value == "inner" for a in node.args):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -13,6 +13,7 @@ import json
 import os
 import re
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,20 +146,37 @@ class ShardSource(Source):
         self.num_rows = rng.num_rows
         self._position = (rng.start, rng.offset or 0)
 
-    def info(self) -> dict:
+    def shard(self) -> dict:
         """What a shard manifest records (in its fingerprint) about the slice."""
         return {"index": self.spec.index, "count": self.spec.count, "start": self.range.start, "end": self.range.end}
 
+    @property
+    def whole(self) -> Source:
+        return self.inner
+
+    @property
+    def seeks(self) -> bool:
+        return self.inner.seeks
+
     def position(self) -> tuple[int, int]:
-        """JSONL only: (next row_index, byte offset) after the last row this shard yielded."""
+        """A seeking input's (next row_index, byte offset) after the last row this shard yielded."""
         return self._position
+
+    def check_task(self, task: str) -> None:
+        self.inner.check_task(task)
+
+    def other_models(self, served: set[str]) -> Counter[str]:
+        return self.inner.other_models(served)
+
+    def carries_tools(self, column: str) -> bool:
+        return self.inner.carries_tools(column)
 
     def rows(self, skip: RowRanges | None = None, *, columns: list[str] | None = None,
              start_offset: tuple[int, int] | None = None) -> Iterator[InputRow]:
         start, end = self.range.start, self.range.end
         if start == end or (skip is not None and skip.covers(start, end)):
             return
-        if isinstance(self.inner, JsonlSource):
+        if self.inner.seeks:
             here = (start, self.range.offset or 0)
             if start_offset is not None and start_offset[0] > here[0]:
                 here = start_offset  # a resume point recorded inside this shard
@@ -171,7 +189,7 @@ class ShardSource(Source):
                 if row.row_index >= end:
                     break
                 yield row
-                if isinstance(self.inner, JsonlSource):
+                if self.inner.seeks:
                     self._position = self.inner.position()
         finally:
             rows.close()

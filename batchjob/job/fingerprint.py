@@ -10,7 +10,6 @@ from pathlib import Path
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Quantization, Task
 from batchjob.job.options import DEFAULTS, OPTIONS, Identity
-from batchjob.cluster.shards import ShardSource
 from batchjob.io.sources import Source
 from batchjob.version import __version__
 
@@ -58,8 +57,8 @@ def fingerprint(cfg: JobConfig, source: Source, input_path: str, model: ModelFac
         params["task"] = {"task": cfg.task, "continuation_column": cfg.continuation_column}
     fp = {"batchjob": __version__, "input": input_identity(Path(input_path), source),
           "model": model.identity, "params": json.loads(json.dumps(params))}  # as the manifest holds it: modes as text
-    if isinstance(source, ShardSource):
-        fp["shard"] = source.info()
+    if (shard := source.shard()) is not None:
+        fp["shard"] = shard
     return fp
 
 
@@ -68,9 +67,8 @@ def input_identity(path: Path, source: Source) -> dict:
     (under the input folder), size and content hash. By content, not by mtime or location: a copied,
     moved or touched input still resumes; a changed byte forces --restart (in a huge file, a changed
     size or a byte inside a sampled window)."""
-    reader = getattr(source, "inner", source)  # a shard reads its whole input's files
     files = [[f.relative_to(path).as_posix() if path.is_dir() else f.name, f.stat().st_size, content_hash(f)]
-             for f in reader.files]
+             for f in source.whole.files]  # a shard reads its whole input's files
     return {"format": source.format_name, "files": files, "columns": list(source.columns)}
 
 

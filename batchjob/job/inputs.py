@@ -9,7 +9,7 @@ from batchjob.cluster.shards import ShardSpec, check_unsharded
 from batchjob.errors import ConfigError
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
-from batchjob.io.sources import OpenAIBatchSource, Source, SourceError, open_source, validate_columns
+from batchjob.io.sources import Source, SourceError, open_source, validate_columns
 from batchjob.tools.requests import TOOLS_COLUMN
 
 OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
@@ -62,8 +62,7 @@ def open_inputs(cfg: JobConfig, inputs: list[tuple[str, Path, str | None]]
                 validate_columns(source, [cfg.image_column], fix="pass --image-column NAME naming the column with the "
                                  "rows' images")
         use_messages[id(source)] = uses
-        if isinstance(source, OpenAIBatchSource):
-            source.check_task(cfg.task)
+        source.check_task(cfg.task)
     chat = cfg.chat or cfg.image_column is not None or any(use_messages.values())
     if cfg.chat_template_kwargs and cfg.task == Task.GENERATE and not chat and len(empty_inputs) < len(sources):
         raise ConfigError(f"chat_template_kwargs: the rows are plain prompts (the input has no {cfg.messages_column!r} "
@@ -88,7 +87,6 @@ def with_tool_parser(cfg: JobConfig, sources: list[OpenedInput]) -> JobConfig:
     if cfg.tool_parser is not None or cfg.task != Task.GENERATE:
         return cfg
     for source, *_ in sources:
-        reader = getattr(source, "inner", source)  # a shard's whole input
-        if reader.tool_rows if isinstance(reader, OpenAIBatchSource) else TOOLS_COLUMN in source.columns:
+        if source.carries_tools(TOOLS_COLUMN):
             return dataclasses.replace(cfg, tool_parser="auto")
     return cfg

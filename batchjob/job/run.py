@@ -25,12 +25,12 @@ from batchjob.job.feed import RowFeed
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
-from batchjob.cluster.shards import ShardSource, claim_shard
+from batchjob.cluster.shards import claim_shard
 from batchjob.io.export import responses_written, write_openai_batch
 from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
-from batchjob.io.sources import JsonlSource, OpenAIBatchSource, Source
+from batchjob.io.sources import Source
 from batchjob.job.engine_setup import engine_for
 from batchjob.job.kept_models import ModelKeeper
 from batchjob.job.images import ImageRows
@@ -122,9 +122,7 @@ class Job:
                                   prefill_only=cfg.task != Task.GENERATE, model=self.loaded.name)
         served = {cfg.model, self.loaded.name, Path(cfg.model).name, Path(cfg.model).stem}
         for source, *_ in sources:
-            reader = getattr(source, "inner", source)  # a shard's whole file
-            if isinstance(reader, OpenAIBatchSource):
-                self.summary.other_models.update(reader.other_models(served))
+            self.summary.other_models.update(source.other_models(served))
         bases = {id(source): Path(path).parent for source, path, *_ in sources}  # relative image paths start here
         self.feed = RowFeed(cfg, self.loaded, self.engine, self.use_messages, template, lane_column_out, self.summary,
                             images, bases, self.reasoning, tool_rows)
@@ -284,9 +282,9 @@ class Job:
     def _progress(self, total: int | None) -> Progress:
         total_bytes = bytes_before = None
         if total is None and len(self.streams) == 1:
-            reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
-            if isinstance(reader, JsonlSource) and not isinstance(self.streams[0].source, ShardSource):
-                total_bytes = reader.num_bytes  # of every file, for a folder of JSONL files
+            source = self.streams[0].source
+            if source.seeks and source.whole is source:  # a JSONL input, whole: its bytes (of every file of a folder)
+                total_bytes = source.num_bytes
                 resume = self.streams[0].sink.extra.get(RESUME_POSITION)
                 bytes_before = int(resume[1]) if resume else 0
         return Progress(total_rows=total, rows_before=self.before[0], log_every=self.cfg.log_every,
@@ -295,8 +293,7 @@ class Job:
     def _snapshot(self) -> Snapshot:
         position = None
         if self.progress.total_bytes is not None:
-            reader = getattr(self.streams[0].source, "inner", self.streams[0].source)
-            position = reader.position()[1]
+            position = self.streams[0].source.position()[1]  # a whole JSONL input (_progress)
         s = self.summary
         in_flight = self.feed.rows_in_flight
         return Snapshot(rows_done=self.before[0] + s.rows, rows_committed=self._committed_rows(),

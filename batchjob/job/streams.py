@@ -17,7 +17,7 @@ from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.parts import part_schema
 from batchjob.io.recovery import clear_results
 from batchjob.io.sink import INPUT_PATH, RESUME_POSITION, ArrowSink
-from batchjob.io.sources import InputRow, JsonlSource, OpenAIBatchSource, Source
+from batchjob.io.sources import InputRow, OpenAIBatchSource, Source
 from batchjob.job.results import OutputColumns, output_columns
 
 @dataclass(slots=True, eq=False)
@@ -108,12 +108,11 @@ def uncommitted_rows(stream: Stream, limit: int | None) -> Iterator[InputRow]:
 
 def _rows_from(stream: Stream) -> Iterator[InputRow]:
     source, sink = stream.source, stream.sink
-    reader = getattr(source, "inner", source)  # a shard reads through its inner source
-    if not isinstance(reader, JsonlSource):
+    if not source.seeks:
         unknown = source.num_rows is None  # a streamed input (CSV, compressed JSONL) counts its rows as it reads
         yield from source.rows(skip=sink.done)
-        if unknown and reader.num_rows is not None:
-            sink.set_total_rows(reader.num_rows)  # now known: `status` and `export` can tell what is missing
+        if unknown and source.whole.num_rows is not None:
+            sink.set_total_rows(source.whole.num_rows)  # now known: `status` and `export` can tell what is missing
         return
     start = tuple(source.position())  # (0, 0), or where a shard begins
     resume = sink.extra.get(RESUME_POSITION)
@@ -124,6 +123,6 @@ def _rows_from(stream: Stream) -> Iterator[InputRow]:
     for item in source.rows(skip=sink.done, start_offset=start):
         sink.note_position(item.row_index, list(before))
         yield item
-        before = reader.position()
+        before = source.whole.position()  # a shard: its input's, current as soon as the row is yielded
     if source.num_rows is None:
         sink.set_total_rows(before[0])  # now known: `status` and `export` can tell what is missing

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ class SourceError(Exception):
 
 
 class Source:
+    """An input's rows. What a reader of it may ask besides its rows is a method here, answered by each format (the
+    job never asks which class it holds)."""
     format_name: ClassVar[str] = ""
 
     def __init__(self, path: Path) -> None:
@@ -38,6 +41,37 @@ class Source:
         self.files: list[Path] = [path]  # the data files read, in reading order (the job fingerprint hashes them)
         self.columns: list[str] = []
         self.num_rows: int | None = None
+        self.num_bytes: int | None = None  # JSONL: the bytes its row offsets count up to (progress by bytes read)
+
+    @property
+    def whole(self) -> Source:
+        """The source whose files are read: itself; a shard's, the whole input it slices."""
+        return self
+
+    @property
+    def seeks(self) -> bool:
+        """Whether `rows(start_offset=...)` and `position()` resume at a byte offset (JSONL) rather than by skipping
+        committed rows' units."""
+        return False
+
+    def position(self) -> tuple[int, int]:
+        """A seeking source's (next row_index, byte offset) after the last row it yielded."""
+        raise NotImplementedError(f"{self.format_name} input does not resume at byte offsets")
+
+    def shard(self) -> dict | None:
+        """What a shard's manifest records of its slice (cluster/shards.py); None for a whole input."""
+        return None
+
+    def check_task(self, task: str) -> None:
+        """Raises SourceError where the input's own requests ask for another task than the job's (OpenAI Batch)."""
+
+    def other_models(self, served: set[str]) -> Counter[str]:
+        """Model names the input's own requests give that the job does not serve: name -> rows (OpenAI Batch)."""
+        return Counter()
+
+    def carries_tools(self, column: str) -> bool:
+        """Whether its rows carry tools: the `column` among its columns, or (OpenAI Batch) bodies with tools."""
+        return column in self.columns
 
     def rows(self, skip: RowRanges | None = None, *, columns: list[str] | None = None) -> Iterator[InputRow]:
         """Rows in input order, leaving out `skip`. `columns` narrows each record (a read hint)."""

@@ -154,8 +154,12 @@ class JsonlSource(JsonLines):
         for file in files:
             self._bases.append(total)
             total += file.stat().st_size
-        self.num_bytes = total  # of all its files: what byte offsets count up to (progress by bytes read)
         super().__init__(path, files)
+        self.num_bytes = total  # of all its files: what byte offsets count up to (progress by bytes read)
+
+    @property
+    def seeks(self) -> bool:
+        return True
 
     def position(self) -> tuple[int, int]:
         """(next row_index, byte offset just past the last yielded row): pass it back as

@@ -66,6 +66,9 @@ class OpenAIBatchSource(JsonlSource):
             raise SourceError(f"{self.path}: its lines are {CHAT} or {COMPLETIONS} requests, which generate text; run "
                               f"them without --task embed")
 
+    def carries_tools(self, column: str) -> bool:
+        return self.tool_rows > 0
+
     def other_models(self, served: set[str]) -> Counter[str]:
         """The `model` names of the lines that name none of `served` (answered by the job's model all the same,
         as vLLM's run_batch does): name -> lines."""
