@@ -19,7 +19,7 @@ from batchjob.engine.engine import Engine
 from batchjob.errors import ChatHintWarning
 from batchjob.job.config import ConfigError, JobConfig, job_values, load_job
 from batchjob.job.embed_task import resolve_pooling
-from batchjob.job.engine_setup import build_models, engine_for
+from batchjob.job.engine_setup import adapter_slots, build_models, engine_for
 from batchjob.job.in_memory import Result, run_in_memory, score_records
 from batchjob.job.chat_templates import check_chat_template, template_text
 from batchjob.job.keywords import api_words, check_names, job_config
@@ -209,7 +209,7 @@ class LLM:
         return cfg, PromptBuilder(cfg, self.tokenizer, use_messages=True, chat_template=template, in_memory=True,
                                   images=self._images, image_base=Path.cwd(), model_name=self.loaded.name,
                                   tool_rows=tool_rows,
-                                  adapters=None if self._models[0].adapters is None else self._models[0].adapters.slots)
+                                  adapters=adapter_slots(cfg))
 
     def _chat_hint(self, cfg: JobConfig, records: list[dict | str], results: list[Result]) -> None:
         """Plain prompts into a model with a chat template that ended at their first token (an instruct model's

@@ -166,6 +166,21 @@ def test_the_job_asks_a_source_through_its_interface():
     assert found == []
 
 
+def test_only_the_model_and_the_engine_read_a_models_adapters():
+    """The adapters on a model are the decoder's (each step's slots) and the engine's (their digests), typed by
+    models/adapters.py's ModelAdapters; the job knows the slots it asked for (job/engine_setup.py adapter_slots) and
+    never reads them back through the engine's model."""
+    found = []
+    for name, path in _modules().items():
+        if _under(name, "batchjob.models") or _under(name, "batchjob.lora") or name == "batchjob.engine.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "adapters" and \
+                    re.search(r"(model|models\[\d+\])$", ast.unparse(node.value)):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -92,8 +92,8 @@ class Engine:
         self.model = model
         self.config = config  # read, never changed: derived limits live on the engine and its scheduler
         # each LoRA adapter's prefix-cache root: its rows' prefixes are keyed apart from the base model's and each other's
-        adapters = model.adapters.adapters if model.adapters is not None else []
-        self._lora_roots = [hashlib.sha256(b"lora\0" + a.digest.encode()).digest() for a in adapters]
+        digests = model.adapters.digests if model.adapters is not None else []
+        self._lora_roots = [hashlib.sha256(b"lora\0" + d.encode()).digest() for d in digests]
         self.eos = frozenset(eos_token_ids)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.host_pool = BlockPool(num_host, config.block_size) if num_host else None

@@ -8,7 +8,7 @@ from batchjob.job.resolved import ResolvedJob
 from batchjob.engine.config import EngineConfig, Lane, SchedulerConfig, speculative_config
 from batchjob.engine.engine import Engine
 from batchjob.lora.adapter import read_adapters
-from batchjob.lora.apply import attach
+from batchjob.lora.apply import attach, slots_of
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError
@@ -84,3 +84,8 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
                                                        cfg.draft_model),
                         scheduler=sched)
     return Engine(model, loaded.tokenizer.eos_token_ids, ecfg, draft_model=draft, tokenizer=loaded.tokenizer)
+
+
+def adapter_slots(cfg: JobConfig) -> dict[str, int] | None:
+    """The job's LoRA adapters by name -> their slot on the model (as build_models attaches them), or None."""
+    return slots_of(list(cfg.adapters)) if cfg.adapters else None

@@ -8,7 +8,7 @@ from batchjob.engine.requests import SamplingParams
 from batchjob.engine.engine import Engine
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
-from batchjob.job.engine_setup import lanes_of
+from batchjob.job.engine_setup import adapter_slots, lanes_of
 from batchjob.job.error_budget import ErrorBudget
 from batchjob.images.sources import fetch_many
 from batchjob.job.images import ImageRows
@@ -37,7 +37,7 @@ class RowFeed:
         self.builders = {key: PromptBuilder(cfg, loaded.tokenizer, uses, template, images=images,
                                             image_base=(image_bases or {}).get(key), model_name=loaded.name,
                                             tool_rows=tool_rows,
-                                            adapters=None if engine.model.adapters is None else engine.model.adapters.slots)
+                                            adapters=adapter_slots(cfg))
                          for key, uses in use_messages.items()}
         self.lane_column_out = lane_column_out
         self.summary = summary

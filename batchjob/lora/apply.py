@@ -32,7 +32,11 @@ class AdapterSet:
     slots: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.slots = {a.name: i for i, a in enumerate(self.adapters)}
+        self.slots = slots_of([a.name for a in self.adapters])
+
+    @property
+    def digests(self) -> list[str]:
+        return [a.digest for a in self.adapters]
 
     def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype, ops: KernelSet) -> None:
         self.ids, self.ops = adapter_ids, ops
@@ -64,6 +68,11 @@ class LoraMatmul:
         if a.keep is None:
             return y
         return a.ops.lora(x, y, self.weights, a.ids, a.keep)
+
+
+def slots_of(names: list[str]) -> dict[str, int]:
+    """Each adapter's slot: slot i is the i-th adapter given (what `attach` builds, and what the job asks rows for)."""
+    return {name: slot for slot, name in enumerate(names)}
 
 
 def _places(model) -> dict[str, tuple[str, str, int, int, int]]:

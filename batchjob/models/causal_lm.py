@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from batchjob.kernels import KernelSet
+from batchjob.models.adapters import ModelAdapters
 from batchjob.models.config import ModelConfig
 from batchjob.models.step_context import ModelFeature, StepContext
 
@@ -33,7 +34,7 @@ class CausalLM(Protocol):
 
     # a vision-language family's image encoder: pixel values [B, 3, S, S] -> [B, tokens per image, hidden]; else None
     image_encoder: Callable[[torch.Tensor], torch.Tensor] | None
-    adapters: object | None  # LoRA adapters put on the model (batchjob/lora/apply.py AdapterSet), or None
+    adapters: ModelAdapters | None  # LoRA adapters put on its matmuls (lora/apply.py attach), or None
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids' input embeddings, as the forward looks them up (a step's inputs_embeds start from these)."""

@@ -18,6 +18,7 @@ from batchjob.notices import notice
 from batchjob.kernels.linear_quant import BlockQuantLinear, PackedWeight
 from batchjob.kernels.profiling import scope
 from batchjob.kernels.quantization import WeightMatmul
+from batchjob.models.adapters import ModelAdapters
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import MLP, DecoderLayer, MoE
 from batchjob.models.step_context import DECODER_FEATURES, ModelFeature, StepContext
@@ -41,7 +42,7 @@ class DecoderLM:
         self.features = features  # what a step may carry (the family's declaration)
         # a vision-language family's: pixel values [B, 3, S, S] -> [B, tokens per image, hidden] (models/vision/)
         self.image_encoder = image_encoder
-        self.adapters = None  # LoRA adapters put on the model (batchjob/lora/apply.py AdapterSet), or None
+        self.adapters: ModelAdapters | None = None  # LoRA adapters put on its matmuls (lora/apply.py attach)
         self.layers = layers
         self.embed = embed  # [vocab, hidden] in the compute dtype, or as a GGUF file stores it (looked up as stored)
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
