@@ -203,3 +203,17 @@ def test_an_adapter_in_the_local_hugging_face_cache_is_found_by_its_id(tmp_path,
     assert result.exit_code == 0, result.output
     row, = read_results(tmp_path / "o").to_pylist()
     assert row["error"] is None and row["generated_text"] == decode(model, reference(base, paths[1], PROMPTS[0]))
+
+
+def test_the_python_api_runs_each_prompts_adapter_as_peft_does(folders):
+    """LLM(adapters={...}) and generate(..., lora=NAME) (a prompt dict's own `lora` wins): PEFT's greedy text."""
+    import batchjob
+
+    base, model, paths = folders
+    llm = batchjob.LLM(str(model), adapters={"a0": str(paths[0]), "a1": str(paths[1])}, dtype="float32")
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1], "lora": "a1"}]
+    got = llm.generate(prompts, lora="a0", max_tokens=8, ignore_eos=True)
+    assert [r.text for r in got] == [decode(model, reference(base, paths[0], PROMPTS[0])),
+                                     decode(model, reference(base, paths[1], PROMPTS[1]))]
+    plain = llm.generate([{"prompt_token_ids": PROMPTS[2]}], max_tokens=8, ignore_eos=True)
+    assert plain[0].text == decode(model, reference(base, None, PROMPTS[2]))
