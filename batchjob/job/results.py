@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from batchjob.engine.requests import RequestOutput, SamplingParams
 from batchjob.job.prompt_builder import RowError, has_row_sampling
 from batchjob.tools.cut_calls import complete_calls
-from batchjob.tools.parsers import PARSE, parse
+from batchjob.tools.parsers import PARSE, parse, tag_decoder
 from batchjob.tools.requests import ToolRequest
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
@@ -178,15 +178,17 @@ class PendingRow:
         parser (batchjob/tools/parsers.py), which reads the answer's calls where the row has tools."""
         lps = token_text.logprobs(out.logprobs) if out.logprobs is not None else None
         thought, thought_tokens, addressed = None, 0, None
+        parses = tool_parser is not None and self.tools is not None and self.tools.choice != "none"
+        decode = tag_decoder(tool_parser, tokenizer.token_id, tokenizer.decode) if parses else tokenizer.decode
         if reasoning is not None and out.finish_reason != "error":
-            split = reasoning.split(out.output_ids, tokenizer.decode, reasoning.opened_by(out.prompt_ids), out.stop_text)
+            split = reasoning.split(out.output_ids, decode, reasoning.opened_by(out.prompt_ids), out.stop_text)
             text, thought, thought_tokens = split.content, split.reasoning, split.reasoning_tokens
             addressed = split.calls  # harmony's messages to tools: the openai tool parser's calls
         else:
-            text = out.stop_text if out.stop_text is not None else tokenizer.decode(list(out.output_ids))
+            text = out.stop_text if out.stop_text is not None else decode(list(out.output_ids))
         calls = error = None
         reason = out.finish_reason
-        if tool_parser is not None and self.tools is not None and self.tools.choice != "none" and reason != "error":
+        if parses and reason != "error":
             parsed = parse(tool_parser, text, out.output_ids, addressed)
             if reason == "length" and parsed.error is not None and not parsed.calls and tool_parser != "openai":
                 parsed = complete_calls(PARSE[tool_parser], text, out.output_ids, parsed)  # cut inside a call

@@ -21,6 +21,7 @@ import ast
 import functools
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchjob.tools.arguments import kind, literal, loads, object_text, raw_decode
@@ -240,6 +241,33 @@ def parse(parser: str, text: str, output_ids=(), messages=None) -> ParsedCalls:
     if parser == "openai":
         return parse_openai(text, output_ids, messages)
     return PARSE[parser](text, output_ids)
+
+
+# each parser's tags: tokenizers mark several of them special (Mistral's [TOOL_CALLS], [ARGS], [CALL_ID]; Llama 3's
+# <|python_tag|>; Llama 4's <|python_start|>), and the answer is decoded without special tokens, which would leave the
+# parser nothing to find: a tool row's answer keeps them (vLLM decodes such rows with skip_special_tokens=False)
+TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",),
+        "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), "pythonic": ("<|python_start|>", "<|python_end|>"),
+        "openai": ()}
+
+
+def tag_decoder(parser: str, token_id: Callable[[str], int | None], decode: Callable[[list[int]], str]
+                ) -> Callable[[list[int]], str]:
+    """`decode` (special tokens left out) that writes the parser's tags the vocabulary has as tokens, where `decode`
+    would leave them out; the text between tags is decoded as before."""
+    tags = {i: tag for tag in TAGS[parser] if (i := token_id(tag)) is not None and decode([i]) != tag}
+    if not tags:
+        return decode
+
+    def keeping(ids) -> str:
+        ids, out, start = list(ids), [], 0
+        for k, t in enumerate(ids):
+            if t in tags:
+                out += [decode(ids[start:k]), tags[t]]
+                start = k + 1
+        return "".join(out) + decode(ids[start:])
+
+    return keeping
 
 
 def detect(template: str | None) -> str | None:

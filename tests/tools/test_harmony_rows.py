@@ -23,6 +23,9 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and VOCAB[i] in SPECIAL))
 
+    def token_id(self, token: str) -> int | None:
+        return ID.get(token)
+
 
 def row(*tokens: str, tool_parser: str = "openai", reasoning=True) -> dict:
     out = RequestOutput(0, None, [ID["<|start|>"], ID["assistant"]], tuple(ID[t] for t in tokens), "stop", None,
