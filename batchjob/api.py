@@ -198,7 +198,8 @@ class LLM:
         with api_words():
             cfg = job_config({"model": self.config.model, **self.options, **options,
                               **({"tool_parser": "auto"} if implied else {})})
-            tool_rows = ToolRows.of(cfg.tool_parser, self.tokenizer, template, implied=implied)
+            tool_rows = ToolRows.of(cfg.tool_parser, self.tokenizer, template, implied=implied,
+                                    reasoning_parser=cfg.reasoning_parser)
         chat = cfg.chat or any(isinstance(r, dict) and r.get("messages") is not None for r in records)
         if chat:
             check_chat_template(template or self.tokenizer.chat_template)

@@ -115,7 +115,8 @@ class Job:
         if any(self.use_messages.values()) or cfg.chat or cfg.image_column is not None:  # a broken template fails the job once
             check_chat_template(template or self.loaded.tokenizer.chat_template, cfg.chat_template or f"{self.loaded.name}'s chat template")
         self.reasoning, self.reasoning_name = job_parser(cfg.reasoning_parser, self.loaded.tokenizer, template)
-        tool_rows = ToolRows.of(cfg.tool_parser, self.loaded.tokenizer, template, implied=self.tools_implied)
+        tool_rows = ToolRows.of(cfg.tool_parser, self.loaded.tokenizer, template, implied=self.tools_implied,
+                                reasoning_parser=cfg.reasoning_parser)
         self.tool_parser_name = None if tool_rows is None else tool_rows.parser
         self.streams = open_streams(cfg, sources, self.model_facts, lane_column_out)
         self.summary = JobSummary(output=str(out), kernels=self.engine.model.kernels.name,

@@ -26,20 +26,28 @@ class ToolRows:
     renders_tools: bool  # the chat template reads `tools`
 
     @classmethod
-    def of(cls, name: str | None, tokenizer, template: str | None, implied: bool = False) -> ToolRows | None:
+    def of(cls, name: str | None, tokenizer, template: str | None, implied: bool = False,
+           reasoning_parser: str | None = None) -> ToolRows | None:
         """The job's tool rows for `tool_parser` NAME (None: the job parses no calls); `implied`: the job named no
-        parser, its rows carry tools (job/inputs.py: auto). ConfigError for auto on a template whose call syntax is
-        none we know."""
+        parser, its rows carry tools (job/inputs.py: auto); `reasoning_parser`: the job's (the `openai` parser reads
+        the messages the gpt_oss one sets apart). ConfigError for auto on a template whose call syntax is none we
+        know, and for `openai` without the harmony split."""
         if name is None:
             return None
         template = template or tokenizer.chat_template
-        if name == "auto":
+        picked = name == "auto"
+        if picked:
             name = detect(template)
             if name is None:
                 why = ("tool_parser: the rows carry `tools` and the job names no tool parser; auto" if implied
                        else "tool_parser auto")
                 raise ConfigError(f"{why}: the chat template writes no tool-call syntax batchjob knows; name the "
                                   f"parser, --tool-parser NAME ({', '.join(PARSERS)})")
+        if name == "openai" and reasoning_parser not in ("gpt_oss", "auto"):
+            how = " (auto, for the chat template's harmony format)" if picked else ""
+            raise ConfigError(f"tool_parser openai{how}: gpt-oss's calls are harmony messages addressed to a "
+                              "function, which the gpt_oss reasoning parser sets apart; run with --reasoning-parser "
+                              "gpt_oss (or auto)")
         return cls(name, tokenizer.token_id, template is not None and "tools" in template)
 
     def request(self, record: dict) -> ToolRequest | None:

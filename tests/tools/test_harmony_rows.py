@@ -54,3 +54,19 @@ def test_a_gpt_oss_call_is_the_rows_tool_call_and_its_preamble_the_answer():
 def test_without_the_harmony_split_the_openai_parser_names_what_it_needs():
     got = row(*CALL, reasoning=False)
     assert got["extra"]["tool_calls"] is None and "--reasoning-parser gpt_oss" in got["extra"]["tool_call_error"]
+
+
+def test_the_openai_tool_parser_needs_the_gpt_oss_split_and_says_so_at_start():
+    import pytest
+
+    from batchjob.errors import ConfigError
+    from batchjob.job.tool_rows import ToolRows
+
+    template = "{% for t in tools %}{{ t }}{% endfor %}<|start|>assistant<|channel|>final<|message|>"
+    with pytest.raises(ConfigError, match=r"^tool_parser openai \(auto, for the chat template's harmony format\): .*"
+                                          r"--reasoning-parser gpt_oss"):
+        ToolRows.of("auto", Tokenizer(), template, implied=True)
+    with pytest.raises(ConfigError, match=r"^tool_parser openai: "):
+        ToolRows.of("openai", Tokenizer(), template, reasoning_parser=None)
+    for reasoning in ("gpt_oss", "auto"):
+        assert ToolRows.of("auto", Tokenizer(), template, reasoning_parser=reasoning).parser == "openai"
