@@ -46,7 +46,7 @@ def test_show_is_listed_and_the_module_form_still_runs(tmp_path):
     assert "show" in CliRunner().invoke(main, ["--help"]).output
     out = finished(tmp_path / "out")
     module = subprocess.run([sys.executable, "-m", "batchjob.cli.show", str(out), "-n", "2"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=600)
     assert module.returncode == 0, module.stderr
     assert "first 2 rows (input order):\n[0]" in module.stdout
 

@@ -144,7 +144,7 @@ def test_a_spec_is_frozen():
 ])
 def test_what_does_not_compile_fails_with_the_compilers_message(gtok, structured, message):
     cache = GrammarCache(gtok)
-    status = cache.wait(parse_structured_outputs(structured), timeout=30)
+    status = cache.wait(parse_structured_outputs(structured), timeout=600)
     assert status.state is GrammarState.FAILED and status.grammar is None
     assert message in status.error
     cache.close()
@@ -164,13 +164,13 @@ def test_the_cache_compiles_each_spec_once_off_the_callers_thread(gtok, monkeypa
     assert cache.status(spec).state is GrammarState.PENDING  # the caller is not held up
     assert cache.status(parse_structured_outputs({"regex": "[0-9]+"})).state is GrammarState.PENDING
     gate.set()
-    assert cache.wait(spec, timeout=30).state is GrammarState.READY
+    assert cache.wait(spec, timeout=600).state is GrammarState.READY
     assert cache.status(spec).grammar is cache.status(spec).grammar
     assert calls == [spec.key]
     bad = parse_structured_outputs({"regex": "("})
-    assert cache.wait(bad, timeout=30).state is GrammarState.FAILED
+    assert cache.wait(bad, timeout=600).state is GrammarState.FAILED
     assert cache.status(bad).state is GrammarState.FAILED and calls == [spec.key, bad.key]  # failures are kept
-    cache.wait(parse_structured_outputs({"choice": ["a"]}), timeout=30)
+    cache.wait(parse_structured_outputs({"choice": ["a"]}), timeout=600)
     assert len(cache) == 2  # the least recently asked is dropped
     cache.close()
 
@@ -181,7 +181,7 @@ def test_a_crashing_compile_fails_the_spec_not_the_caller(gtok, monkeypatch):
 
     monkeypatch.setattr(grammar_module, "compile_grammar", crash)
     cache = GrammarCache(gtok)
-    status = cache.wait(parse_structured_outputs({"regex": "a"}), timeout=30)
+    status = cache.wait(parse_structured_outputs({"regex": "a"}), timeout=600)
     assert status.state is GrammarState.FAILED and status.error == "grammar compile crashed: RuntimeError: boom"
     cache.close()
 

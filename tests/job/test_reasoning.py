@@ -164,7 +164,7 @@ def test_a_budgeted_job_is_the_same_alone_batched_and_after_sigkill(tmp_path, th
     proc = start_job(*args, "--output", out, "--max-num-seqs", 4)
     wait_for_parts(out, proc, parts=1)
     proc.kill()
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=600)
     assert 0 < Manifest.load(out).done_rows().count() < 400
     result = CliRunner().invoke(main, ["run", *map(str, args), "--output", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output

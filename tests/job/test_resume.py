@@ -169,7 +169,7 @@ def test_sigterm_drains_commits_exits_75_and_a_rerun_completes(tmp_path, model_d
     proc = start_job(*args)
     wait_for_parts(out, proc)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 75, stderr
     assert "SIGTERM" in stderr and "rerun the same command" in stderr
     run = Manifest.load(out).extra["run"]
@@ -491,7 +491,7 @@ def test_a_job_on_an_moe_model_resumes_after_sigkill_with_identical_text(tmp_pat
     proc = start_job(*args, "--output", out)
     wait_for_parts(out, proc, parts=2)
     proc.kill()  # SIGKILL: no handler, no final commit
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=600)
     assert 0 < Manifest.load(out).done_rows().count() < 300
     cli("run", *args, "--output", out)
     assert texts(out) == texts(ref)

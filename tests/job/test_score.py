@@ -130,7 +130,7 @@ def test_a_score_job_resumes_after_sigkill_exactly_once(tmp_path, llama_dir):
     proc = start_job(*args, "--output", out)
     wait_for_parts(out, proc, parts=2)
     proc.kill()
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=600)
     assert 0 < Manifest.load(out).done_rows().count() < 300
     cli("run", *args, "--output", out)
     got, want = read_results(out), read_results(ref_out)

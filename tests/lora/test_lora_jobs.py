@@ -99,7 +99,7 @@ def test_a_lora_job_resumes_after_sigkill_with_identical_text(tmp_path, folders)
     proc = start_job(*args, "--output", out)
     wait_for_parts(out, proc, parts=1)
     proc.kill()
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=600)
     assert 0 < Manifest.load(out).done_rows().count() < 400
     again = CliRunner().invoke(main, ["run", *map(str, args), "--output", str(out)], catch_exceptions=False)
     assert again.exit_code == 0, again.output
