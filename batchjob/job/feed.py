@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchjob.engine.requests import SamplingParams
 from batchjob.engine.engine import Engine
 from batchjob.job.config import JobConfig
-from batchjob.job.modes import Task
 from batchjob.job.engine_setup import adapter_slots, lanes_of
 from batchjob.job.error_budget import ErrorBudget
-from batchjob.images.sources import fetch_many
 from batchjob.job.images import ImageRows
-from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
+from batchjob.job.prompt_builder import PromptBuilder, RowError
 from batchjob.job.tool_rows import ToolRows
 from batchjob.job.row_driver import RowDriver, StepDone
+from batchjob.job.row_plan import plan_rows
 from batchjob.models.loader import LoadedModel
 from batchjob.job.streams import Stream
 from batchjob.job.summary import JobSummary
@@ -111,43 +109,16 @@ class RowFeed:
                 if self.lane_column_out:
                     kept["lane"] = row_lane
                 batch.append((item.row_index, record, kept, row_lane, item.where))
-            records = [b[1] for b in batch]
-            all_prompts = builder.prompts_many(records)
-            # the batch's http(s) images fetched together, several at a time
-            fetched = fetch_many(u for r in records for u in builder.image_urls(r)) if builder.images is not None else None
-            starts = [None] * len(batch)
-            if self.cfg.task == Task.SCORE:
-                starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
-            for (row_index, record, kept, row_lane, where), ids, start in zip(batch, all_prompts, starts):
-                try:
-                    for problem in (ids, start):
-                        if isinstance(problem, RowError):
-                            raise problem
-                    params = row_sampling(record, self.params.get(row_lane, self.default_params))
-                    stream.columns.check(params)
-                    images = ()
-                    if builder.images is not None:
-                        expanded, images = builder.with_images(record, ids[0], fetched)
-                        ids = [expanded]
-                    params = budgeted(params, self.driver.reasoning, ids[0])
-                    tools = builder.tool_request(record)
-                    params = builder.constrained(params, tools)
-                    lora = builder.lora_slot(record)
-                except RowError as e:
-                    self.emit(stream, row_index, kept, error=f"{where}: {e}" if where else str(e))
-                    continue
-                self._add_row(stream, row_index, kept, row_lane, ids, params, start, where, images, tools, lora)
-
-    def _add_row(self, stream: Stream, row_index: int, kept: dict, lane: str, prompts: list[list[int]],
-                 params: SamplingParams, continuation_start: int | None = None, where: str | None = None,
-                 images: tuple = (), tools=None, lora: int = -1) -> None:
-        """`prompts`: the row's one prompt, or an OpenAI embeddings line's inputs (one embedding each); `where`:
-        the row's place as its source names it, said in its error; `tools`: its ToolRequest."""
-        err = self.driver.add((stream, row_index, kept), prompts, params, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
-                            row_index=row_index, lane=lane, continuation_start=continuation_start, images=images,
-                            tools=tools, lora=lora)
-        if err:
-            self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=sum(map(len, prompts)))
+            defaults = [self.params.get(b[3], self.default_params) for b in batch]
+            plans = plan_rows(builder, [b[1] for b in batch], defaults, stream.columns, self.driver.reasoning,
+                              self.cfg.task)
+            for (row_index, _, kept, row_lane, where), plan in zip(batch, plans):
+                err = str(plan) if isinstance(plan, RowError) else self.driver.add(
+                    (stream, row_index, kept), plan, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
+                    row_index=row_index, lane=row_lane)
+                if err:  # `where`: the row's place as its source names it
+                    tokens = 0 if isinstance(plan, RowError) else sum(map(len, plan.prompts))  # a prompt too long
+                    self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=tokens)
 
     @property
     def rows_in_flight(self) -> int:

@@ -11,11 +11,12 @@ from batchjob.engine.engine import Engine
 from batchjob.engine.requests import RequestOutput
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
-from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
+from batchjob.job.prompt_builder import PromptBuilder, RowError
 from batchjob.job.prompt_records import is_token_ids, prompt_records
 from batchjob.job.results import (REASONING, REASONING_TOKENS, TOOL_CALL_ERROR, TOOL_CALLS, Completion, OutputColumns,
                                   PendingRow)
 from batchjob.job.row_driver import RowDriver
+from batchjob.job.row_plan import plan_rows
 from batchjob.reasoning.parsers import job_parser
 
 ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
@@ -90,30 +91,19 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
                                              reasoning=reasoning is not None, tools=tool_parser is not None))
 
     def refill() -> None:
-        while engine.num_waiting() < cfg.read_ahead_rows and (item := next(rows, None)) is not None:
+        batch = []  # (key, row index, record): read as the engine has room, planned together (job/row_plan.py)
+        while engine.num_waiting() + len(batch) < cfg.read_ahead_rows and (item := next(rows, None)) is not None:
             key, index, record = item
             if isinstance(record, str):
                 done(key, failed(record))
-                continue
-            try:
-                ids = builder.token_ids(record)
-                images = ()
-                if builder.images is not None and isinstance(record, dict):
-                    ids, images = builder.with_images(record, ids)
-                start = builder.continuation_starts([record], [ids])[0] if cfg.task == Task.SCORE else None
-                if isinstance(start, RowError):
-                    raise start
-                params = budgeted(row_sampling(record, base, in_memory=True), reasoning, ids)
-                tools = builder.tool_request(record) if isinstance(record, dict) else None
-                params = builder.constrained(params, tools)
-                lora = builder.lora_slot(record) if isinstance(record, dict) else -1
-            except RowError as e:
-                done(key, failed(str(e)))
-                continue
-            err = driver.add(key, [ids], params, columns, seed=cfg.seed, row_index=index, continuation_start=start,
-                             images=images, tools=tools, lora=lora)
-            if err:
-                done(key, failed(err, prompt_tokens=len(ids)))
+            else:
+                batch.append(item)
+        plans = plan_rows(builder, [r for _, _, r in batch], [base] * len(batch), columns, reasoning, cfg.task)
+        for (key, index, _), plan in zip(batch, plans):
+            if isinstance(plan, RowError):
+                done(key, failed(str(plan)))
+            elif err := driver.add(key, plan, columns, seed=cfg.seed, row_index=index):
+                done(key, failed(err, prompt_tokens=sum(map(len, plan.prompts))))
 
     for step in driver.steps(refill):
         for row in step.rows:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.requests import EngineRequest, RequestOutput, SamplingParams
+from batchjob.engine.requests import EngineRequest, RequestOutput
 from batchjob.job.results import OutputColumns, PendingRow, TokenText
+from batchjob.job.row_plan import RowPlan
 
 Key = TypeVar("Key")  # what the caller knows a row by (its stream and index, or its place in a list)
 
@@ -42,20 +43,20 @@ class RowDriver(Generic[Key]):
         self._by_id: dict[int, tuple[Key, PendingRow, list[RequestOutput | None], int]] = {}  # request id -> (key, row, outputs, c)
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
-    def add(self, key: Key, prompts: list[list[int]], params: SamplingParams, columns: OutputColumns, *,
-            seed: int, row_index: int, lane: str = "default", continuation_start: int | None = None,
-            images: tuple = (), tools=None, lora: int = -1) -> str | None:
-        """Queue a row's n requests; their random streams come from (seed, row_index, completion). `prompts`: the
-        row's prompt ids (one list), or several (an OpenAI embeddings line: one embed request per input).
-        Returns the error (and queues nothing) when a prompt can never run. `continuation_start`: a score
-        row's continuation, scored on its own from this position. `images`: the prompt's ImageSlots (one prompt)."""
+    def add(self, key: Key, plan: RowPlan, columns: OutputColumns, *, seed: int, row_index: int,
+            lane: str = "default") -> str | None:
+        """Queue a planned row's n requests (job/row_plan.py); their random streams come from (seed, row_index,
+        completion). Returns the error (and queues nothing) when a prompt can never run."""
+        prompts, params = plan.prompts, plan.params
         many = len(prompts) > 1
         inputs = list(prompts) if many else list(prompts) * params.n
         assert not many or params.n == 1, "a row of several prompts has one completion per prompt"
         if self.truncate and params.pooling is not None:
             inputs = [ids[:self.engine.max_model_len] for ids in inputs]
-        row = PendingRow(len(inputs), columns, continuation_start=continuation_start, several_prompts=many, tools=tools)
-        requests = [EngineRequest(ids, params, seed, row_index, c, lane, images, lora) for c, ids in enumerate(inputs)]
+        row = PendingRow(len(inputs), columns, continuation_start=plan.continuation_start, several_prompts=many,
+                         tools=plan.tools)
+        requests = [EngineRequest(ids, params, seed, row_index, c, lane, plan.images, plan.lora)
+                    for c, ids in enumerate(inputs)]
         for c, request in enumerate(requests if many else ()):
             err = self.engine.never_fits(request)
             if err:  # one input that can never run fails the row: none of its inputs enter the engine

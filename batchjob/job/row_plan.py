@@ -1,0 +1,62 @@
+"""The one place that turns input records into engine rows: each record's prompt ids (an OpenAI embeddings line:
+one per input), its images fetched (a batch's together) and expanded into their placeholders, a score row's
+continuation, its sampling parameters (the row's own over the job's or its lane's, checked against the output's
+columns), its thinking budget and tool grammar, its tools and its LoRA slot; or the RowError that fails it. The job's
+feed (job/feed.py) and the Python API's loop (job/in_memory.py) both plan their rows here, then hand each plan to
+the RowDriver (job/row_driver.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchjob.engine.requests import SamplingParams
+from batchjob.images.sources import fetch_many
+from batchjob.job.modes import Task
+from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
+from batchjob.job.results import OutputColumns
+from batchjob.tools.requests import ToolRequest
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """A row as the engine takes it: the RowDriver queues its n requests."""
+    prompts: list[list[int]]  # its prompt's ids (one list), or an OpenAI embeddings line's inputs (one each)
+    params: SamplingParams
+    continuation_start: int | None = None  # a score row's continuation: its first token's position
+    images: tuple = ()  # the prompt's ImageSlots
+    tools: ToolRequest | None = None
+    lora: int = -1  # its adapter's slot (-1: the base model)
+
+
+def plan_rows(builder: PromptBuilder, records: list[dict], defaults: list[SamplingParams], columns: OutputColumns,
+              reasoning, task: Task) -> list[RowPlan | RowError]:
+    """One plan (or the RowError that fails the row) per record, in order; `defaults`: each row's sampling defaults
+    (the job's, or its lane's); `reasoning`: the job's reasoning parser (a thinking budget's end of thinking). The
+    records' texts are tokenized in one call and their http(s) images fetched together, several at a time."""
+    all_prompts = builder.prompts_many(records)
+    fetched = fetch_many(u for r in records for u in builder.image_urls(r)) if builder.images is not None else None
+    starts: list = [None] * len(records)
+    if task == Task.SCORE:
+        starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
+    plans: list[RowPlan | RowError] = []
+    for record, ids, start, base in zip(records, all_prompts, starts, defaults):
+        try:
+            plans.append(_plan(builder, record, ids, start, base, columns, reasoning, fetched))
+        except RowError as e:
+            plans.append(e)
+    return plans
+
+
+def _plan(builder: PromptBuilder, record: dict, ids, start, base: SamplingParams, columns: OutputColumns, reasoning,
+          fetched) -> RowPlan:
+    for problem in (ids, start):
+        if isinstance(problem, RowError):
+            raise problem
+    params = row_sampling(record, base, in_memory=builder.in_memory)
+    columns.check(params)
+    images = ()
+    if builder.images is not None:
+        expanded, images = builder.with_images(record, ids[0], fetched)
+        ids = [expanded]
+    params = budgeted(params, reasoning, ids[0])
+    tools = builder.tool_request(record)
+    return RowPlan(ids, builder.constrained(params, tools), start, images, tools, builder.lora_slot(record))
