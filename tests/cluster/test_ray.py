@@ -323,7 +323,7 @@ def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, r
     shutil.rmtree(tmp_path / "x", ignore_errors=True)
 
 
-def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, model):
+def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, model, monkeypatch):
     """200 rows of a ray.data Dataset through map_batches with one LLMStage actor: the same text as `batchjob run`
     on the same rows (greedy)."""
     import ray
@@ -335,7 +335,8 @@ def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, m
     plain.write_text(plain.read_text().replace("temperature = 0.8", "temperature = 0.0"))
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     want = {r["id"]: r["generated_text"] for r in exported(tmp_path / "plain", tmp_path)}
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for this test only: the session's environment stays as it was
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
     try:
         ds = ray.data.from_items(rows).map_batches(

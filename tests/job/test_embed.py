@@ -74,8 +74,11 @@ def test_rows_sharing_a_cached_prefix(tiny, pooling):
     head = prompts(1, seed=3, lo=40, hi=40)[0]
     ps = [head + [5, 6, 7], head + [9, 10]]
     pp = PoolingParams(pooling)
-    for seq, p in zip(embed(model, ps, pp, max_num_seqs=1), ps):  # one at a time: the second finds the first's blocks
+    seqs = embed(model, ps, pp, max_num_seqs=1)  # one at a time: the second finds the first's blocks
+    for seq, p in zip(seqs, ps):
         torch.testing.assert_close(torch.tensor(seq.embedding), reference(ref, p, pp), atol=1e-4, rtol=1e-4)
+    # last pooling reads the cached prefix; mean and cls need every position computed in the row itself
+    assert seqs[1].prefix_hit_tokens == (40 if pooling == "last" else 0)
 
 
 def test_last_pooling_uses_the_prefix_cache_mean_does_not(tiny):

@@ -91,16 +91,18 @@ def test_required_and_named_choices_give_valid_calls_on_every_row(tmp_path, smol
             assert names == ["convert"]
 
 
-def test_auto_constrains_a_call_the_model_starts_and_none_parses_nothing(tmp_path, smollm2_gguf_path, template):
+def test_auto_leaves_an_answer_an_answer_and_none_parses_nothing(tmp_path, smollm2_gguf_path, template):
+    """auto rows run under the auto grammar (free text, or a call constrained from its opening tag); SmolLM2-135M
+    answers these questions in prose (greedy), which stays the answer, with no call error. That a call the model
+    starts is held to the tools' schemas is shown on the grammar itself
+    (tests/tools/test_parsers.py::test_an_auto_grammar_takes_free_text_or_valid_calls): this model never starts one
+    here, so a job test could not show it."""
     rows = [{"messages": [{"role": "user", "content": q}], "tools": TOOLS} for q in QUESTIONS[:3]]
     rows += [{"messages": [{"role": "user", "content": QUESTIONS[0]}], "tools": TOOLS, "tool_choice": "none"}]
     got = run(tmp_path, smollm2_gguf_path, rows, "--chat-template", template, "--tool-parser", "hermes")
-    for row in got[:3]:  # a call it starts is decoded inside the grammar (valid); an answer stays an answer
-        assert row["error"] is None and row["tool_call_error"] is None
-        if row["tool_calls"]:
-            assert row["finish_reason"] == "tool_calls" and [valid(c) for c in row["tool_calls"]]
-        else:
-            assert row["generated_text"] and row["finish_reason"] in ("stop", "length")
+    for row in got[:3]:
+        assert row["error"] is None and row["tool_call_error"] is None and row["tool_calls"] is None
+        assert row["generated_text"] and row["finish_reason"] in ("stop", "length")
     assert got[3]["tool_calls"] is None and got[3]["finish_reason"] in ("stop", "length")
 
 
