@@ -24,7 +24,7 @@ from batchjob.job.in_memory import Result, run_in_memory, score_records
 from batchjob.job.chat_templates import check_chat_template, template_text
 from batchjob.job.keywords import api_words, check_names, job_config
 from batchjob.job.modes import Task
-from batchjob.job.options import Api, api_keywords
+from batchjob.job.options import TEXT_LISTS, Api, api_keywords
 from batchjob.job.tool_rows import ToolRows, carries_tools
 from batchjob.job.prompt_builder import PromptBuilder
 from batchjob.job.prompt_records import PROMPT_KEYS, conversation_records, prompt_records
@@ -188,8 +188,9 @@ class LLM:
                                   f"got {structured!r:.80}")
             (key, value), = structured.items()
             options[STRUCTURED_KEYS[key]] = value
-        if isinstance(options.get("stop"), str):  # one stop string, never the job flag's JSON list text
-            options["stop"] = [options["stop"]]
+        for name in TEXT_LISTS:  # one text (a stop string), never the job flag's JSON list text
+            if isinstance(options.get(name), str):
+                options[name] = [options[name]]
         system_prompt = options.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a string, got {system_prompt!r}")

@@ -316,9 +316,9 @@ class Engine:
         return out
 
     def _can_overlap(self, pending: _Pending) -> bool:
-        # penalties count the tokens before each position, and a grammar's mask needs the row's last token
+        # penalties and bans read the tokens before each position, and a grammar's mask needs the row's last token
         return self.async_scheduling and self.proposer is None and not any(
-            s.params.penalized or s.matcher is not None for s in pending.step.seqs)
+            s.params.reads_output or s.matcher is not None for s in pending.step.seqs)
 
     def _collect(self, pending: _Pending) -> list[Sequence]:
         """Wait for a launched step's tokens and apply them to its rows (engine/core/output.py)."""

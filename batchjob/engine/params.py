@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from batchjob.engine.structured.spec import StructuredOutputs, parse_structured_outputs
@@ -89,6 +91,23 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def bans_tokens(self) -> bool:
+        """Whether `banned_next` may ban a token for this row."""
+        return False
+
+    def banned_next(self, output: Seq[int]) -> Iterator[int]:
+        """The tokens this row may not take after `output` (its generated tokens so far): the sampler gives each -inf,
+        beside the tokens an unmet min_tokens holds back. A parameter that bans tokens says so here (and in
+        `bans_tokens`); the sampler needs no part of its own."""
+        return iter(())
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether the row's next token depends on the tokens it generated before (penalties count them, bans match
+        them): its steps run one after another (no overlapped step, no speculative proposal)."""
+        return self.penalized or self.bans_tokens
+
     @classmethod
     def parse(cls, values: dict, base: SamplingParams | None = None) -> SamplingParams:
         """`base` with the non-null `values` replaced, coerced and checked. Raises ValueError("field: why")."""
@@ -148,6 +167,7 @@ class SamplingParams:
 _INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs", "max_reasoning_tokens")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOLS = ("include_stop_str_in_output", "ignore_eos")
+_TEXTS = ("stop",)  # a string is one item
 
 
 def _coerce(name: str, value):
@@ -167,11 +187,11 @@ def _coerce(name: str, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name}: expected a number, got {value!r}")
         return float(value)
-    if name == "stop":
+    if name in _TEXTS:
         if isinstance(value, str):
             return (value,)
         if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-            raise ValueError(f"stop: expected a string or a list of strings, got {value!r}")
+            raise ValueError(f"{name}: expected a string or a list of strings, got {value!r}")
         return tuple(value)
     if name == "structured_outputs":
         return value if isinstance(value, StructuredOutputs) else parse_structured_outputs(value)

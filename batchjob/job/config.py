@@ -17,7 +17,7 @@ from batchjob.reasoning.parsers import PARSERS as REASONING_PARSERS, check_parse
 from batchjob.tools.parsers import PARSERS as TOOL_PARSERS
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 from batchjob.job.modes import SpeculativeMethod, Task
-from batchjob.job.options import FIELDS, JobConfig, Table, mode_of, names_in, scalar_types
+from batchjob.job.options import FIELDS, OPTIONS, JobConfig, Table, mode_of, names_in, scalar_types
 
 __all__ = ["FIELDS", "SECTIONS", "TABLES", "ConfigError", "JobConfig", "job_values", "load_job", "validate"]
 
@@ -258,8 +258,8 @@ def _coerce(name: str, value):
         if not isinstance(value, list):
             raise ConfigError("lanes: expected [[lanes]] tables")
         return value
-    if name == "stop":
-        return _stop_strings(value)
+    if OPTIONS[name].texts:
+        return _texts(name, value)
     if name == "chat_template_kwargs":
         return template_kwargs(value, "chat_template_kwargs", ConfigError)
     if name == "adapters":
@@ -289,17 +289,17 @@ def _mode(name: str, mode: type[Enum], value):
         raise ConfigError(f"{name}: {value!r} is not one of {', '.join(m.value for m in mode)}") from None
 
 
-def _stop_strings(value) -> list[str]:
-    if isinstance(value, str):  # a flag: one stop string, or a JSON list of them
+def _texts(name: str, value) -> list[str]:
+    if isinstance(value, str):  # a flag: one text, or a JSON list of them
         if value.lstrip().startswith("["):
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise ConfigError(f"stop: {value!r} is not a JSON list of strings ({e})") from None
+                raise ConfigError(f"{name}: {value!r} is not a JSON list of strings ({e})") from None
         else:
             value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"stop: expected a string or a list of strings, got {value!r}")
+        raise ConfigError(f"{name}: expected a string or a list of strings, got {value!r}")
     return list(value)
 
 

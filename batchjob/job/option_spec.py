@@ -53,13 +53,16 @@ class Option:
     identity: Identity = Identity.NO
     flag: str | None = None  # None: --the-name (--name/--no-name for a boolean); "": no flag (a job-file key only)
     bounds: Bounds | None = None  # the flag refuses values outside these (the job's checks say why in its words)
+    # a list of free texts (`stop`): one value given as text is one item, or a JSON list of them; never split at commas
+    texts: bool = False
 
 
 def opt(default: Any, help: str, *, table: Table = Table.JOB, api: Api | set[Api] | None = None,
-        fingerprint: Identity = Identity.NO, flag: str | None = None, bounds: Bounds | None = None) -> Any:
+        fingerprint: Identity = Identity.NO, flag: str | None = None, bounds: Bounds | None = None,
+        texts: bool = False) -> Any:
     """A JobConfig field with its Option in the field's metadata."""
     groups = frozenset() if api is None else frozenset({api} if isinstance(api, Api) else api)
-    meta = {"option": Option(help, table, groups, fingerprint, flag, bounds)}
+    meta = {"option": Option(help, table, groups, fingerprint, flag, bounds, texts)}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -4,7 +4,9 @@ the job's identity (the fingerprint) and which keyword group of the Python API t
 fingerprint (job/fingerprint.py) and docs/reference/run-options.md are all made from this table.
 
 Adding an option: one `opt(...)` line below (and the code that reads it); a sampling parameter also needs its
-field in SamplingParams (engine/params.py) and the sampler's part (engine/sample/sampler.py)."""
+field in SamplingParams (engine/params.py), which also says what the sampler does with it (a token it bans:
+`SamplingParams.banned_next`), and, when the row's text or tokenizer shapes it, its part in the row planner
+(job/row_plan.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -133,7 +135,7 @@ class JobConfig:
         table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
     stop: list[str] = opt([],
         'a stop string, or a JSON list of them; matched on the text, cut from the output',
-        table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
+        table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS, texts=True)
     include_stop_str_in_output: bool = opt(False,
         'keep the matched stop string at the end of the text', table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
     logprobs: int | None = opt(None,
@@ -346,6 +348,8 @@ DEFAULTS: dict[str, Any] = {name: f.default_factory() if f.default is dataclasse
 TYPES: dict[str, Any] = {name: t for name, t in typing.get_type_hints(JobConfig).items() if name in OPTIONS}
 # the options that are SamplingParams fields of the same name (the job's `seed` is the job's, not a row's)
 SAMPLING_PARAMS = tuple(name for name, o in OPTIONS.items() if o.table is Table.SAMPLING and name != "seed")
+# the options whose values are free texts (`stop`): one text, or a JSON list of them
+TEXT_LISTS = tuple(name for name, o in OPTIONS.items() if o.texts)
 
 
 def api_keywords(*groups: Api) -> tuple[str, ...]:

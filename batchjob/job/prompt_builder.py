@@ -12,6 +12,7 @@ from pathlib import Path
 
 from batchjob.job.config import JobConfig, template_kwargs
 from batchjob.job.modes import Task
+from batchjob.job.options import TEXT_LISTS  # parameters whose value may be plain text
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 from batchjob.images.sources import Fetched, ImageError, column_count, from_column
@@ -27,7 +28,6 @@ ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "pooling")  # pooling: the job's task
 SAMPLING_COLUMN = "sampling"
 TEMPLATE_KWARGS_COLUMN = "chat_template_kwargs"  # a row's chat template variables (over the job's)
-TEXT_FIELDS = ("stop",)  # parameters whose value may be plain text
 
 
 @dataclass(slots=True)
@@ -397,7 +397,7 @@ def budgeted(params: SamplingParams, reasoning, prompt_ids: list[int]) -> Sampli
 def _from_text(name: str, value):
     """A parameter given as text (every CSV value is) is read as JSON: "0.7" -> 0.7, "[2, 5]" -> [2, 5].
     `stop` takes text as it is (a stop string); text that is not JSON is left for the check to name."""
-    if not isinstance(value, str) or name in TEXT_FIELDS:
+    if not isinstance(value, str) or name in TEXT_LISTS:
         return value
     try:
         return json.loads(value)

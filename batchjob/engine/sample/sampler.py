@@ -1,6 +1,7 @@
 """Sampler: one pass over a step's rows -> one token per row, plus logprobs for the rows that ask.
 
-The order is vLLM's: raw logprobs (log-softmax of the model's logits) -> allowed_token_ids -> min_tokens mask -> penalties ->
+The order is vLLM's: raw logprobs (log-softmax of the model's logits) -> allowed_token_ids -> min_tokens mask and the
+row's banned tokens (SamplingParams.banned_next) -> penalties ->
 argmax for greedy rows; temperature -> min_p -> top-k -> top-p -> draw for the others. Each stage runs
 once over all the rows that use it; a greedy row without penalties costs its share of one argmax.
 
@@ -57,6 +58,8 @@ def sample(logits: torch.Tensor, seqs: Seq[SampledRow], argmax=None, offsets: li
 
     banned = [(i, t) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens
               for t in s.stop_token_set if t < vocab]
+    banned += [(i, t) for i, s in enumerate(seqs) if s.params.bans_tokens
+               for t in s.params.banned_next(s.token_ids[s.num_prompt:]) if t < vocab]
     penalized = [i for i, p in enumerate(params) if p.penalized]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]

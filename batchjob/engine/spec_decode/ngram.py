@@ -7,7 +7,7 @@ past the last). Every kept token is the one the row would have drawn without spe
 sampled text are the same as without it, in any batch (the row keys of engine/sample/row_keys.py make the
 verification exact: a point-mass proposal accepted with probability p(token), as rejection sampling does).
 
-Rows that use penalties, logprobs or an unmet min_tokens do not speculate (their sampling depends on the
+Rows that use penalties, banned tokens, logprobs or an unmet min_tokens do not speculate (their sampling depends on the
 tokens before each position in ways the verification does not replay). A row whose proposals keep
 failing backs off (it stops proposing for a while, doubling), and no row proposes in a step with more
 decoding rows than `max_rows`: there the batch already fills the machine and extra tokens cost more than
@@ -38,7 +38,7 @@ class NgramProposer:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return not p.penalized and p.logprobs is None and seq.num_output >= p.min_tokens
+        return not p.reads_output and p.logprobs is None and seq.num_output >= p.min_tokens
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
         """Sets `seq.draft` on the decoding rows that propose this step (and clears it on the others)."""
