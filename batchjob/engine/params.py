@@ -64,6 +64,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (vLLM's); () = any
+    bad_words: tuple[str, ...] = ()  # vLLM's: words whose token sequences are never completed
+    # their token sequences (each word alone and after a space, as vLLM), made by the row planner from the row's
+    # tokenizer (job/row_plan.py); the sampler bans a sequence's last token once the output ends with the rest
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: the chosen token's only); None = off
@@ -94,13 +98,19 @@ class SamplingParams:
     @property
     def bans_tokens(self) -> bool:
         """Whether `banned_next` may ban a token for this row."""
-        return False
+        return bool(self.bad_words_token_ids)
 
     def banned_next(self, output: Seq[int]) -> Iterator[int]:
         """The tokens this row may not take after `output` (its generated tokens so far): the sampler gives each -inf,
         beside the tokens an unmet min_tokens holds back. A parameter that bans tokens says so here (and in
-        `bans_tokens`); the sampler needs no part of its own."""
-        return iter(())
+        `bans_tokens`); the sampler needs no part of its own.
+
+        bad_words, as vLLM: a word's last token is banned when the output ends with the word's other tokens (the
+        output only: a word begun in the prompt is not)."""
+        for word in self.bad_words_token_ids:
+            before = len(word) - 1
+            if before == 0 or (len(output) >= before and tuple(output[len(output) - before:]) == word[:-1]):
+                yield word[-1]
 
     @property
     def reads_output(self) -> bool:
@@ -142,6 +152,10 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words: words must not be empty")
+        if self.bad_words_token_ids and not self.bad_words:
+            raise ValueError("bad_words_token_ids: made from bad_words by the job; give the words instead")
         for name in ("stop_token_ids", "allowed_token_ids"):
             if any(t < 0 for t in getattr(self, name)):
                 raise ValueError(f"{name}: token ids must be >= 0, got {list(getattr(self, name))}")
@@ -167,7 +181,7 @@ class SamplingParams:
 _INTS = ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "prompt_logprobs", "max_reasoning_tokens")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOLS = ("include_stop_str_in_output", "ignore_eos")
-_TEXTS = ("stop",)  # a string is one item
+_TEXTS = ("stop", "bad_words")  # a string is one item
 
 
 def _coerce(name: str, value):
@@ -193,6 +207,8 @@ def _coerce(name: str, value):
         if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
             raise ValueError(f"{name}: expected a string or a list of strings, got {value!r}")
         return tuple(value)
+    if name == "bad_words_token_ids":
+        raise ValueError("bad_words_token_ids: made from bad_words by the job; give the words instead")
     if name == "structured_outputs":
         return value if isinstance(value, StructuredOutputs) else parse_structured_outputs(value)
     if name == "pooling":

@@ -136,6 +136,10 @@ class JobConfig:
     stop: list[str] = opt([],
         'a stop string, or a JSON list of them; matched on the text, cut from the output',
         table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS, texts=True)
+    bad_words: list[str] = opt([],
+        "a word the output may not contain, or a JSON list of them, as vLLM's bad_words: the word's last token is "
+        'never sampled after its others (the word tokenized alone and after a space)',
+        table=SAMPLING, api=Api.SAMPLING, fingerprint=WHEN_SET, texts=True)
     include_stop_str_in_output: bool = opt(False,
         'keep the matched stop string at the end of the text', table=SAMPLING, api=Api.SAMPLING, fingerprint=ALWAYS)
     logprobs: int | None = opt(None,

@@ -1,11 +1,12 @@
 """The one place that turns input records into engine rows: each record's prompt ids (an OpenAI embeddings line:
 one per input), its images fetched (a batch's together) and expanded into their placeholders, a score row's
 continuation, its sampling parameters (the row's own over the job's or its lane's, checked against the output's
-columns), its thinking budget and tool grammar, its tools and its LoRA slot; or the RowError that fails it. The job's
-feed (job/feed.py) and the Python API's loop (job/in_memory.py) both plan their rows here, then hand each plan to
-the RowDriver (job/row_driver.py)."""
+columns; its bad_words tokenized), its thinking budget and tool grammar, its tools and its LoRA slot; or the
+RowError that fails it. The job's feed (job/feed.py) and the Python API's loop (job/in_memory.py) both plan their
+rows here, then hand each plan to the RowDriver (job/row_driver.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from batchjob.engine.requests import SamplingParams
@@ -52,6 +53,8 @@ def _plan(builder: PromptBuilder, record: dict, ids, start, base: SamplingParams
         if isinstance(problem, RowError):
             raise problem
     params = row_sampling(record, base, in_memory=builder.in_memory)
+    if params.bad_words:
+        params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(builder.tokenizer, params.bad_words))
     columns.check(params)
     images = ()
     if builder.images is not None:
@@ -60,3 +63,16 @@ def _plan(builder: PromptBuilder, record: dict, ids, start, base: SamplingParams
     params = budgeted(params, reasoning, ids[0])
     tools = builder.tool_request(record)
     return RowPlan(ids, builder.constrained(params, tools), start, images, tools, builder.lora_slot(record))
+
+
+def bad_words_token_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word (its leading space stripped) alone, and after a space where that
+    makes another first token but as many tokens (the word in the middle of a text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(s for s in sequences if s)

@@ -3,6 +3,7 @@ formula, top-k/top-p/min-p masks against a direct implementation, logprobs again
 logits, min_tokens, stop strings, seeds and n > 1 completions."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -380,3 +381,60 @@ def test_argmax_rows_matches_torch_argmax_including_ties_and_nan():
     x[4] = -float("inf")
     for t in (x, x.bfloat16(), x[:, :1000]):  # 1000: not a multiple of the chunk width (plain argmax)
         assert torch.equal(argmax_rows(t), t.argmax(dim=-1))
+
+
+# ---- bad_words ---------------------------------------------------------------------------------------
+
+
+def test_bad_words_match_transformers_and_reach_every_entry_point(tiny, tmp_path):
+    # vLLM's bad_words: a word's last token is banned once the output ends with its other tokens; transformers'
+    # bad_words_ids is the same rule over prompt + output, so the words here never begin inside the prompt
+    from batchjob.job.row_plan import bad_words_token_ids
+
+    ours, ref, tok, path = tiny
+    ps = prompts(4, ours.config.vocab_size, seed=11)
+    free = run_rows(engine_of(ours), ps, SamplingParams(max_tokens=12, ignore_eos=True))
+    one = (free[0].output_ids[1],)  # a token the free run takes: banned everywhere
+    two = tuple(free[1].output_ids[3:5])  # banned after its first token
+    assert all(p[-1] != two[0] for p in ps)
+    banned = SamplingParams(max_tokens=12, ignore_eos=True, bad_words=("x",), bad_words_token_ids=(one, two))
+    got = run_rows(engine_of(ours), ps, banned)
+    for p, s in zip(ps, got):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                               eos_token_id=None, bad_words_ids=[list(one), list(two)])
+        assert s.output_ids == out[0, len(p):].tolist()
+        assert one[0] not in s.output_ids
+        assert not any(tuple(s.output_ids[i:i + 2]) == two for i in range(len(s.output_ids) - 1))
+    assert got[0].output_ids != free[0].output_ids and got[1].output_ids != free[1].output_ids
+    # a row with bad words never speculates or overlaps: its next token depends on its earlier ones
+    assert banned.reads_output and not SamplingParams().reads_output
+
+    # the words as text: the job's flag, a row's own column and the API's keyword tokenize them as the planner does
+    # a word the free run wrote as one token (the tiny tokenizer's byte tokens decode to no word)
+    row, word = next((r, w) for r, s in enumerate(free) for t in s.output_ids if (w := tok.decode([t]).strip()).isalpha()
+                     and (t,) in bad_words_token_ids(tok, (w,)))
+    prompt = ps[row]
+    expected = run_rows(engine_of(ours), [prompt], dataclasses.replace(banned, bad_words=(word,),
+                                                                       bad_words_token_ids=bad_words_token_ids(tok, (word,))))[0]
+    assert expected.output_ids != free[row].output_ids
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": prompt}) + "\n" + json.dumps({"prompt": prompt, "bad_words": [word]}) + "\n")
+    base = ["run", "--model", str(path), "--input", str(src), "--max-tokens", "12", "--ignore-eos", "--no-progress",
+            "--kernels", "torch"]
+    done = CliRunner().invoke(main, base + ["--output", str(tmp_path / "flag"), "--bad-words", word])
+    assert done.exit_code == 0, done.output
+    rows = read_results(tmp_path / "flag").to_pylist()
+    assert [r["generated_text"] for r in rows] == [tok.decode(expected.output_ids)] * 2
+    done = CliRunner().invoke(main, base + ["--output", str(tmp_path / "column")])
+    assert done.exit_code == 0, done.output
+    rows = read_results(tmp_path / "column").to_pylist()
+    assert [r["generated_text"] for r in rows] == [tok.decode(free[row].output_ids), tok.decode(expected.output_ids)]
+    from batchjob import api
+    result = api.generate([prompt], model=str(path), max_tokens=12, ignore_eos=True, bad_words=word, kernels="torch")
+    assert list(result[0].token_ids) == expected.output_ids
+    # refused as vLLM refuses them: an empty word; the token ids are the planner's to make
+    with pytest.raises(ValueError, match="bad_words: words must not be empty"):
+        SamplingParams.parse({"bad_words": ["ok", " "]})
+    with pytest.raises(ValueError, match="bad_words_token_ids: made from bad_words"):
+        SamplingParams.parse({"bad_words_token_ids": [[5]]})

@@ -17,7 +17,8 @@ from batchjob.job.options import OPTIONS, SAMPLING_PARAMS, Api, Table
 def test_the_sampling_options_are_the_sampling_parameters():
     # a row's own parameters (SamplingParams) and the job's sampling options are the same names: the job passes
     # its table's sampling options on by name (JobConfig.sampling_defaults)
-    row_only = {"seed", "structured_outputs", "pooling"}  # a row's own seed; the job's own tables and task
+    # a row's own seed; the job's own tables and task; bad_words' tokens (the row planner makes them from the words)
+    row_only = {"seed", "structured_outputs", "pooling", "bad_words_token_ids"}
     assert set(SAMPLING_PARAMS) == {f.name for f in dataclasses.fields(SamplingParams)} - row_only
     assert load_job(None, {"input": "x", "min_p": 0.2, "stop_token_ids": "5, 7"}).sampling_defaults() == \
         SamplingParams(min_p=0.2, stop_token_ids=(5, 7))
