@@ -1,5 +1,6 @@
-"""The input cut into shards, one contiguous slice per process (`--shard K/N`, or one Slurm array task
-each): which shard this is, planning the row ranges, and claiming one shard's slice of the input.
+"""The input cut into shards, one contiguous slice per process (`--shard K/N`, one Slurm array task or one
+Kubernetes Indexed Job pod each): which shard this is, planning the row ranges, and claiming one shard's slice of
+the input.
 
 OUT/job.json, written once by the first shard to start, pins the shard count, each shard's row range
 (and JSONL byte offset) and the job fingerprint. Each shard writes its own OUT/shard-KKKKK-of-NNNNN/
@@ -29,6 +30,8 @@ JOB_FILE = "job.json"
 JOB_VERSION = 1
 SHARD_DIR = re.compile(r"shard-(\d{5,})-of-(\d{5,})")
 OFF = ("none", "off", "no")
+K8S_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in each pod of an Indexed Job
+K8S_COUNT = "JOB_COMPLETIONS"  # set by the Job's manifest: its `completions` (Kubernetes does not pass them)
 
 
 class ShardError(SinkError):
@@ -60,20 +63,34 @@ class ShardSpec:
 
     @classmethod
     def resolve(cls, value: str | None, environ: Mapping[str, str] = os.environ) -> ShardSpec | None:
-        """`--shard K/N`; 'none' for no sharding; unset: this Slurm array task's shard, if any
-        (K = (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / step, N = SLURM_ARRAY_TASK_COUNT)."""
+        """`--shard K/N`; 'none' for no sharding; unset: this Slurm array task's shard (K = (SLURM_ARRAY_TASK_ID -
+        SLURM_ARRAY_TASK_MIN) / step, N = SLURM_ARRAY_TASK_COUNT), or this Kubernetes Indexed Job pod's (K =
+        JOB_COMPLETION_INDEX, which Kubernetes sets; N = JOB_COMPLETIONS, which the manifest sets to its
+        `completions`: docs/guide/kubernetes.md), if any."""
         if value is not None:
             return None if value.strip().lower() in OFF else cls.parse(value)
         task = environ.get("SLURM_ARRAY_TASK_ID")
-        if task is None or environ.get("SLURM_ARRAY_TASK_COUNT") is None:
+        if task is not None and environ.get("SLURM_ARRAY_TASK_COUNT") is not None:
+            try:
+                first = int(environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+                step = int(environ.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+                return cls((int(task) - first) // step, int(environ["SLURM_ARRAY_TASK_COUNT"]))
+            except (ValueError, ConfigError) as e:
+                raise ConfigError(f"shard: cannot derive K/N from this Slurm array task ({e}); pass --shard K/N "
+                                  "or --shard none") from None
+        index = environ.get(K8S_INDEX)
+        if index is None:
             return None
+        count = environ.get(K8S_COUNT)
+        if count is None:
+            raise ConfigError(f"shard: this is a Kubernetes Indexed Job pod ({K8S_INDEX}={index}) but {K8S_COUNT} is not "
+                              f"set: set it in the pod's env to the Job's completions (docs/guide/kubernetes.md), or "
+                              f"pass --shard K/N or --shard none")
         try:
-            first = int(environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-            step = int(environ.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
-            return cls((int(task) - first) // step, int(environ["SLURM_ARRAY_TASK_COUNT"]))
+            return cls(int(index), int(count))
         except (ValueError, ConfigError) as e:
-            raise ConfigError(f"shard: cannot derive K/N from this Slurm array task ({e}); pass --shard K/N "
-                              "or --shard none") from None
+            raise ConfigError(f"shard: cannot derive K/N from {K8S_INDEX}={index!r} and {K8S_COUNT}={count!r} ({e}); "
+                              "pass --shard K/N or --shard none") from None
 
 
 @dataclass(frozen=True, slots=True)

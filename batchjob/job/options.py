@@ -98,7 +98,8 @@ class JobConfig:
         ' a fraction of the rows (0.1 or 10%) (default: no limit)')
     shard: str | None = opt(None,
         'K/N: run the K-th (0-based) of N contiguous slices of the input into OUTPUT/shard-K-of-N/ (default '
-        "inside a Slurm array task: from SLURM_ARRAY_TASK_ID/COUNT; 'none': no sharding)")
+        "inside a Slurm array task: from SLURM_ARRAY_TASK_ID/COUNT; in a Kubernetes Indexed Job pod: from "
+        "JOB_COMPLETION_INDEX/JOB_COMPLETIONS; 'none': no sharding)")
 
     # sampling
     max_tokens: int = opt(256,
