@@ -343,11 +343,17 @@ def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrid
     with api_words():
         values = job_values(overrides, "run()")
         if isinstance(job, Mapping):
-            cfg = load_job(None, {**job_values(job, "run()"), **values})
+            job_file, values = None, {**job_values(job, "run()"), **values}
         elif isinstance(job, (str, Path)):
-            cfg = load_job(job, values)
+            job_file = str(job)
         else:
             raise ConfigError(f"run(): job: expected a job file path or a dict of job fields, got {type(job).__name__}")
+        cfg = load_job(job_file, values)
+        if cfg.data_parallel not in (None, "1"):  # N rank processes on this node (batchjob/launch/local.py)
+            from batchjob.launch.local import data_parallel_summary, run_data_parallel
+
+            return data_parallel_summary(run_data_parallel(job_file, values, cfg, restart=restart,
+                                                           log=lambda text: print(text, file=sys.stderr)), cfg)
         return run_job(cfg, restart=restart)
 
 

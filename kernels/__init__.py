@@ -29,3 +29,32 @@ def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
+
+def _give_the_name_back() -> None:
+    """This folder was found as a top-level `kernels` (a Python started in the checkout's root has the root first on
+    sys.path): the name is Hugging Face's `kernels` package's, which transformers imports. Load that package from the
+    rest of sys.path in this module's place (an import returns what sys.modules holds once the module has run). Where
+    it is not installed this module stays: it has no version, so transformers (< 5.25, which only looks for the
+    package) takes it for no `kernels` at all."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != root])
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop("kernels", None)
+        raise
+
+
+if __name__ == "kernels":
+    _give_the_name_back()

@@ -17,7 +17,7 @@ TOP_LEVEL: dict[str, tuple[str, ...]] = {
     "batchjob.notices": (),  # one line to the operator, for every layer (kernels included)
     "batchjob.device": ("batchjob.errors",),
     "batchjob.api": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.images",
-                     "batchjob.device", "batchjob.errors", "batchjob.version"),
+                     "batchjob.device", "batchjob.errors", "batchjob.version", "batchjob.launch"),
     "batchjob": ("batchjob.api", "batchjob.errors", "batchjob.version"),
     "batchjob.__main__": ("batchjob.cli",),
 }
@@ -36,9 +36,12 @@ LAYERS = {
     "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
                      "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.tools",
                      "batchjob.reasoning", "batchjob.lora"),
-    "batchjob.ray": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors", "batchjob.notices"),  # shards on Ray
+    # a process that runs shards, the driver's loop, data parallel on this node
+    "batchjob.launch": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors", "batchjob.notices"),
+    "batchjob.ray": ("batchjob.launch", "batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors",
+                     "batchjob.notices"),  # shards on Ray
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
-                     "batchjob.cluster", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.bench"),
+                     "batchjob.cluster", "batchjob.launch", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
                        "batchjob.io", "batchjob.cluster", "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices",
                        "batchjob.version"),

@@ -45,6 +45,9 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
             cfg = load_job(job, overrides)
         except ConfigError as e:
             _fail(e, EXIT_USAGE)
+        if cfg.data_parallel not in (None, "1"):
+            _run_data_parallel(job, overrides, cfg, restart)
+            return
         try:  # before torch is imported: what needs no model is said in a second (job/preflight.py)
             summary = preflight(cfg, restart=restart)
         except job_failures(with_torch=False) as e:
@@ -86,6 +89,33 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     if summary.stopped:
         click.echo(f"batchjob: stopped by {summary.stopped}; everything finished is committed — rerun the same "
                    f"command to continue (`batchjob status {summary.output}` shows progress)", err=True)
+        sys.exit(EXIT_RESUMABLE)
+
+
+def _run_data_parallel(job: str | None, overrides: dict, cfg, restart: bool) -> None:
+    """`run --data-parallel N`: N rank processes on this node's devices (launch/local.py); one summary line, the
+    exit code of the whole: 0 every shard finished, 75 stopped (rerun to continue), 1 a shard failed."""
+    from batchjob.launch.local import run_data_parallel
+
+    try:
+        done = run_data_parallel(job, {k: v for k, v in overrides.items() if v is not None}, cfg, restart=restart,
+                                 log=lambda text: click.echo(text, err=True))
+    except ConfigError as e:
+        _fail(e, EXIT_USAGE)
+    st = done.status
+    tps = st.get("completion_tokens", 0) / done.wall_s if done.wall_s else 0.0
+    state = "failed" if done.failed else "stopped" if done.stopped else "finished"
+    click.echo(f"batchjob: {state}: {st.get('rows_done', 0):,} of {st.get('total_rows', 0):,} rows "
+               f"({st.get('errors', 0):,} errors); {len(done.placements)} ranks, {len(done.outcomes)} shards, "
+               f"{st.get('prompt_tokens', 0)} prompt tokens, {st.get('completion_tokens', 0)} generated tokens in "
+               f"{done.wall_s:.1f}s ({tps:.1f} tokens/s) -> {cfg.output}")
+    for failed in done.failed:
+        click.echo(f"batchjob: error: shard {failed.index}: {failed.error}", err=True)
+    if done.failed:
+        sys.exit(EXIT_FAILED)
+    if done.stopped:
+        click.echo(f"batchjob: stopped; everything finished is committed — rerun the same command to continue "
+                   f"(`batchjob status {cfg.output}` shows progress)", err=True)
         sys.exit(EXIT_RESUMABLE)
 
 

@@ -1,7 +1,7 @@
-"""Models kept loaded between runs of one process: a Ray actor runs one shard of a job after another
-(ray/worker.py), and reloading the weights for each would cost seconds per shard. A run asks for its models
-and gets the kept ones when they were built for the same job; each run still gets an engine of its own (a fresh KV
-cache, scheduler and grammars: engine_setup.engine_for)."""
+"""Models kept loaded between runs of one process: a Ray actor or a data-parallel rank runs one shard of a job after
+another (launch/shard_worker.py), and reloading the weights for each would cost seconds per shard. A run asks for its
+models and gets the kept ones when they were built for the same job; each run still gets an engine of its own (a
+fresh KV cache, scheduler and grammars: engine_setup.engine_for)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

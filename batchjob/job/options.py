@@ -100,6 +100,11 @@ class JobConfig:
         'K/N: run the K-th (0-based) of N contiguous slices of the input into OUTPUT/shard-K-of-N/ (default '
         "inside a Slurm array task: from SLURM_ARRAY_TASK_ID/COUNT; in a Kubernetes Indexed Job pod: from "
         "JOB_COMPLETION_INDEX/JOB_COMPLETIONS; 'none': no sharding)")
+    data_parallel: str | None = opt(None,
+        "N: run the job as N processes on this node, each on its own GPU or its own cores (inside one NUMA node "
+        "where there are several), handing out shards of the input as they ask for work, into one output folder "
+        "(sharded: OUTPUT/shard-K-of-M/); 'auto': one per GPU, or one per NUMA node on a CPU (default: one "
+        'process; docs/guide/data-parallel.md)')
 
     # sampling
     max_tokens: int = opt(256,

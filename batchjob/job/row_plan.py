@@ -54,7 +54,8 @@ def _plan(builder: PromptBuilder, record: dict, ids, start, base: SamplingParams
             raise problem
     params = row_sampling(record, base, in_memory=builder.in_memory)
     if params.bad_words:
-        params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(builder.tokenizer, params.bad_words))
+        params = dataclasses.replace(params,
+                                     bad_words_token_ids=bad_words_token_ids(builder.tokenizer, params.bad_words))
     columns.check(params)
     images = ()
     if builder.images is not None:

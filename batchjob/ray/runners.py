@@ -7,31 +7,16 @@ from __future__ import annotations
 
 from collections import deque
 from enum import Enum
-from typing import Protocol
 
 from batchjob.errors import EXIT_RESUMABLE
-from batchjob.ray.worker import ShardCall, ShardOutcome, ShardWorker, run_shard
+from batchjob.launch.driver import Retries, ShardRunner
+from batchjob.launch.shard_worker import ShardCall, ShardOutcome, ShardWorker
+from batchjob.ray.worker import run_shard
 
 
 class Runner(str, Enum):
     ACTORS = "actors"  # a long-lived actor per shard slot, the model loaded once (the default: docs/guide/ray.md)
     TASKS = "tasks"  # a Ray task per shard, each a `batchjob run` process of its own
-
-
-class ShardRunner(Protocol):
-    def submit(self, shards: list[int]) -> None:
-        """Queue these shards."""
-
-    def poll(self, timeout: float) -> list[ShardOutcome]:
-        """The shards that ended within `timeout` seconds (those that failed: after their retries)."""
-
-    @property
-    def busy(self) -> bool:
-        """Whether a submitted shard has not ended."""
-
-    def stop(self) -> list[ShardOutcome]:
-        """After the driver's stop file is written: the shards not started end at once (EXIT_RESUMABLE), the running
-        ones drain and commit; the outcomes of every shard that had not ended."""
 
 
 def shard_slots(resources: dict, cpus_per_shard: int, gpus_per_shard: float) -> int:
@@ -94,13 +79,13 @@ class ActorRunner:
     does). Once no shard is left to hand out, an idle actor is let go: a new actor may need its CPUs and GPUs."""
 
     def __init__(self, ray, call: ShardCall, *, cpus: int, gpus: float, max_retries: int, slots: int, log) -> None:
-        self.ray, self.call, self.max_retries, self.log = ray, call, max_retries, log
+        self.ray, self.call = ray, call
         self.worker = ray.remote(ShardWorker).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
                                                       max_task_retries=0)
         self.idle = [self.worker.remote(call) for _ in range(slots)]  # the last is handed a shard first
         self.queue: deque[int] = deque()
         self.refs: dict = {}  # ObjectRef -> (actor, shard)
-        self.failures: dict[int, int] = {}  # shard -> times it failed
+        self.retries = Retries(max_retries, log, "actor")
 
     def submit(self, shards: list[int]) -> None:
         self.queue.extend(shards)
@@ -122,14 +107,9 @@ class ActorRunner:
             if result.worker_lost:
                 self.ray.kill(actor)  # if it is still there somewhere
                 actor = self.worker.remote(self.call)
-            tries = self.failures.get(k, 0)
-            if result.exit_code == 1 and tries < self.max_retries:
-                self.failures[k] = tries + 1
-                self.log(f"batchjob: shard {k} failed (try {tries + 1} of {self.max_retries + 1}), retrying from its "
-                         f"last commit{' on a new actor' if result.worker_lost else ''}: {result.error}")
-                self.queue.appendleft(k)
-            else:
-                ended.append(result)
+            final = self.retries.settle(result, self.queue)
+            if final is not None:
+                ended.append(final)
             self.idle.append(actor)
         self._dispatch()
         if not self.queue:

@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchjob.cluster.shard_progress import ShardProgress
-from batchjob.cluster.sharded_output import has_job_file, shard_states, sharded_status
-from batchjob.cluster.shards import JobFile
+from batchjob.cluster.sharded_output import has_job_file, sharded_status
 from batchjob.errors import ConfigError
 from batchjob.io.disk import disk
 from batchjob.ray.runners import Runner, make_runner, shard_slots
-from batchjob.ray.worker import STOP_FILE, ShardCall, ShardOutcome, sees_file
+from batchjob.launch.driver import PROGRESS_EVERY_S, drive, finished_shards, planned_shards
+from batchjob.launch.shard_worker import STOP_FILE, ShardCall, ShardOutcome
+from batchjob.ray.worker import sees_file
 
-PROGRESS_EVERY_S = 30.0  # a plain progress line's period (a terminal's bar moves every second)
-POLL_S = 0.5
 
 
 class RayUnavailable(ConfigError):
@@ -162,36 +159,6 @@ def _run(ray, job_file: Path, output: Path, opts: RayOptions, log) -> list[Shard
     progress = ShardProgress(output, log_every=PROGRESS_EVERY_S)
     runner = make_runner(opts.runner, ray, call, cpus=opts.cpus_per_shard, gpus=opts.gpus_per_shard,
                          max_retries=opts.max_retries, slots=min(slots, len(todo)), log=progress.say)
-    runner.submit(todo)
-    stopping = threading.Event()  # Ctrl-C or SIGTERM (handlers set after ray.init, which installs its own)
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while runner.busy and not stopping.is_set():
-            outcomes += runner.poll(POLL_S)
-            progress.tick()
-        if runner.busy:
-            progress.say("batchjob: stopping: the running shards drain and commit (as SIGTERM does for `run`)")
-            disk().write_atomic(stop_file, f"stopped by the driver, pid {os.getpid()}\n".encode())
-            outcomes += runner.stop()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        progress.close()
+    # Ctrl-C and SIGTERM handlers set after ray.init, which installs its own
+    outcomes += drive(runner, todo, progress, stop_file)
     return sorted(outcomes, key=lambda o: o.index)
-
-
-def planned_shards(output: Path) -> int | None:
-    """The shard count an earlier run of this output planned (OUT/job.json), or None."""
-    job = JobFile.load(output)
-    return job.shards if job is not None else None
-
-
-def finished_shards(output: Path, count: int) -> set[int]:
-    """The shards of an earlier run whose rows are all committed (none when the folder is not a job of `count`
-    shards yet)."""
-    if not has_job_file(output):
-        return set()
-    job, states = shard_states(output)
-    if job.shards != count:
-        raise ConfigError(f"{output} holds a job of {job.shards} shards; run it with --shards {job.shards}")
-    return {s.index for s in states if s.complete}

@@ -17,7 +17,7 @@ from batchjob.errors import EXIT_RESUMABLE
 from batchjob.job.config import load_job
 from batchjob.job.kept_models import ModelKeeper
 from batchjob.job.run import Job
-from batchjob.ray.worker import ShardCall, ShardFailed, ShardWorker
+from batchjob.launch.shard_worker import ShardCall, ShardFailed, ShardWorker
 from tests.builders import exported
 
 ROWS = 12
@@ -47,7 +47,7 @@ def model(tiny_model_dir):
 
 
 def call_for(job: Path, count: int) -> ShardCall:
-    return ShardCall(str(job.resolve()), count, 1, os.getcwd(), str(job.parent / job.stem / ".ray-stop"))
+    return ShardCall(str(job.resolve()), count, 1, os.getcwd(), str(job.parent / job.stem / ".driver-stop"))
 
 
 def test_a_worker_runs_shards_with_one_model_load_and_the_text_of_plain_shards(tmp_path, model):
