@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.engine.config import EngineConfig, SchedulerConfig
+from batchjob.engine.config import EngineConfig
 from batchjob.engine.engine import Engine
 from batchjob.engine.requests import EngineRequest, ImageSlot, SamplingParams
 from batchjob.models.registry import build_model, canonical_weights, config_from_hf
+from tests.images.engine_cases import GREEDY, engine_for, hf_greedy, run_rows, saved_and_loaded
 
 transformers = pytest.importorskip("transformers")
 BOI, EOI, SOFT = 597, 598, 599  # <start_of_image>, <end_of_image>, <image_soft_token>
 SIDE, RUN = 112, 16  # image px (8 x 8 patches of 14); placeholders per image (pooled 2 x 2)
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def make_gemma3(window: int = 12, seed: int = 5):
@@ -84,26 +84,12 @@ def reference(hf, ids, seeds) -> list[int]:
     if seeds:
         kw = {"pixel_values": torch.from_numpy(np.stack([pixels(s) for s in seeds])),
               "token_type_ids": (torch.tensor([ids]) == SOFT).long()}
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, **kw)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(hf, ids, **kw)
 
 
 def run(model, which: list[int], budget: int = 2048, params: SamplingParams = GREEDY, block_size: int = 8):
-    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size,
-                                            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8)))
-    ids_of, out = {}, {}
-    for i in which:
-        ids, seeds = rows()[i]
-        got = engine.submit(EngineRequest(ids, params, seed=0, row_index=i, images=slots(ids, seeds)))
-        if isinstance(got, str):  # refused at submission: the row's error
-            out[i] = got
-        else:
-            ids_of[got] = i
-    while engine.has_work:
-        for r in engine.run_step():
-            out[ids_of[r.request_id]] = list(r.output_ids) if r.error is None else r.error
-    return [out[i] for i in which]
+    """Each row's output ids, or its error (a row refused at submission, or failed)."""
+    return run_rows(engine_for(model, budget, block_size), rows(), slots, which, params, errors=True)[0]
 
 
 def test_the_image_encoder_is_transformers_get_image_features(hf_gemma3):
@@ -166,15 +152,6 @@ def test_bf16_sampled_rows_alone_equal_batched():
 
 
 def test_a_saved_folder_loads_and_gives_the_same_tokens(hf_gemma3, tiny_tokenizer_dir, tmp_path):
-    import shutil
-
-    from batchjob.models.loader import load_model
-
-    folder = tmp_path / "gemma3"
-    hf_gemma3.save_pretrained(folder)
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    loaded = load_model(str(folder), dtype=torch.float32)
-    assert loaded.config.architecture == "gemma3_vl" and loaded.config.extra["tokens_per_image"] == RUN
-    model = build_model(loaded.config, loaded.weights, torch.float32, kernels="torch")
+    loaded, model = saved_and_loaded(hf_gemma3, tiny_tokenizer_dir, tmp_path / "gemma3", "gemma3_vl")
+    assert loaded.config.extra["tokens_per_image"] == RUN
     assert run(model, [0, 2]) == [reference(hf_gemma3, *rows()[i]) for i in (0, 2)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from batchjob.images.layouts import image_settings, layout_for
 from batchjob.io.parts import read_results
 from batchjob.models.loader import load_model
 from tests.builders import write_jsonl
+from tests.images.job_cases import folder_with_tokens, png
 
 transformers = pytest.importorskip("transformers")
 # Gemma 3's chat template, cut to what these rows use: the turns, a trimmed text part, an image part as <start_of_image>
@@ -32,23 +32,12 @@ SPECIAL = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_o
 SIDE, RUN = 112, 16
 
 
-def png(seed: int, size) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, tiny_tokenizer_dir):
-    from tokenizers import Tokenizer
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     folder = tmp_path_factory.mktemp("gemma3")
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(SPECIAL)
-    tok.save(str(folder / "tokenizer.json"))
+    tok = folder_with_tokens(folder, tiny_tokenizer_dir, SPECIAL)
     ids = {t: tok.token_to_id(t) for t in SPECIAL}
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,

@@ -11,16 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.engine.config import EngineConfig, SchedulerConfig
-from batchjob.engine.engine import Engine
-from batchjob.engine.requests import EngineRequest, ImageSlot, SamplingParams
+from batchjob.engine.requests import ImageSlot, SamplingParams
 from batchjob.models.registry import build_model, canonical_weights, config_from_hf
+from tests.images.engine_cases import GREEDY, engine_for, hf_greedy, run_rows, saved_and_loaded
 
 transformers = pytest.importorskip("transformers")
 IMAGE, FAKE, GLOBAL, NL = 599, 598, 597, 13  # <image>, <fake_token_around_image>, <global-img>, "\n"
 ROW_COL = {(r, c): 580 + 4 * r + c for r in range(1, 4) for c in range(1, 4)}  # <row_r_col_c>
 SIDE, SEQ = 56, 4  # tile px; placeholders per tile: (56 / 14)^2 patches / 2^2
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def make_idefics3(hidden: int = 48, kind: str = "Idefics3"):
@@ -88,25 +86,11 @@ def reference(hf, ids, images) -> list[int]:
     if images:
         pv = np.concatenate([tiles(seed, r * c + 1) for seed, r, c in images])
         kw = {"pixel_values": torch.from_numpy(pv)[None]}
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, **kw)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(hf, ids, **kw)
 
 
 def run(model, which: list[int], budget: int = 2048, params: SamplingParams = GREEDY, block_size: int = 8):
-    engine = Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size,
-                                            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8)))
-    ids_of = {}
-    for i in which:
-        ids, images = rows()[i]
-        got = engine.submit(EngineRequest(ids, params, seed=0, row_index=i, images=slots(ids, images)))
-        assert isinstance(got, int), got
-        ids_of[got] = i
-    out = {}
-    while engine.has_work:
-        for r in engine.run_step():
-            out[ids_of[r.request_id]] = list(r.output_ids)
-    return [out[i] for i in which]
+    return run_rows(engine_for(model, budget, block_size), rows(), slots, which, params)[0]
 
 
 def test_the_image_encoder_is_transformers_get_image_features(hf_idefics3):
@@ -142,15 +126,6 @@ def test_bf16_sampled_rows_alone_equal_batched():
 
 
 def test_a_saved_folder_loads_and_gives_the_same_tokens(hf_idefics3, tiny_tokenizer_dir, tmp_path):
-    import shutil
-
-    from batchjob.models.loader import load_model
-
-    folder = tmp_path / "idefics3"
-    hf_idefics3.save_pretrained(folder)
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    loaded = load_model(str(folder), dtype=torch.float32)
-    assert loaded.config.architecture == "idefics3" and loaded.config.extra["tokens_per_image"] == SEQ
-    model = build_model(loaded.config, loaded.weights, torch.float32, kernels="torch")
+    loaded, model = saved_and_loaded(hf_idefics3, tiny_tokenizer_dir, tmp_path / "idefics3", "idefics3")
+    assert loaded.config.extra["tokens_per_image"] == SEQ
     assert run(model, [0, 2]) == [reference(hf_idefics3, *rows()[i]) for i in (0, 2)]

@@ -6,9 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -19,6 +17,7 @@ from batchjob.images.idefics3 import Idefics3Preprocessor
 from batchjob.images.layouts import image_settings
 from batchjob.io.parts import read_results
 from tests.builders import write_jsonl
+from tests.images.job_cases import folder_with_tokens, png
 
 transformers = pytest.importorskip("transformers")
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
@@ -28,24 +27,13 @@ SPECIAL = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utte
            *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
 
 
-def png(seed: int, size) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def smolvlm(tmp_path_factory, tiny_tokenizer_dir):
     """A tiny random Idefics3 folder: 56 px tiles of 4 placeholders, images up to 112 px (2 x 2 tiles + global)."""
-    from tokenizers import Tokenizer
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     folder = tmp_path_factory.mktemp("smolvlm")
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(SPECIAL)
-    tok.save(str(folder / "tokenizer.json"))
+    tok = folder_with_tokens(folder, tiny_tokenizer_dir, SPECIAL)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
                   image_size=56)
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=48, intermediate_size=96, num_hidden_layers=2,

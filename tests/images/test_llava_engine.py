@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.engine.config import EngineConfig, SchedulerConfig
+from batchjob.engine.config import EngineConfig
 from batchjob.engine.engine import Engine
 from batchjob.engine.requests import EngineRequest, ImageSlot, SamplingParams
 from batchjob.models.registry import build_model, canonical_weights, config_from_hf
+from tests.images.engine_cases import GREEDY, engine_for, hf_greedy, run_rows, saved_and_loaded
 
 transformers = pytest.importorskip("transformers")
 IMAGE, TOKENS = 599, 16  # the image token; placeholders per image (56 px / 14 px patches = 4 x 4)
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -73,28 +73,14 @@ def rows() -> list[tuple[list[int], list[tuple[int, int]]]]:
 
 def reference(hf, ids, images) -> list[int]:
     kw = {"pixel_values": torch.from_numpy(np.stack([image(s) for _, s in images]))} if images else {}
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, **kw)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(hf, ids, **kw)
 
 
 def run(model, which: list[int], budget: int = 2048, engine: Engine | None = None, params: SamplingParams = GREEDY,
         block_size: int = 8):
-    engine = engine or Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size,
-                                                      scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8)))
-    ids_of = {}
-    for i in which:
-        ids, images = rows()[i]
-        got = engine.submit(EngineRequest(ids, params, seed=0, row_index=i,
-                                          images=tuple(slot(ids, at, s) for at, s in images)))
-        assert isinstance(got, int), got
-        ids_of[got] = i
-    out, hits = {}, 0
-    while engine.has_work:
-        for r in engine.run_step():
-            out[ids_of[r.request_id]] = list(r.output_ids)
-        hits += engine.last_stats.prefix_hit_tokens if engine.last_stats else 0
-    return [out[i] for i in which], hits
+    """(each row's output ids, the prefix-cache hits)"""
+    return run_rows(engine or engine_for(model, budget, block_size), rows(),
+                    lambda ids, images: tuple(slot(ids, at, s) for at, s in images), which, params)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
@@ -141,15 +127,5 @@ def test_an_image_for_a_text_only_model_is_refused(tiny_model):  # noqa: F811
 def test_a_saved_llava_folder_loads_and_gives_the_same_tokens(hf_llava, tiny_tokenizer_dir, tmp_path):
     """What save_pretrained writes (language_model.model.*, vision_tower.*, multi_modal_projector.*) loads through
     the HF folder loader under our names, and runs as the in-memory build does."""
-    import shutil
-
-    from batchjob.models.loader import load_model
-
-    folder = tmp_path / "llava"
-    hf_llava.save_pretrained(folder)
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    loaded = load_model(str(folder), dtype=torch.float32)
-    assert loaded.config.architecture == "llava"
-    model = build_model(loaded.config, loaded.weights, torch.float32, kernels="torch")
+    _, model = saved_and_loaded(hf_llava, tiny_tokenizer_dir, tmp_path / "llava", "llava")
     assert run(model, [0, 2])[0] == [reference(hf_llava, *rows()[i]) for i in (0, 2)]

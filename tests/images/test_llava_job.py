@@ -9,7 +9,6 @@ import io
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -18,6 +17,8 @@ from PIL import Image
 from batchjob.cli.main import main
 from batchjob.io.parts import read_results
 from tests.builders import write_jsonl
+from tests.images import job_cases
+from tests.images.job_cases import folder_with_tokens
 
 transformers = pytest.importorskip("transformers")
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
@@ -26,23 +27,16 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is
 
 
 def png(seed: int, size=(80, 60)) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
+    return job_cases.png(seed, size)
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, tiny_tokenizer_dir):
     """A tiny random LLaVA folder (weights drawn so images matter), its tokenizer with <image>, its processor."""
-    from tokenizers import Tokenizer
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     folder = tmp_path_factory.mktemp("llava")
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(["<image>"])
-    tok.save(str(folder / "tokenizer.json"))
+    tok = folder_with_tokens(folder, tiny_tokenizer_dir, ["<image>"])
     image_id = tok.token_to_id("<image>")
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                            num_attention_heads=4, patch_size=14, image_size=56)

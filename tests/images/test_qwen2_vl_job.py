@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -17,6 +15,7 @@ from PIL import Image
 from batchjob.cli.main import main
 from batchjob.io.parts import read_results
 from tests.builders import write_jsonl
+from tests.images.job_cases import folder_with_tokens, png
 
 transformers = pytest.importorskip("transformers")
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
@@ -27,23 +26,12 @@ SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>
 IMAGES = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 24)  # 4 to 24 merged blocks an image: a fast test
 
 
-def png(seed: int, size) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory, tiny_tokenizer_dir):
-    from tokenizers import Tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     folder = tmp_path_factory.mktemp("qwen2vl")
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(SPECIAL)
-    tok.save(str(folder / "tokenizer.json"))
+    tok = folder_with_tokens(folder, tiny_tokenizer_dir, SPECIAL)
     vision = dict(depth=2, embed_dim=32, hidden_size=48, num_heads=4, mlp_ratio=2, hidden_act="quick_gelu",
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
