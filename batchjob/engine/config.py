@@ -33,6 +33,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     cuda_graphs: bool = True  # on CUDA with graph-capable kernels (Triton): decode steps replay CUDA graphs
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec_decode/ngram.py); None: off
+    # image encoder outputs kept by image digest across rows, in placeholder tokens (engine/worker/encoder.py
+    # EncoderCache): a picture several rows ask about is encoded once; 0: off
+    encoder_cache_tokens: int = 16384
     scheduler: SchedulerConfig | None = None
 
 

@@ -56,6 +56,7 @@ class StepStats:
     num_accepted: int = 0  # of them, kept
     num_images: int = 0  # image placeholder runs encoded (an image, or a tile of one)
     encoder_s: float = 0.0  # in the image encoder (within model_s)
+    num_images_cached: int = 0  # image placeholder runs whose encoder output came from the encoder cache
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ class _Pending:
     model_s: float
     images: int = 0  # placeholder runs encoded
     encoder_s: float = 0.0
+    images_cached: int = 0  # placeholder runs read from the encoder cache
 
 
 def add_placeholders(step: Step, tokens: StepTokens) -> None:
@@ -112,7 +114,8 @@ class Engine:
                 graphs = (self.scheduler.config.max_num_seqs, self.max_model_len)
         self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
         # the executor of the steps: in process, the ModelRunner (engine/worker/executor.py)
-        self.runner: Executor = ModelRunner(model, num_blocks, config.block_size, num_host, graphs=graphs)
+        self.runner: Executor = ModelRunner(model, num_blocks, config.block_size, num_host, graphs=graphs,
+                                            encoder_cache_tokens=config.encoder_cache_tokens)
         self.view = WorkerView()  # what the executor was sent of each row: each step sends it the difference
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None
@@ -287,11 +290,11 @@ class Engine:
         if step:
             tf = time.perf_counter()
             model_before, enc = self.runner.model_s, self.runner.encoder
-            images_before, encoder_before = enc.images, enc.seconds
+            images_before, encoder_before, cached_before = enc.images, enc.seconds, enc.cached
             out = self._output(step)
             tokens = self.runner.run(out) if prev is None else self.runner.run(out, prev.tokens)
             launched = _Pending(step, tokens, t_step, time.perf_counter() - tf, self.runner.model_s - model_before,
-                                enc.images - images_before, enc.seconds - encoder_before)
+                                enc.images - images_before, enc.seconds - encoder_before, enc.cached - cached_before)
             add_placeholders(step, tokens)
             sched.advance(step)
         elif prev is None and sched.num_waiting and not sched.running:
@@ -333,11 +336,13 @@ class Engine:
         applied = self.outputs.apply(step, tokens, embeddings, scored, logprobs)
         self._release([s.seq_id for s in applied.finished])
         self._record(step, applied.finished, applied.num_sampled, time.perf_counter() - pending.t0, forward_s,
-                     pending.model_s, applied.num_proposed, applied.num_accepted, pending.images, pending.encoder_s)
+                     pending.model_s, applied.num_proposed, applied.num_accepted, pending.images, pending.encoder_s,
+                     pending.images_cached)
         return applied.finished
 
     def _record(self, step: Step, finished: list[Sequence], sampled: int, step_s: float, forward_s: float,
-                model_s: float, proposed: int = 0, accepted: int = 0, images: int = 0, encoder_s: float = 0.0) -> None:
+                model_s: float, proposed: int = 0, accepted: int = 0, images: int = 0, encoder_s: float = 0.0,
+                images_cached: int = 0) -> None:
         sched = self.scheduler
         num_decode = sum(1 for n in step.num_new if n == 1)
         self.last_step = step
@@ -349,6 +354,7 @@ class Engine:
             prefix_hit_tokens=step.prefix_hit_tokens, prefix_query_tokens=step.prefix_query_tokens,
             step_s=step_s, forward_s=forward_s, model_s=model_s, num_sampled=sampled,
             num_proposed=proposed, num_accepted=accepted, num_images=images, encoder_s=encoder_s,
+            num_images_cached=images_cached,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seed: int = 0) -> list[Sequence]:

@@ -79,6 +79,7 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
                         gpu_memory_utilization=cfg.gpu_memory_utilization if cfg.kv_cache_gb is None else None,
                         swap_space_bytes=int(cfg.swap_space_gb * (1 << 30)) if cfg.preemption != Preemption.RECOMPUTE else 0,
                         enable_prefix_caching=cfg.prefix_caching, cuda_graphs=cfg.cuda_graphs,
+                        encoder_cache_tokens=cfg.encoder_cache_tokens,
                         async_scheduling=AsyncScheduling(cfg.async_scheduling).engine_value,
                         speculative=speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_max_rows,
                                                        cfg.draft_model),

@@ -274,6 +274,10 @@ class JobConfig:
         table=ENGINE, api=Api.ENGINE)
     prefix_caching: bool = opt(True,
         'reuse KV blocks of identical prompt prefixes (default: on)', table=ENGINE, api=Api.ENGINE)
+    encoder_cache_tokens: int = opt(16384,
+        "image rows: keep image encoder outputs by the image's digest, up to this many placeholder tokens, so a "
+        'picture several rows ask about is encoded once (vLLM\'s encoder cache); 0 = off (default: 16384)',
+        table=ENGINE, api=Api.ENGINE, bounds=Bounds(low=0))
     read_ahead: int = opt(0,
         'rows queued in the engine per lane (bounded memory); 0 = 2 x max_num_seqs (default)',
         table=ENGINE, api=Api.ENGINE)

@@ -80,6 +80,7 @@ class StatsRecorder:
         self.spec_proposed = self.spec_accepted = 0  # speculative tokens proposed and kept
         self.generated = 0  # tokens sampled (kept)
         self.images_encoded, self.encoder_s = 0, 0.0  # image placeholder runs (images or tiles) and the encoder's time
+        self.images_cached = 0  # placeholder runs whose encoder output the encoder cache held (not encoded again)
         self.step_s = 0.0
         self.forward_s = 0.0
         self.lanes: dict[str, LaneWaits] = {}
@@ -100,6 +101,7 @@ class StatsRecorder:
         self.generated += st.num_sampled
         self.images_encoded += st.num_images
         self.encoder_s += st.encoder_s
+        self.images_cached += st.num_images_cached
         self.step_s += st.step_s
         self.forward_s += st.forward_s
         self.model_s += st.model_s
@@ -148,6 +150,7 @@ class StatsRecorder:
             "job_s": round(time.monotonic() - self.t0, 4), "step_s": round(self.step_s, 4),
             "forward_s": round(self.forward_s, 4), "model_s": round(self.model_s, 4),
             "images_encoded": self.images_encoded, "encoder_s": round(self.encoder_s, 4),  # within model_s
+            "images_cached": self.images_cached,
             "sequences_finished": self.sequences_finished, "started_unix": round(self.started_unix, 4),
             "first_row_unix": round(self.first_row_unix, 4) if self.first_row_unix else None,
             # the process's, over its life so far: a process that ran jobs before (the API, a Ray actor) counts theirs

@@ -95,7 +95,9 @@ def test_image_rows_answer_as_transformers(tmp_path, smolvlm):
     each = {name: len(tiles(Image.open(io.BytesIO(data)))[0]) for name, data in (("wide", wide), ("tall", tall),
                                                                                    ("small", small))}
     assert each == {"wide": 3, "tall": 3, "small": 5}  # 1 x 2 (+ global), 2 x 1 (+ global), 2 x 2 (+ global)
-    assert summary["images_encoded"] == 3 + 3 + 5 + 3 and 0 < summary["encoder_s"] <= summary["model_s"]
+    # the wide image again in the third row: its 3 tiles come from the encoder cache
+    assert summary["images_encoded"] == 3 + 3 + 5 and summary["images_cached"] == 3
+    assert 0 < summary["encoder_s"] <= summary["model_s"]
     column = write_jsonl(tmp_path / "col.jsonl", [{"image": "pics/tall.png", "prompt": "what is this"}])
     result = CliRunner().invoke(main, ["run", "--input", str(column), "--output", str(tmp_path / "col"), "--image-column",
                                        "image", *common], catch_exceptions=False)

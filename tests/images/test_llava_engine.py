@@ -116,6 +116,28 @@ def test_the_same_image_is_a_prefix_hit_and_another_image_is_not(hf_llava):
     assert again == first and hits == 16  # its full blocks but the last, cached
 
 
+def test_several_questions_about_one_image_encode_it_once(hf_llava):
+    # VQA rows: each image asked about twice, after different text (no prefix shared): the encoder runs once an
+    # image, the second row reads the encoder cache, and every row's tokens are those of a run without the cache
+    model = ours(hf_llava, "torch")
+    def question(k: int, seed: int):
+        return [1, 5 + k, 7] + [IMAGE] * TOKENS + [9, 11 + k], [(3, seed)]
+    vqa = [question(0, 1), question(1, 2), question(2, 1), question(3, 2), question(4, 1)]
+    def slots(ids, images):
+        return tuple(slot(ids, at, s) for at, s in images)
+    cached = engine_for(model)
+    got, hits = run_rows(cached, vqa, slots, list(range(5)))
+    uncached = engine_for(model, encoder_cache_tokens=0)
+    assert run_rows(uncached, vqa, slots, list(range(5)))[0] == got and hits == 0
+    assert (cached.runner.encoder.images, cached.runner.encoder.cached) == (2, 3)
+    assert (uncached.runner.encoder.images, uncached.runner.encoder.cached) == (5, 0)
+    assert got == [reference(hf_llava, *row) for row in vqa]
+    # one at a time too (each row its own step): the cache outlives the rows
+    alone = engine_for(model)
+    assert [run_rows(alone, vqa, slots, [i])[0][0] for i in range(5)] == got
+    assert (alone.runner.encoder.images, alone.runner.encoder.cached) == (2, 3)
+
+
 def test_an_image_for_a_text_only_model_is_refused(tiny_model):  # noqa: F811
     engine = Engine(tiny_model, [], EngineConfig(num_blocks=64, block_size=8))
     ids = [1, 2] + [7] * TOKENS

@@ -12,7 +12,7 @@ import torch
 from batchjob.engine.core.scheduler_output import SchedulerOutput
 from batchjob.engine.sample import sampler
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs
-from batchjob.engine.worker.encoder import EncoderStats, step_embeds
+from batchjob.engine.worker.encoder import EncoderCache, EncoderStats, step_embeds
 from batchjob.engine.worker.mrope import step_positions
 from batchjob.engine.worker.input_batch import CachedRow, InputBatch, step_inputs
 from batchjob.engine.worker.kv_cache import KVCache
@@ -26,7 +26,7 @@ from batchjob.models.step_context import ModelFeature, StepContext
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 graphs: tuple[int, int] | None = None):
+                 graphs: tuple[int, int] | None = None, encoder_cache_tokens: int = 0):
         """`graphs`: (most rows in a step, the longest row) to replay decode steps as CUDA graphs (the model's
         kernels must capture them)."""
         model.fit_kernels(block_size)
@@ -37,6 +37,7 @@ class ModelRunner:
         self.decode_graphs = None if graphs is None else DecodeGraphs(model, self.kv.layers, block_size, *graphs)
         self.model_s = 0.0  # seconds inside the model (forward + logits), summed: the rest of a step is ours
         self.encoder = EncoderStats()  # image placeholder runs encoded and the encoder's seconds (inside model_s)
+        self.encoder_cache = EncoderCache(encoder_cache_tokens)  # encoder outputs by image digest, across rows
         self.batch = InputBatch()  # the rows the engine sent, kept between steps until it releases them
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
@@ -109,7 +110,8 @@ class ModelRunner:
                 at.extend(range(last[i] - r.num_sampled + 1, last[i] + 1))
                 sampling.extend([r] * r.num_sampled)
         t0 = time.perf_counter()
-        image_embeds = step_embeds(self.model, step, last, input_ids, self.encoder) if any(r.images for r in step) else None
+        image_embeds = (step_embeds(self.model, step, last, input_ids, self.encoder, self.encoder_cache)
+                        if any(r.images for r in step) else None)
         adapter_ids = None if inputs.adapter_ids is None else self.staging.to_device("adapter_ids", inputs.adapter_ids)
         hidden = self.model.forward(StepContext(positions, meta, self.kv.layers, inputs_embeds=image_embeds,
                                                 input_ids=None if image_embeds is not None else input_ids,
