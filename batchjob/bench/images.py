@@ -68,24 +68,29 @@ def prepare_model(cache: Path = CACHE) -> Path:
     return folder
 
 
-def prepare_input(rows: int, cache: Path = CACHE) -> Path:
-    """`rows` distinct photo-like JPEGs (smooth colour fields with noise) and a JSONL of {image, prompt}."""
+def photo(seed: int, size: tuple[int, int], scale: float = 64.0) -> bytes:
+    """A photo-like JPEG of `size` (width, height): smooth colour fields with noise, seeded."""
     from PIL import Image
 
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[1], 0:size[0]] / scale
+    base = np.stack([np.sin(x * rng.uniform(0.2, 2) + rng.uniform(0, 6)) + np.cos(y * rng.uniform(0.2, 2))
+                     for _ in range(3)], -1)
+    img = (127 + 60 * base + rng.normal(0, 12, base.shape)).clip(0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def prepare_input(rows: int, cache: Path = CACHE) -> Path:
+    """`rows` distinct photo-like JPEGs and a JSONL of {image, prompt}."""
     folder = cache / "image-rows"
     (folder / "pics").mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(rows):
         path = folder / "pics" / f"{i}.jpg"
         if not path.is_file():
-            rng = np.random.default_rng(i)
-            y, x = np.mgrid[0:SIZE[1], 0:SIZE[0]] / 64.0
-            base = np.stack([np.sin(x * rng.uniform(0.2, 2) + rng.uniform(0, 6)) + np.cos(y * rng.uniform(0.2, 2))
-                             for _ in range(3)], -1)
-            img = (127 + 60 * base + rng.normal(0, 12, base.shape)).clip(0, 255).astype(np.uint8)
-            buf = io.BytesIO()
-            Image.fromarray(img).save(buf, "JPEG", quality=90)
-            path.write_bytes(buf.getvalue())
+            path.write_bytes(photo(i, SIZE))
         lines.append(json.dumps({"image": f"pics/{i}.jpg", "prompt": PROMPT}))
     src = folder / f"in-{rows}.jsonl"
     src.write_text("\n".join(lines) + "\n")

@@ -9,7 +9,6 @@ the cache, and whether the two runs wrote the same texts.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import shutil
 import subprocess
@@ -17,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from batchjob.bench.images import CACHE, MAX_TOKENS, prepare_model
+from batchjob.bench.images import CACHE, MAX_TOKENS, photo, prepare_model
 
 SIZE = (512, 512)  # one 512-px tile and the global image a picture: 128 placeholders
 QUESTIONS = ("What is in this picture?", "Which colours dominate?", "Describe the texture.", "Is it day or night?",
@@ -29,21 +26,12 @@ QUESTIONS = ("What is in this picture?", "Which colours dominate?", "Describe th
 
 def prepare_input(rows: int, images: int, cache: Path) -> Path:
     """`images` distinct pictures and `rows` rows asking about them in turn, each row its own question."""
-    from PIL import Image
-
     folder = cache / "vqa-rows"
     (folder / "pics").mkdir(parents=True, exist_ok=True)
     for k in range(images):
         path = folder / "pics" / f"{k}.jpg"
         if not path.is_file():
-            rng = np.random.default_rng(1000 + k)
-            y, x = np.mgrid[0:SIZE[1], 0:SIZE[0]] / 48.0
-            base = np.stack([np.sin(x * rng.uniform(0.2, 2) + rng.uniform(0, 6)) + np.cos(y * rng.uniform(0.2, 2))
-                             for _ in range(3)], -1)
-            img = (127 + 60 * base + rng.normal(0, 12, base.shape)).clip(0, 255).astype(np.uint8)
-            buf = io.BytesIO()
-            Image.fromarray(img).save(buf, "JPEG", quality=90)
-            path.write_bytes(buf.getvalue())
+            path.write_bytes(photo(1000 + k, SIZE, scale=48.0))
     lines = [json.dumps({"image": f"pics/{i % images}.jpg",
                          "prompt": f"{QUESTIONS[(i // images) % len(QUESTIONS)]} (question {i})"}) for i in range(rows)]
     src = folder / f"in-{rows}-{images}.jsonl"
