@@ -1,7 +1,8 @@
 """batchjob: offline batch LLM inference with a continuous-batching engine and checkpoint-resume.
 
-`batchjob.generate`, `chat`, `embed`, `score`, `run`, `LLM`, `LLMStage` (a Ray Data stage) and `Result` (batchjob/api.py) and the errors a caller catches load
-on first use, so that `import batchjob` stays light (no torch)."""
+`batchjob.generate`, `chat`, `embed`, `score`, `run`, `LLM` and `Result` (batchjob/api.py), `LLMStage` (a Ray Data
+stage: batchjob/ray/stage.py) and the errors a caller catches load on first use, so that `import batchjob` stays
+light (no torch)."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +10,7 @@ import importlib
 from batchjob.errors import ChatHintWarning, ConfigError
 from batchjob.version import __version__
 
-_API = ("generate", "chat", "embed", "score", "run", "LLM", "LLMStage", "Result", "Completion")
+_API = ("generate", "chat", "embed", "score", "run", "LLM", "Result", "Completion")
 # the errors a caller catches, each where it is raised (some of those modules import torch)
 _ERRORS = {
     "SourceError": "batchjob.io.sources.base",  # an input that cannot be read
@@ -21,7 +22,7 @@ _ERRORS = {
     "TooManyErrors": "batchjob.job.error_budget",  # more rows failed than max_errors allows
     "AllRowsFailed": "batchjob.job.error_budget",  # every row failed
 }
-__all__ = ["__version__", *_API, "ConfigError", "ChatHintWarning", *_ERRORS]
+__all__ = ["__version__", *_API, "LLMStage", "ConfigError", "ChatHintWarning", *_ERRORS]
 
 
 def __getattr__(name: str):
@@ -29,10 +30,12 @@ def __getattr__(name: str):
         from batchjob import api
 
         return getattr(api, name)
+    if name == "LLMStage":
+        return importlib.import_module("batchjob.ray.stage").LLMStage
     if name in _ERRORS:
         return getattr(importlib.import_module(_ERRORS[name]), name)
     raise AttributeError(f"module 'batchjob' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_API, *_ERRORS])
+    return sorted([*globals(), *_API, "LLMStage", *_ERRORS])

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from batchjob.engine.engine import Engine
@@ -27,7 +26,7 @@ from batchjob.job.modes import Task
 from batchjob.job.options import TEXT_LISTS, Api, api_keywords
 from batchjob.job.tool_rows import ToolRows, carries_tools
 from batchjob.job.prompt_builder import PromptBuilder
-from batchjob.job.prompt_records import PROMPT_KEYS, conversation_records, prompt_records
+from batchjob.job.prompt_records import conversation_records, prompt_records
 from batchjob.job.images import ImageRows
 from batchjob.job.resolved import ResolvedJob
 from batchjob.job.row_server import RowServer
@@ -36,7 +35,7 @@ from batchjob.job.run import run_job
 from batchjob.job.summary import JobSummary
 from batchjob.models.loader import resolve_model_path
 
-__all__ = ["LLM", "LLMStage", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run",
+__all__ = ["LLM", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run",
            "score"]
 
 # the keywords, named as in a job file (and vLLM), from the options table (job/options.py); `seed` is the job seed:
@@ -231,6 +230,18 @@ class LLM:
     def _generate(self, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:
         return run_in_memory(self.engine, self.tokenizer, cfg, builder, records)
 
+    def row_server(self, options: dict) -> RowServer:
+        """A RowServer over this LLM's engine for callers that hand it batches of records from several threads (Ray
+        Data's LLMStage: batchjob/ray/stage.py): `options` as generate() takes them; the engine is rebuilt if a batch
+        leaves it broken."""
+        cfg, builder = self._prepare([], dict(options))
+
+        def reset() -> None:
+            self._engine = None
+
+        return RowServer(lambda: self.engine, self.tokenizer, cfg, builder, reset)
+
+
 
 # the cache behind generate()
 
@@ -355,81 +366,6 @@ def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrid
             return data_parallel_summary(run_data_parallel(job_file, values, cfg, restart=restart,
                                                            log=lambda text: print(text, file=sys.stderr)), cfg)
         return run_job(cfg, restart=restart)
-
-
-STAGE_COLUMNS = ("generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
-
-
-class LLMStage:
-    """A stage for pipelines that already are a Ray Dataset (docs/guide/ray.md), one engine per actor; within a batch
-    the engine batches continuously, batches come one after another per actor. Its failure semantics are Ray
-    Data's (a failed batch is retried whole or fails the dataset), not batchjob's commits: for exactly-once jobs over
-    files use `batchjob ray submit`. Ray is not imported here.
-
-    `ds.map_batches(LLMStage, fn_constructor_kwargs={"model": ..., "max_tokens": 64}, concurrency=1,
-    batch_size=256)`. A batch's rows name their prompt as a job's rows do: a `prompt` column (text or token ids),
-    or `messages`; columns named like sampling parameters override the stage's per row. The batch comes back with
-    batchjob's output columns added."""
-
-    def __init__(self, model: str = "smollm2", engine: dict | None = None, **options: Any):
-        """`engine`: LLM(...) keywords (dtype, kv_cache_gb, max_num_seqs, ...); `options`: generate()'s (sampling
-        parameters, chat, chat_template, system_prompt). Batches given at once (Ray Data's `max_concurrency` in
-        `ray_remote_args`) share the engine's steps (job/row_server.py). The model loads at the first batch, on the
-        thread that runs it: Ray Data calls a stage from a thread of its own, and OpenMP's workers are fast only for
-        the one thread that makes them (libgomp throttles its workers' spinning once a second thread has a team of its
-        own: the stage ran 1.6x slower when the model loaded on the actor's main thread; docs/benchmarks.md)."""
-        check_names(options, GENERATE_KEYWORDS, "LLMStage()")
-        self._args, self._engine_options, self._options = model, dict(engine or {}), options
-        self._loaded: tuple[LLM, RowServer] | None = None  # at the first batch
-        self._start = threading.Lock()
-
-    @property
-    def llm(self) -> LLM:
-        return self._load()[0]
-
-    @property
-    def server(self) -> RowServer:
-        return self._load()[1]
-
-    def _load(self) -> tuple[LLM, RowServer]:
-        with self._start:
-            if self._loaded is None:
-                llm = LLM(self._args, **self._engine_options)
-                cfg, builder = llm._prepare([], dict(self._options))
-
-                def reset() -> None:
-                    llm._engine = None
-
-                self._loaded = llm, RowServer(lambda: llm.engine, llm.tokenizer, cfg, builder, reset)
-            return self._loaded
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        names = list(batch)
-        rows = [{k: _plain(v) for k, v in zip(names, values)} for values in zip(*(batch[k] for k in names))]
-        # the prompt's fields go to the engine; every column comes back as it was
-        records = prompt_records([{k: v for k, v in row.items() if k in PROMPT_KEYS and v is not None} for row in rows])
-        llm, server = self._load()
-        if any(isinstance(r, dict) and r.get("messages") is not None for r in records):
-            check_chat_template(server.builder.chat_template or llm.tokenizer.chat_template)
-        results = server.submit(records)
-        out = {k: list(batch[k]) for k in names}
-        for column, field in zip(STAGE_COLUMNS, ("text", "finish_reason", "prompt_tokens", "completion_tokens",
-                                                  "error")):
-            out[column] = [getattr(r, field) for r in results]
-        return out
-
-
-def _plain(value):
-    """A batch cell as the prompt builder reads a row's value: numpy scalars and arrays as Python values."""
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _caller_level() -> int:

@@ -38,13 +38,14 @@ LAYERS = {
                      "batchjob.reasoning", "batchjob.lora"),
     # a process that runs shards, the driver's loop, data parallel on this node
     "batchjob.launch": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors", "batchjob.notices"),
-    "batchjob.ray": ("batchjob.launch", "batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors",
-                     "batchjob.notices"),  # shards on Ray
+    # shards on Ray; LLMStage, an LLM (the API) as a Ray Data stage
+    "batchjob.ray": ("batchjob.api", "batchjob.launch", "batchjob.job", "batchjob.cluster", "batchjob.io",
+                     "batchjob.errors", "batchjob.notices"),
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
                      "batchjob.cluster", "batchjob.launch", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
-                       "batchjob.io", "batchjob.cluster", "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices",
-                       "batchjob.version"),
+                       "batchjob.io", "batchjob.cluster", "batchjob.ray", "batchjob.images", "batchjob.device", "batchjob.errors",
+                       "batchjob.notices", "batchjob.version"),
 }
 # what the job, the API, the command line and the cluster code may import of the engine: its surface (requests in,
 # outputs out, the Engine, and the config it is built with); never engine/core, worker, sample, spec_decode, structured

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from batchjob.api import LLMStage
+from batchjob.ray.stage import LLMStage
 from batchjob.bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ class TimedStage(LLMStage):
     """LLMStage with the seconds its batch took inside the actor, as a column."""
 
     def __call__(self, batch):
-        self.server  # the model loads at the first batch (api.py LLMStage): not engine work
+        self.server  # the model loads at the first batch (ray/stage.py LLMStage): not engine work
         t0 = time.perf_counter()
         out = super().__call__(batch)
         out["stage_s"] = [time.perf_counter() - t0] * len(out["generated_text"])
