@@ -8,7 +8,7 @@ from batchjob.job.resolved import ResolvedJob
 from batchjob.engine.config import EngineConfig, Lane, SchedulerConfig, speculative_config
 from batchjob.engine.engine import Engine
 from batchjob.lora.adapter import read_adapters
-from batchjob.lora.apply import attach, slots_of
+from batchjob.lora.apply import AdapterSet, slots_of
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.registry import build_model
 from batchjob.models.loader import LoadedModel, ModelLoadError
@@ -39,11 +39,10 @@ def build_engine(job: ResolvedJob, loaded: LoadedModel) -> Engine:
 def build_models(job: ResolvedJob, loaded: LoadedModel) -> tuple[CausalLM, CausalLM | None]:
     """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
     cfg, dtype, device = job.config, job.dtype, job.device
+    adapters = AdapterSet.of(read_adapters(cfg.adapters, cfg.max_lora_rank)) if cfg.adapters else None
     model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
                         kv_cache_dtype=cfg.kv_cache_dtype, quantization=job.quantization(loaded),
-                        prequantized=loaded.prequantized)
-    if cfg.adapters:
-        attach(model, read_adapters(cfg.adapters, cfg.max_lora_rank))
+                        prequantized=loaded.prequantized, adapters=adapters)
     draft = None
     if cfg.speculative == SpeculativeMethod.DRAFT:
         try:
@@ -88,5 +87,5 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
 
 
 def adapter_slots(cfg: JobConfig) -> dict[str, int] | None:
-    """The job's LoRA adapters by name -> their slot on the model (as build_models attaches them), or None."""
+    """The job's LoRA adapters by name -> their slot on the model (as build_models puts them on it), or None."""
     return slots_of(list(cfg.adapters)) if cfg.adapters else None

@@ -1,6 +1,7 @@
-"""LoRA adapters on a built model: each adapter has a slot; every base matmul an adapter targets is wrapped so that
-each token gets `(x A^T) B^T` of its own adapter added beside the base matmul (which may be int8: the adapter stays in
-the compute dtype), the scale folded into B. Fused projections take their parts' deltas in their own output columns
+"""LoRA adapters on a model: each adapter has a slot; the model is built with them (build_model's `adapters`) and
+every projection an adapter targets holds every slot's A and B, so that each token gets `(x A^T) B^T` of its own
+adapter added beside the base matmul (which may be int8: the adapter stays in the compute dtype), the scale folded
+into B. Fused projections take their parts' deltas in their own output columns
 (q, k, v of QKV; gate and up). The shrink and the expand are one matmul each over every adapter's stacked A and B (a
 token's other slots zeroed between them, as punica's and vLLM's batched LoRA kernels do per segment), through
 matmuls that give the same sums for any number of rows (kernels/linear.py Linear): a row's output does not depend on
@@ -8,70 +9,46 @@ which adapters, or how many rows, share its step; a step costs two small matmuls
 its adapters (measured: 8 adapters as one matmul each per adapter were 1.66x the base job; docs/benchmarks.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from batchjob.kernels import KernelSet
 from batchjob.kernels import LoraWeights
-from batchjob.kernels.quantization import WeightMatmul
 from batchjob.lora.adapter import LoraAdapter, LoraError
+from batchjob.models.adapters import LoraStep
 from batchjob.models.layers import MLP
-from batchjob.models.step_context import ModelFeature
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False)
 class AdapterSet:
-    """The adapters on a model, slot i = adapters[i], and this step's: each token's slot (int32 [T], -1: the base
-    model's) and their one-hot [T, slots], set by the model's forward and read by every wrapped matmul (None: no
-    adapter in the step), and the kernel set that computes the deltas (kernels/interface.py KernelSet.lora)."""
-    adapters: list[LoraAdapter]
-    ids: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-    ops: KernelSet | None = None
-    slots: dict[str, int] = field(default_factory=dict)
+    """The adapters a model is built with, slot i = adapters[i] (models/adapters.py ModelAdapters): it puts their
+    weights on the model's projections while the model is built, and makes each step's LoraStep from the step's
+    slots. It keeps nothing of a step."""
+    adapters: tuple[LoraAdapter, ...]
 
-    def __post_init__(self) -> None:
-        self.slots = slots_of([a.name for a in self.adapters])
+    @classmethod
+    def of(cls, adapters: list[LoraAdapter]) -> AdapterSet:
+        return cls(tuple(adapters))
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return slots_of([a.name for a in self.adapters])
 
     @property
     def digests(self) -> list[str]:
         return [a.digest for a in self.adapters]
 
-    def begin(self, adapter_ids: torch.Tensor | None, dtype: torch.dtype, ops: KernelSet) -> None:
-        self.ids, self.ops = adapter_ids, ops
-        if adapter_ids is None:
-            self.keep = None
-            return
+    def step(self, adapter_ids: torch.Tensor, dtype: torch.dtype) -> LoraStep:
         ids = adapter_ids.long()
-        self.keep = (torch.nn.functional.one_hot(ids.clamp(min=0), len(self.adapters)) * (ids >= 0)[:, None]).to(dtype)
+        keep = torch.nn.functional.one_hot(ids.clamp(min=0), len(self.adapters)) * (ids >= 0)[:, None]
+        return LoraStep(adapter_ids, keep.to(dtype))
 
-
-@dataclass(slots=True, eq=False)
-class LoraMatmul:
-    """A base matmul with its adapters' deltas, computed by the step's kernel set (the CPU path: two matmuls a step
-    over every adapter's stacked A and B, whatever the step's adapters; Triton: per-token shrink and expand)."""
-    base: WeightMatmul
-    weights: LoraWeights  # every slot's A [slots, R, in] and B [slots, out, R], zero-padded
-    adapters: AdapterSet
-
-    def memory(self) -> dict[str, int]:
-        """The base matmul's bytes per format, and the adapters' stacked A and B as "lora"."""
-        w = self.weights
-        lora = sum(t.numel() * t.element_size() for t in (w.a, w.b))
-        stacked = sum(sum(w.memory().values()) for w in (w.a_stacked, w.b_stacked))
-        return {**self.base.memory(), "lora": lora + stacked}
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        a = self.adapters
-        if a.keep is None:
-            return y
-        return a.ops.lora(x, y, self.weights, a.ids, a.keep)
+    def put_on(self, model) -> None:
+        _put_on(model, list(self.adapters))
 
 
 def slots_of(names: list[str]) -> dict[str, int]:
-    """Each adapter's slot: slot i is the i-th adapter given (what `attach` builds, and what the job asks rows for)."""
+    """Each adapter's slot: slot i is the i-th adapter given (what the model is built with, and what the job asks rows for)."""
     return {name: slot for slot, name in enumerate(names)}
 
 
@@ -86,10 +63,10 @@ def _places(model) -> dict[str, tuple[str, str, int, int, int]]:
             "down_proj": ("mlp", "down", 0, h, i)}
 
 
-def attach(model, adapters: list[LoraAdapter]) -> AdapterSet:
-    """Put `adapters` on `model` (a DecoderLM) as slots 0..n-1; LoraError names an adapter that does not fit it."""
+def _put_on(model, adapters: list[LoraAdapter]) -> None:
+    """Every slot's A and B on the projections of `model` (a DecoderLM being built) they target, stacked per
+    projection (its `*_lora` field); LoraError names an adapter that does not fit it."""
     places, dtype, device = _places(model), model.dtype, model.device
-    found = AdapterSet(list(adapters))
     pieces: dict[tuple[int, str, str], dict[int, list]] = {}  # (layer, block, matmul) -> slot -> [(A, B, start, end)]
     for slot, adapter in enumerate(adapters):
         where = f"lora {adapter.name!r} ({adapter.path})"
@@ -120,7 +97,4 @@ def attach(model, adapters: list[LoraAdapter]) -> AdapterSet:
                 r += a.shape[0]
         holder = getattr(model.layers[layer], block)
         weights = LoraWeights.of(a_all.to(device=device, dtype=dtype), b_all.to(device=device, dtype=dtype))
-        setattr(holder, name, LoraMatmul(getattr(holder, name), weights, found))
-    model.adapters = found
-    model.features = model.features | {ModelFeature.LORA}
-    return found
+        setattr(holder, f"{name}_lora", weights)  # a declared field of the block (models/layers.py)

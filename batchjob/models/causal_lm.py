@@ -34,7 +34,7 @@ class CausalLM(Protocol):
 
     # a vision-language family's image encoder: pixel values [B, 3, S, S] -> [B, tokens per image, hidden]; else None
     image_encoder: Callable[[torch.Tensor], torch.Tensor] | None
-    adapters: ModelAdapters | None  # LoRA adapters put on its matmuls (lora/apply.py attach), or None
+    adapters: ModelAdapters | None  # the LoRA adapters it was built with (build_model), or None
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids' input embeddings, as the forward looks them up (a step's inputs_embeds start from these)."""

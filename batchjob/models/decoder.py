@@ -29,10 +29,12 @@ class DecoderLM:
                  final_norm: torch.Tensor,
                  lm_head: WeightMatmul, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
                  kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
-                 features: frozenset[ModelFeature] = DECODER_FEATURES, image_encoder=None):
+                 features: frozenset[ModelFeature] = DECODER_FEATURES, image_encoder=None,
+                 adapters: ModelAdapters | None = None):
         """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
         tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
-        that cannot run here."""
+        that cannot run here. `adapters`: LoRA adapters, put on the projections now (lora/apply.py raises
+        LoraError for one that does not fit)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -42,7 +44,7 @@ class DecoderLM:
         self.features = features  # what a step may carry (the family's declaration)
         # a vision-language family's: pixel values [B, 3, S, S] -> [B, tokens per image, hidden] (models/vision/)
         self.image_encoder = image_encoder
-        self.adapters: ModelAdapters | None = None  # LoRA adapters put on its matmuls (lora/apply.py attach)
+        self.adapters = adapters  # LoRA adapters on its projections (lora/apply.py), or None
         self.layers = layers
         self.embed = embed  # [vocab, hidden] in the compute dtype, or as a GGUF file stores it (looked up as stored)
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
@@ -52,6 +54,9 @@ class DecoderLM:
         self.partial_rotary = any(layer.attn.rotary_dim and layer.attn.rotary_dim < config.head_dim for layer in layers)
         self.block_size = -1
         self.fit_kernels(block_size)
+        if adapters is not None:
+            self.features = features | {ModelFeature.LORA}
+            adapters.put_on(self)
 
     def fit_kernels(self, block_size: int) -> None:
         """Choose the kernels for KV blocks of `block_size` tokens, when they differ from the ones chosen."""
@@ -78,8 +83,8 @@ class DecoderLM:
     def forward(self, step: StepContext) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed only where needed."""
         step.check(self.features, self.config.architecture)
-        if self.adapters is not None:
-            self.adapters.begin(step.adapter_ids, self.dtype, self.kernels)
+        # the step's adapters (a step's own input, handed down to the layers: no state kept between steps)
+        lora = None if step.adapter_ids is None else self.adapters.step(step.adapter_ids, self.dtype)
         ops, eps, positions, meta = self.kernels, self.config.rms_norm_eps, step.positions, step.meta
         h = self.embeddings(step)  # the residual stream, updated in place by add_rms_norm
         rotaries = self.rotaries
@@ -92,12 +97,12 @@ class DecoderLM:
         with scope("norm"):
             x = ops.rms_norm(h, first, eps) if first is not None else h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, step.kv_caches)):
-            o = layer.attn(x, ropes, meta, k_cache, v_cache, ops, eps)
+            o = layer.attn(x, ropes, meta, k_cache, v_cache, ops, eps, lora)
             with scope("norm"):
                 if layer.post_attn_norm is not None:
                     o = ops.rms_norm(o, layer.post_attn_norm, eps)
                 x = _add_norm(ops, o, h, layer.mlp_norm, eps)
-            x = layer.mlp(x, ops)
+            x = layer.mlp(x, ops, lora)
             with scope("norm"):
                 if layer.post_mlp_norm is not None:
                     x = ops.rms_norm(x, layer.post_mlp_norm, eps)
@@ -123,6 +128,9 @@ class DecoderLM:
             a, mlp = layer.attn, layer.mlp
             add(a.qkv.memory())
             add(a.o.memory())
+            for w in (a.qkv_lora, a.o_lora, *((mlp.gate_up_lora, mlp.down_lora) if isinstance(mlp, MLP) else ())):
+                if w is not None:
+                    add({"lora": w.memory()})
             for t in (a.q_norm, a.k_norm, layer.attn_norm, layer.post_attn_norm, layer.mlp_norm, layer.post_mlp_norm):
                 tensor(t)
             mlps = [mlp] if isinstance(mlp, MLP) else [*mlp.experts, *([mlp.shared] if mlp.shared else [])]

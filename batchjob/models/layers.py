@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from batchjob.kernels import AttentionMetadata, Linear, rms_norm
+from batchjob.kernels import AttentionMetadata, Linear, LoraWeights, rms_norm
 from batchjob.kernels.linear_quant import Int4Weight, PackedWeight
 from batchjob.kernels.quantization import QuantizedWeight, WeightMatmul
 from batchjob.kernels.profiling import scope
 from batchjob.kernels import apply_rotary
+from batchjob.models.adapters import LoraStep, adapted
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -32,12 +33,16 @@ class Attention:
     rope: int = 0  # which of the model's rotary tables this layer uses (Gemma 3: local vs global)
     rotary_dim: int = 0  # dims rotated from the start of each head; 0: all (Phi-3 partial rotary: fewer)
     softcap: float | None = None  # attention logit soft-cap: tanh(s / cap) * cap (Gemma 2)
+    # LoRA adapters' weights on the projections (every slot's), given while the model is built (models/adapters.py)
+    qkv_lora: LoraWeights | None = None
+    o_lora: LoraWeights | None = None
 
-    def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, k_cache, v_cache, ops, eps: float) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ropes: list, meta: AttentionMetadata, k_cache, v_cache, ops, eps: float,
+                 lora: LoraStep | None = None) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         with scope("linear"):
-            qkv = self.qkv(x)
+            qkv = adapted(ops, x, self.qkv(x), self.qkv_lora, lora)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         with scope("rotary"):
             if self.q_norm is not None and not self.qk_norm_per_head:
@@ -59,7 +64,8 @@ class Attention:
         with scope("attention"):
             o = ops.attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         with scope("linear"):
-            return self.o(o.reshape(t, q_size))
+            o = o.reshape(t, q_size)
+            return adapted(ops, o, self.o(o), self.o_lora, lora)
 
 
 @dataclass(slots=True)
@@ -67,14 +73,16 @@ class MLP:
     gate_up: WeightMatmul  # gate and up projections fused: one matmul
     down: WeightMatmul
     act: str = "silu"  # silu | gelu_tanh
+    gate_up_lora: LoraWeights | None = None  # LoRA adapters' weights, as Attention's
+    down_lora: LoraWeights | None = None
 
-    def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops, lora: LoraStep | None = None) -> torch.Tensor:
         with scope("linear"):
-            gate_up = self.gate_up(x)
+            gate_up = adapted(ops, x, self.gate_up(x), self.gate_up_lora, lora)
         with scope("silu_mul"):
             x = ops.silu_mul(gate_up) if self.act == "silu" else ops.gelu_tanh_mul(gate_up)
         with scope("linear"):
-            return self.down(x)
+            return adapted(ops, x, self.down(x), self.down_lora, lora)
 
 
 @dataclass(slots=True)
@@ -123,7 +131,8 @@ class MoE:
     shared: MLP | None = None
     shared_gate: Linear | None = None  # [1, hidden]
 
-    def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops, lora: LoraStep | None = None) -> torch.Tensor:
+        """`lora`: unused (adapters are refused on mixture-of-experts layers: lora/apply.py)."""
         t, k = x.shape[0], self.top_k
         with scope("linear"):
             probs = torch.softmax(self.router(x).float(), dim=-1)

@@ -10,6 +10,7 @@ import torch
 from batchjob.kernels.linear_quant import Int4Weight, PackedWeight
 from batchjob.kernels.quantization import MatmulFormat, QuantizedWeight, check_quantization, lm_head_linear
 from batchjob.kernels.modes import Quantization
+from batchjob.models.adapters import ModelAdapters
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
@@ -74,7 +75,8 @@ _EMBEDDINGS = "embed_tokens.weight"  # a lookup: in the compute dtype, unless pa
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
-                quantize_lm_head: bool = True, prequantized: bool = False) -> CausalLM:
+                quantize_lm_head: bool = True, prequantized: bool = False,
+                adapters: ModelAdapters | None = None) -> CausalLM:
     """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here,
     QuantizationError for a `quantization` (none | int8 | fp8, kernels/quantization.py) that cannot. Under int8
     the weight matmuls are quantized as they are built, the LM head among them unless `quantize_lm_head` is False
@@ -85,6 +87,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     otherwise; the embeddings and MoE routers always are. A PackedWeight (GGUF blocks, int4 groups) is computed as
     stored on a CPU, embeddings included (looked up as stored), unless int8 or fp8 asks for those kernels (then it is
     dequantized first and quantized as they do); on another device, and for the routers, it is dequantized.
+    `adapters`: LoRA adapters the model is built with (lora/apply.py AdapterSet), on the projections they target.
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
@@ -117,4 +120,5 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         rope.to(dev)
     return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, lm_head_linear(spec.matmuls, parts.lm_head),
                      parts.rotaries, dtype, dev, kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                     quantization=quantization, features=family.features, image_encoder=parts.image_encoder)
+                     quantization=quantization, features=family.features, image_encoder=parts.image_encoder,
+                     adapters=adapters)

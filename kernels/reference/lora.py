@@ -32,6 +32,11 @@ class LoraWeights:
     def rank(self) -> int:
         return self.a.shape[1]
 
+    def memory(self) -> int:
+        """Bytes held: A and B, and their stacked matmuls."""
+        held = sum(t.numel() * t.element_size() for t in (self.a, self.b))
+        return held + sum(sum(m.memory().values()) for m in (self.a_stacked, self.b_stacked))
+
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[T, in] -> [T, R]: x A[slot]^T per token in fp32, rounded to x's dtype; zero for slot -1."""

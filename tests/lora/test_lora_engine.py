@@ -5,6 +5,7 @@ holds at most max_loras adapters (the others wait) and still gives each row its 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from batchjob.engine.config import EngineConfig, SchedulerConfig
 from batchjob.engine.engine import Engine
 from batchjob.engine.requests import EngineRequest, SamplingParams
 from batchjob.lora.adapter import read_adapter
-from batchjob.lora.apply import attach
+from batchjob.lora.apply import AdapterSet
 from batchjob.models.registry import build_model, canonical_weights, config_from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -72,9 +73,8 @@ def ours(base, paths, kernels="torch", dtype=torch.float32):
     d["architectures"] = [type(base).__name__]
     config = config_from_hf(d)
     weights = canonical_weights(config, {k: v.detach().clone().to(dtype) for k, v in base.state_dict().items()})
-    model = build_model(config, weights, dtype, kernels=kernels)
-    attach(model, [read_adapter(f"a{k}", p) for k, p in enumerate(paths)])
-    return model
+    return build_model(config, weights, dtype, kernels=kernels,
+                       adapters=AdapterSet.of([read_adapter(f"a{k}", p) for k, p in enumerate(paths)]))
 
 
 def run(model, rows: list[tuple[int, int]], params=GREEDY, max_loras: int = 8, block_size: int = 8, first: int = 0):
@@ -128,10 +128,8 @@ def test_adapters_on_int8_weight_matmuls_change_only_their_rows_and_stay_batch_i
 
     def build(with_adapters: bool):
         weights = canonical_weights(config, {k: v.detach().clone().to(torch.bfloat16) for k, v in base.state_dict().items()})
-        model = build_model(config, weights, torch.bfloat16, kernels="auto", quantization="int8")
-        if with_adapters:
-            attach(model, [read_adapter(f"a{k}", p) for k, p in enumerate(paths)])
-        return model
+        adapters = AdapterSet.of([read_adapter(f"a{k}", p) for k, p in enumerate(paths)]) if with_adapters else None
+        return build_model(config, weights, torch.bfloat16, kernels="auto", quantization="int8", adapters=adapters)
 
     plain, adapted = build(False), build(True)
     rows = [(p, s) for p in range(len(PROMPTS)) for s in (-1, 1)]
@@ -158,3 +156,32 @@ def test_prefix_cache_keys_include_the_adapter(tmp_path):
             hit += engine.last_stats.prefix_hit_tokens if engine.last_stats else 0
         hits.append(hit)
     assert hits[0] == hits[1] == hits[3] == 0 and hits[2] == 8  # its full blocks but the last
+
+
+def _state(model) -> dict:
+    """What the model and its layers hold: each attribute's name and the object it names."""
+    held = {f"model.{k}": id(v) for k, v in vars(model).items()}
+    for i, layer in enumerate(model.layers):
+        for part in ("attn", "mlp"):
+            block = getattr(layer, part)
+            held |= {f"{i}.{part}.{f.name}": id(getattr(block, f.name)) for f in dataclasses.fields(block)}
+    return held
+
+
+def test_a_model_gains_no_attributes_after_it_is_built_and_keeps_no_step_state(tmp_path):
+    # the adapters are the model's from its build; a step's adapters travel down the forward as the step's own
+    # input: running rows with and without adapters changes nothing the model or its layers hold
+    base = make_base("llama")
+    paths = save_adapters(base, tmp_path)
+    model = ours(base, paths)
+    assert model.layers[0].attn.qkv_lora is not None and model.layers[0].mlp.down_lora is not None
+    built = _state(model)
+    run(model, ROWS[:2])  # an engine fits the model's kernels to its block size (the model's own method)
+    fitted = _state(model)
+    assert fitted.keys() == built.keys()
+    assert {k for k in built if built[k] != fitted[k]} == {"model.kernels", "model.block_size"}
+    run(model, ROWS[2:8])
+    assert _state(model) == fitted
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.adapters.adapters = ()  # the adapter set is frozen: nothing of a step is kept on it
+    assert "lora" in model.weight_memory()
