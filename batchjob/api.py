@@ -360,9 +360,9 @@ def run(job: str | Path | Mapping[str, Any], *, restart: bool = False, **overrid
         else:
             raise ConfigError(f"run(): job: expected a job file path or a dict of job fields, got {type(job).__name__}")
         cfg = load_job(job_file, values)
-        if cfg.data_parallel not in (None, "1"):  # N rank processes on this node (batchjob/launch/local.py)
-            from batchjob.launch.local import data_parallel_summary, run_data_parallel
+        from batchjob.launch.local import data_parallel_summary, run_data_parallel, wants_ranks
 
+        if wants_ranks(cfg.data_parallel):  # N rank processes on this node (batchjob/launch/local.py)
             return data_parallel_summary(run_data_parallel(job_file, values, cfg, restart=restart,
                                                            log=lambda text: print(text, file=sys.stderr)), cfg)
         return run_job(cfg, restart=restart)

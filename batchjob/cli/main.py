@@ -45,7 +45,9 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
             cfg = load_job(job, overrides)
         except ConfigError as e:
             _fail(e, EXIT_USAGE)
-        if cfg.data_parallel not in (None, "1"):
+        from batchjob.launch.local import wants_ranks
+
+        if wants_ranks(cfg.data_parallel):
             _run_data_parallel(job, overrides, cfg, restart)
             return
         try:  # before torch is imported: what needs no model is said in a second (job/preflight.py)

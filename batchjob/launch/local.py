@@ -57,6 +57,11 @@ def rank_count(value: str | int | None) -> int | str | None:
     return int(text)
 
 
+def wants_ranks(value: str | int | None) -> bool:
+    """Whether `--data-parallel` asks for rank processes (unset and 1 run the job in this process)."""
+    return rank_count(value) not in (None, 1)
+
+
 def numa_nodes(cpus: set[int]) -> list[tuple[int, tuple[int, ...]]]:
     """This machine's NUMA nodes with the cores of `cpus` in each (those with none left out); one node when the
     kernel shows none."""

@@ -171,3 +171,17 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_the_job_key_and_the_python_api(tmp_path, model_dir):
+    # `data_parallel` in a job (here a dict, as batchjob.run takes one): the same rows as one process; 1 is one process
+    import batchjob
+
+    src = write_prompts(tmp_path / "in.jsonl", 12)
+    job = {"model": str(model_dir), "input": str(src), "max_tokens": 5, "ignore_eos": True, "kernels": "torch",
+           "progress": False, "temperature": 0.8, "seed": 3}
+    summary = batchjob.run({**job, "output": str(tmp_path / "dp"), "data_parallel": 2})
+    assert (summary.rows, summary.total_rows, summary.stopped) == (12, 12, None)
+    one = batchjob.run({**job, "output": str(tmp_path / "one"), "data_parallel": 1})  # a plain run: no shards
+    assert one.rows == 12 and not has_job_file(tmp_path / "one")
+    assert merged(tmp_path / "dp").to_pylist() == read_results(tmp_path / "one").to_pylist()
