@@ -99,11 +99,15 @@ def _run_data_parallel(job: str | None, overrides: dict, cfg, restart: bool) -> 
     exit code of the whole: 0 every shard finished, 75 stopped (rerun to continue), 1 a shard failed."""
     from batchjob.launch.local import run_data_parallel
 
+    from batchjob.job.failures import job_failures
+
     try:
         done = run_data_parallel(job, {k: v for k, v in overrides.items() if v is not None}, cfg, restart=restart,
                                  log=lambda text: click.echo(text, err=True))
     except ConfigError as e:
         _fail(e, EXIT_USAGE)
+    except job_failures(with_torch=False) as e:  # an input that is not there or cannot be sharded
+        _fail(e, EXIT_FAILED)
     st = done.status
     tps = st.get("completion_tokens", 0) / done.wall_s if done.wall_s else 0.0
     state = "failed" if done.failed else "stopped" if done.stopped else "finished"

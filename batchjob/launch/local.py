@@ -21,7 +21,10 @@ from batchjob.cluster.shard_progress import ShardProgress
 from batchjob.cluster.sharded_output import has_job_file, sharded_status
 from batchjob.errors import EXIT_RESUMABLE, ConfigError
 from batchjob.io.disk import disk
+from batchjob.cluster.shards import plan_shards
 from batchjob.io.manifest import MANIFEST
+from batchjob.io.sources import open_source
+from batchjob.job.inputs import input_folders
 from batchjob.job.summary import JobSummary
 from batchjob.launch.driver import PROGRESS_EVERY_S, Retries, drive, finished_shards, planned_shards
 from batchjob.launch.shard_worker import STOP_FILE, ShardCall, ShardFailed, ShardOutcome, ShardWorker, die_with_parent
@@ -330,13 +333,23 @@ def run_data_parallel(job_file: str | None, options: dict, cfg, *, restart: bool
     if cfg.shard not in (None, "none"):
         raise ConfigError("--data-parallel with --shard: a data-parallel run shards the job itself; run each shard "
                           "without --data-parallel, or the whole job with it")
+    if cfg.per_lane_inputs:
+        raise ConfigError("--data-parallel: lanes with their own inputs cannot be sharded; run each lane's input as "
+                          "its own job")
+    if cfg.limit is not None:
+        raise ConfigError("--limit with --data-parallel: try the first rows without --data-parallel, then run the "
+                          "whole job with it into another --output")
     output = Path(cfg.output)
     if (output / MANIFEST).exists() and not has_job_file(output):
         raise ConfigError(f"{output} holds an unsharded run; a data-parallel run writes shards: rerun it without "
                           "--data-parallel, or give another --output")
+    (path, _, _), = input_folders(cfg, output)
     device = cfg.device.value if cfg.device is not None else "auto"  # unset: cuda when there is one
     placements = place(ranks, device, _gpus(device), set(os.sched_getaffinity(0)))
-    count = planned_shards(output) or SHARDS_PER_RANK * len(placements)
+    planned = planned_shards(output)
+    count = planned or SHARDS_PER_RANK * len(placements)
+    if planned is None:  # an input that cannot be cut (compressed JSONL, CSV) is said once here, not by every rank
+        plan_shards(open_source(path, input_format=cfg.input_format), count)
     done = finished_shards(output, count, flag="(its shard count is fixed:")
     todo = [k for k in range(count) if k not in done]
     t0 = time.perf_counter()

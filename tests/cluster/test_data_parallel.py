@@ -3,6 +3,7 @@ one output folder whose rows are the single process's; a rank SIGKILLed mid-job 
 driver SIGKILLed mid-job takes its ranks with it and the rerun finishes the job; each row once, the same text."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -185,3 +186,17 @@ def test_the_job_key_and_the_python_api(tmp_path, model_dir):
     one = batchjob.run({**job, "output": str(tmp_path / "one"), "data_parallel": 1})  # a plain run: no shards
     assert one.rows == 12 and not has_job_file(tmp_path / "one")
     assert merged(tmp_path / "dp").to_pylist() == read_results(tmp_path / "one").to_pylist()
+
+
+def test_what_cannot_run_data_parallel_is_said_once_before_any_rank_starts(tmp_path, model_dir):
+    src = write_prompts(tmp_path / "in.jsonl", 4)
+    base = ["run", "--model", str(model_dir), "--data-parallel", "2", "--no-progress"]
+    said = CliRunner().invoke(main, [*base, "--input", str(src), "--output", str(tmp_path / "a"), "--limit", "2"])
+    assert said.exit_code == 2 and "--limit with --data-parallel" in said.output
+    said = CliRunner().invoke(main, [*base, "--input", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "b")])
+    assert said.exit_code == 1 and "input not found" in said.output
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(src.read_bytes()))
+    said = CliRunner().invoke(main, [*base, "--input", str(packed), "--output", str(tmp_path / "c")])
+    assert said.exit_code == 1 and "cannot be cut into shards" in said.output
+    assert not (tmp_path / "c" / "data-parallel").exists()  # no rank started
