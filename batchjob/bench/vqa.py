@@ -18,7 +18,9 @@ from pathlib import Path
 
 from batchjob.bench.images import CACHE, MAX_TOKENS, photo, prepare_model
 
-SIZE = (512, 512)  # one 512-px tile and the global image a picture: 128 placeholders
+# the processor scales a 512-px picture up to 2048 px (longest_edge): 4 x 4 tiles and the global image, 17 placeholder
+# runs of 64 a picture
+SIZE = (512, 512)
 QUESTIONS = ("What is in this picture?", "Which colours dominate?", "Describe the texture.", "Is it day or night?",
              "What shapes do you see?", "Where could this be?", "What is in the top left corner?",
              "Give the picture a title.")

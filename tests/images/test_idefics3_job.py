@@ -122,3 +122,31 @@ def test_the_caption_example_job_runs_on_a_folder_the_user_brings(tmp_path, smol
     picture = (root / "jobs/data/images/sunset.png").read_bytes()
     assert rows[0]["generated_text"] == reference(model, processor, [{"type": "image"}, {"type": "text", "text":
                                                   "Describe this picture in one sentence."}], [picture], max_tokens=4)
+
+
+def test_questions_about_the_same_pictures_encode_each_tile_once(tmp_path, smolvlm):
+    # VQA rows: 16 questions over 2 pictures (2 tiles and the global image each: 3 placeholder runs): whatever the
+    # batch and the chunking, each run is encoded once; later rows read the encoder cache or the prefix cache
+    folder, model, processor = smolvlm
+    (tmp_path / "pics").mkdir()
+    for k in range(2):
+        (tmp_path / f"pics/{k}.png").write_bytes(png(10 + k, (150, 60)))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"image": f"pics/{i % 2}.png", "prompt": f"question {i}: what is this"}
+                                              for i in range(16)])
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    texts = []
+    for k, extra in enumerate(([], ["--max-num-seqs", "4"], ["--max-num-batched-tokens", "32"],
+                               ["--encoder-cache-tokens", "0"])):
+        out = tmp_path / f"out{k}"
+        result = CliRunner().invoke(main, ["run", "--input", str(src), "--output", str(out), "--image-column", "image",
+                                           "--model", str(folder), "--chat-template", str(tmp_path / "t.jinja"),
+                                           "--max-tokens", "3", "--ignore-eos", "--dtype", "float32", "--no-progress",
+                                           *extra], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        summary = json.loads((out / "stats.jsonl").read_text().splitlines()[-1])
+        if extra[:1] != ["--encoder-cache-tokens"]:
+            assert summary["images_encoded"] == 2 * 3
+        else:  # no encoder cache: a row whose prompt computes a run encodes it again
+            assert summary["images_encoded"] > 2 * 3 and summary["images_cached"] == 0
+        texts.append(read_results(out).sort_by("row_index").column("generated_text").to_pylist())
+    assert all(t == texts[0] for t in texts)
