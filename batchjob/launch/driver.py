@@ -86,12 +86,12 @@ def planned_shards(output: Path) -> int | None:
     return job.shards if job is not None else None
 
 
-def finished_shards(output: Path, count: int, flag: str = "--shards") -> set[int]:
+def finished_shards(output: Path, count: int) -> set[int]:
     """The shards of an earlier run whose rows are all committed (none when the folder is not a job of `count`
     shards yet)."""
     if not has_job_file(output):
         return set()
     job, states = shard_states(output)
     if job.shards != count:
-        raise ConfigError(f"{output} holds a job of {job.shards} shards; run it with {flag} {job.shards}")
+        raise ConfigError(f"{output} holds a job of {job.shards} shards; run it with --shards {job.shards}")
     return {s.index for s in states if s.complete}

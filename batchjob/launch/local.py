@@ -350,7 +350,7 @@ def run_data_parallel(job_file: str | None, options: dict, cfg, *, restart: bool
     count = planned or SHARDS_PER_RANK * len(placements)
     if planned is None:  # an input that cannot be cut (compressed JSONL, CSV) is said once here, not by every rank
         plan_shards(open_source(path, input_format=cfg.input_format), count)
-    done = finished_shards(output, count, flag="(its shard count is fixed:")
+    done = finished_shards(output, count)  # count is the planned one when there is a plan
     todo = [k for k in range(count) if k not in done]
     t0 = time.perf_counter()
     log(f"batchjob: data parallel: {len(placements)} ranks ({'; '.join(p.describe() for p in placements)}), "
