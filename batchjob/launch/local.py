@@ -151,7 +151,7 @@ def _rank_main(conn, call: ShardCall, placement: Placement, log_path: str) -> No
         os.environ["CUDA_VISIBLE_DEVICES"] = _visible_gpu(placement.gpu)
     if placement.cpus:
         os.sched_setaffinity(0, placement.cpus)  # first-touch memory then comes from the cores' NUMA node
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = disk().open(Path(log_path), append=True)  # the rank's stdout and stderr: its own log
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     worker = ShardWorker(call)
