@@ -379,7 +379,7 @@ def test_the_ray_data_stage_runs_batches_given_at_once_in_shared_steps(tiny_mode
 NOT_KEYWORDS = {"model", "task", "input", "input_format", "output", "output_format", "part_rows", "part_seconds",
                 "part_format", "keep_columns", "id_column", "prompt_column", "messages_column", "image_column",
                 "continuation_column", "lora_column", "lanes", "lane_column", "progress", "log_every", "limit",
-                "drain_timeout", "max_errors", "shard"}
+                "drain_timeout", "max_errors", "shard", "data_parallel"}  # a job's (batchjob.run takes them), not a call's
 
 
 def test_every_per_job_option_is_a_keyword_of_the_api_from_the_one_options_table():
