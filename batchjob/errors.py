@@ -22,6 +22,11 @@ class KvBudgetError(RuntimeError):
     """The model and its largest step leave no room for a KV cache on this device (engine/worker/kv_budget.py)."""
 
 
+class RankLostError(RuntimeError):
+    """A tensor-parallel rank ended mid-job (engine/tensor_parallel.py): the model lost its slice, so the job stops;
+    what it committed stays, and a rerun resumes."""
+
+
 class ChatHintWarning(UserWarning):
     """`generate()` of plain prompts into a model with a chat template gave texts that ended at their first
     token: the model probably expects chat input (`chat=True` or `LLM.chat`)."""

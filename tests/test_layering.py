@@ -37,7 +37,8 @@ LAYERS = {
                      "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.tools",
                      "batchjob.reasoning", "batchjob.lora"),
     # a process that runs shards, the driver's loop, data parallel on this node
-    "batchjob.launch": ("batchjob.job", "batchjob.cluster", "batchjob.io", "batchjob.errors", "batchjob.notices"),
+    "batchjob.launch": ("batchjob.job", "batchjob.engine", "batchjob.cluster", "batchjob.io", "batchjob.errors",
+                        "batchjob.notices"),
     # shards on Ray; LLMStage, an LLM (the API) as a Ray Data stage
     "batchjob.ray": ("batchjob.api", "batchjob.launch", "batchjob.job", "batchjob.cluster", "batchjob.io",
                      "batchjob.errors", "batchjob.notices"),
@@ -49,7 +50,8 @@ LAYERS = {
 }
 # what the job, the API, the command line and the cluster code may import of the engine: its surface (requests in,
 # outputs out, the Engine, and the config it is built with); never engine/core, worker, sample, spec_decode, structured
-ENGINE_SURFACE = ("batchjob.engine", "batchjob.engine.engine", "batchjob.engine.requests", "batchjob.engine.config")
+ENGINE_SURFACE = ("batchjob.engine", "batchjob.engine.engine", "batchjob.engine.requests", "batchjob.engine.config",
+                  "batchjob.engine.placement", "batchjob.engine.tensor_parallel")
 ENGINE_CORE = "batchjob.engine.core"  # scheduler, lanes, block pool, sequences: plain Python, no tensors
 
 

@@ -17,6 +17,7 @@ from batchjob.engine.worker.kv_budget import pool_size
 from batchjob.engine.worker.kv_cache import KVCache
 from batchjob.engine.worker.executor import Executor
 from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
+from batchjob.engine.worker.tensor_parallel import TensorParallelExecutor
 from batchjob.engine.sample.row_keys import sequence_key
 from batchjob.engine.config import EngineConfig
 from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
@@ -106,16 +107,23 @@ class Engine:
         for m in (model, draft_model) if draft_model is not None else (model,):
             m.fit_context(self.max_model_len)
         graphs = None  # decode steps as CUDA graphs: (most rows in a step, the longest row)
-        if config.cuda_graphs and model.device.type == "cuda":
+        if config.cuda_graphs and model.device.type == "cuda" and model.parallel is None:
             if not model.kernels.captures_graphs:
                 notice(f"CUDA graphs need the Triton kernels (the {model.kernels.name} kernels plan each step on the "
                        "host); decode steps run eagerly")
             else:
                 graphs = (self.scheduler.config.max_num_seqs, self.max_model_len)
         self.structured = StructuredRows(tokenizer, model.config.vocab_size, overlap=model.device.type != "cpu")
-        # the executor of the steps: in process, the ModelRunner (engine/worker/executor.py)
-        self.runner: Executor = ModelRunner(model, num_blocks, config.block_size, num_host, graphs=graphs,
-                                            encoder_cache_tokens=config.encoder_cache_tokens)
+        # the executor of the steps (engine/worker/executor.py): in process, the ModelRunner; for a model split over
+        # tensor-parallel ranks, one that sends each step to the other ranks too
+        if model.parallel is not None:
+            if draft_model is not None:
+                raise SpeculativeError("speculative 'draft' under tensor parallel is not implemented; use 'ngram'")
+            self.runner: Executor = TensorParallelExecutor(model, num_blocks, config.block_size, num_host,
+                                                           encoder_cache_tokens=config.encoder_cache_tokens)
+        else:
+            self.runner = ModelRunner(model, num_blocks, config.block_size, num_host, graphs=graphs,
+                                      encoder_cache_tokens=config.encoder_cache_tokens)
         self.view = WorkerView()  # what the executor was sent of each row: each step sends it the difference
         self.last_step: Step | None = None
         self.last_stats: StepStats | None = None

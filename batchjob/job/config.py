@@ -16,7 +16,7 @@ from batchjob.engine.config import speculative_config
 from batchjob.reasoning.parsers import PARSERS as REASONING_PARSERS, check_parser_name
 from batchjob.tools.parsers import PARSERS as TOOL_PARSERS
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
-from batchjob.job.modes import SpeculativeMethod, Task
+from batchjob.job.modes import Quantization, SpeculativeMethod, Task
 from batchjob.job.options import FIELDS, OPTIONS, JobConfig, Table, mode_of, names_in, scalar_types
 
 __all__ = ["FIELDS", "SECTIONS", "TABLES", "ConfigError", "JobConfig", "job_values", "load_job", "validate"]
@@ -100,6 +100,22 @@ def _naming_the_file(e: ConfigError, path: str | Path | None, from_file: set[str
     return ConfigError(f"{path}: {text}")
 
 
+def _validate_tensor_parallel(cfg: JobConfig) -> None:
+    """What a model split over tensor-parallel ranks does not run (yet): each is refused by name."""
+    n = cfg.tensor_parallel
+    if n < 1:
+        raise ConfigError(f"tensor_parallel: must be >= 1 processes, got {n}")
+    if n == 1:
+        return
+    refused = [(cfg.adapters, "adapters (LoRA)"), (cfg.speculative == SpeculativeMethod.DRAFT, "speculative draft"),
+               (cfg.image_column is not None, "image_column (images)"),
+               (cfg.quantization not in (Quantization.AUTO, Quantization.NONE), f"quantization {cfg.quantization}")]
+    for given, what in refused:
+        if given:
+            raise ConfigError(f"tensor_parallel: {what} under tensor parallel is not implemented; run without "
+                              "--tensor-parallel (or use --data-parallel)")
+
+
 def validate(cfg: JobConfig) -> JobConfig:
     """The checks across fields and of ranges (each value's type and mode were checked as it was read)."""
     if not cfg.input and not cfg.per_lane_inputs:
@@ -126,6 +142,7 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"top_p: must be in (0, 1], got {cfg.top_p}")
     if cfg.top_k < 0 or cfg.prefill_chunk < 0 or cfg.read_ahead < 0:
         raise ConfigError("top_k, prefill_chunk and read_ahead must be >= 0")
+    _validate_tensor_parallel(cfg)
     if cfg.threads < 0:
         raise ConfigError(f"threads: must be >= 1 (or 0 = the CPUs this process may use), got {cfg.threads}")
     if cfg.limit is not None and cfg.limit < 1:

@@ -11,6 +11,8 @@ from batchjob.lora.adapter import read_adapters
 from batchjob.lora.apply import AdapterSet, slots_of
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.registry import build_model
+from batchjob.engine.tensor_parallel import tensor_ranks
+from batchjob.models.tensor_parallel import RankGroup
 from batchjob.models.loader import LoadedModel, ModelLoadError
 
 
@@ -40,9 +42,11 @@ def build_models(job: ResolvedJob, loaded: LoadedModel) -> tuple[CausalLM, Causa
     """The model and, for `--speculative draft`, the draft model; the model takes loaded.weights."""
     cfg, dtype, device = job.config, job.dtype, job.device
     adapters = AdapterSet.of(read_adapters(cfg.adapters, cfg.max_lora_rank)) if cfg.adapters else None
-    model = build_model(loaded.config, loaded.weights, dtype, device, kernels=cfg.kernels, block_size=cfg.block_size,
-                        kv_cache_dtype=cfg.kv_cache_dtype, quantization=job.quantization(loaded),
-                        prequantized=loaded.prequantized, adapters=adapters)
+    shard = loaded.shard  # a tensor-parallel rank's slice (this process is rank 0): built as the others build theirs
+    model = build_model(loaded.config if shard is None else shard.shard_config(), loaded.weights, dtype, device,
+                        kernels=cfg.kernels, block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
+                        quantization=job.quantization(loaded), prequantized=loaded.prequantized, adapters=adapters,
+                        parallel=None if shard is None else RankGroup(shard, tensor_ranks(shard.world, device).lost))
     draft = None
     if cfg.speculative == SpeculativeMethod.DRAFT:
         try:

@@ -236,6 +236,11 @@ class JobConfig:
     speculative_max_rows: int = opt(32,
         'no proposals in a step with more decoding rows than this: a full batch gains little from them '
         '(default: 32)', table=ENGINE, api=Api.ENGINE, bounds=Bounds(0))
+    tensor_parallel: int = opt(1,
+        'N: split the model over N processes on this node (torch.distributed: gloo on a CPU, NCCL on CUDA), each '
+        "holding 1/N of the attention heads, KV cache, MLP and vocabulary, on its own cores or GPU; an HF folder's "
+        'Llama, Mistral, Qwen2/3, Gemma 2/3 or Phi-3 (default: 1; docs/guide/data-parallel.md)',
+        table=ENGINE, api=Api.ENGINE)
     kv_cache_dtype: KvCacheDtype = opt(KvCacheDtype.AUTO,
         'KV cache: auto = the compute dtype; int8 (absmax per token and KV head, ~1.9x the tokens of bf16) or '
         'int4 (groups of 16 along head_dim, ~3.2x); read by every backend: native (every CPU path), Triton and '

@@ -13,7 +13,8 @@ from batchjob.job.modes import Quantization
 from batchjob.job.options import JobConfig
 from batchjob.job.threads import job_threads
 from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
-from batchjob.models.loader import LoadedModel, ModelDescription, describe_model, load_model
+from batchjob.engine.tensor_parallel import ModelRequest, tensor_ranks
+from batchjob.models.loader import LoadedModel, ModelDescription, check_split, describe_model, load_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,10 @@ class ResolvedJob:
     @classmethod
     def of(cls, cfg: JobConfig) -> ResolvedJob:
         device = choose_device(cfg.device)
-        return cls(cfg, device, choose_dtype(cfg.dtype, device), job_threads(cfg.threads))
+        threads = job_threads(cfg.threads)
+        if cfg.tensor_parallel > 1 and device == "cpu":  # each rank computes on its share of the cores
+            threads = max(1, threads // cfg.tensor_parallel)
+        return cls(cfg, device, choose_dtype(cfg.dtype, device), threads)
 
     @property
     def dtype_name(self) -> str:
@@ -46,6 +50,13 @@ class ResolvedJob:
     def load(self, source: str) -> LoadedModel:
         """A model's weights and tokenizer as this job computes with them (int8 codes kept for --quantization int8,
         GGUF blocks for auto on a CPU)."""
+        world = self.config.tensor_parallel
+        if world > 1:  # this process is rank 0: the other ranks start, and each loads its own slice
+            check_split(source, world)
+            ranks = tensor_ranks(world, self.device)
+            ranks.request(ModelRequest(source, self.dtype_name, self.device, str(self.config.kernels),
+                                       self.config.block_size, str(self.config.kv_cache_dtype)))
+            return load_model(source, dtype=self.dtype, rank_of=(0, world))
         return load_model(source, dtype=self.dtype, int8_codes=self.config.quantization == Quantization.INT8,
                           fp8_codes=self.keeps_fp8_codes, blocks=self.keeps_blocks)
 

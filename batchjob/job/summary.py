@@ -86,9 +86,13 @@ def start_line(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, inputs: lis
     waiting = f", {threads_module.chosen.words()}" if threads_module.chosen.words() and model.device.type == "cpu" else ""
     line = (f"batchjob: {loaded.name} ({dtype}{matmuls}, kv cache {kv}, {model.kernels.label} kernels, "
             f"{model.device.type}, {threads} thread{'' if threads == 1 else 's'}{waiting}) <- {', '.join(inputs)}, {rows} -> {output}")
-    line += f"; {weight_words(model.weight_memory())}"
+    split = model.parallel  # each rank holds its slice: the sizes below are one rank's (every rank's alike)
+    each = "" if split is None else " per rank"
+    if split is not None:
+        line += f"; tensor parallel over {split.world} ranks"
+    line += f"; {weight_words(model.weight_memory())}{each}"
     if kv_pool is not None:
-        line += f"; {kv_words(cfg, kv_pool)}"
+        line += f"; {kv_words(cfg, kv_pool)}{each}"
     if rows_before:
         line += f"; resuming: {rows_before:,}" + (f" of {total:,}" if total is not None else "") + " rows committed"
     return line

@@ -27,25 +27,12 @@ from batchjob.io.sources import open_source
 from batchjob.job.inputs import input_folders
 from batchjob.job.summary import JobSummary
 from batchjob.launch.driver import PROGRESS_EVERY_S, Retries, drive, finished_shards, planned_shards
-from batchjob.launch.shard_worker import STOP_FILE, ShardCall, ShardFailed, ShardOutcome, ShardWorker, die_with_parent
+from batchjob.engine.placement import Placement, die_with_parent, gpu_count, place, visible_gpu
+from batchjob.launch.shard_worker import STOP_FILE, ShardCall, ShardFailed, ShardOutcome, ShardWorker
 
 SHARDS_PER_RANK = 4  # stragglers balance: a rank that finishes early takes another shard
 MAX_RETRIES = 3  # a shard whose rank died or whose run failed is tried again this many times, from its last commit
 LOG_DIR = "data-parallel"  # OUTPUT/data-parallel/rank-R.log: each rank's own lines
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one rank runs: its cores (its torch threads) and its GPU, if any."""
-    rank: int
-    cpus: tuple[int, ...]
-    gpu: int | None = None  # an index among the GPUs this process sees
-    numa_node: int | None = None
-
-    def describe(self) -> str:
-        cores = f"{len(self.cpus)} core{'s' if len(self.cpus) > 1 else ''} ({_ranges(self.cpus)})"
-        where = f"GPU {self.gpu}" if self.gpu is not None else cores
-        return where + (f", NUMA node {self.numa_node}" if self.numa_node is not None else "")
 
 
 def rank_count(value: str | int | None) -> int | str | None:
@@ -65,80 +52,6 @@ def wants_ranks(value: str | int | None) -> bool:
     return rank_count(value) not in (None, 1)
 
 
-def numa_nodes(cpus: set[int]) -> list[tuple[int, tuple[int, ...]]]:
-    """This machine's NUMA nodes with the cores of `cpus` in each (those with none left out); one node when the
-    kernel shows none."""
-    root = Path("/sys/devices/system/node")
-    nodes = []
-    for folder in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-        try:
-            listed = _parse_cpulist((folder / "cpulist").read_text())
-        except OSError:
-            continue
-        mine = tuple(sorted(listed & cpus))
-        if mine:
-            nodes.append((int(folder.name[4:]), mine))
-    return nodes or [(0, tuple(sorted(cpus)))]
-
-
-def place(ranks: int | str, device: str, gpus: int, cpus: set[int],
-          nodes: list[tuple[int, tuple[int, ...]]] | None = None) -> list[Placement]:
-    """Each rank's device. GPUs (device cuda, or auto with GPUs): one rank per GPU ('auto': every GPU), the cores
-    shared out among them. CPU: 'auto' is one rank per NUMA node; N ranks get the cores in equal contiguous sets, each
-    inside one node when N is a multiple of the node count. `nodes`: the NUMA nodes' cores (default: this machine's)."""
-    nodes = nodes or numa_nodes(cpus)
-    if device == "cuda" and gpus == 0:
-        raise ConfigError("data_parallel: --device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, the driver)")
-    if gpus and device != "cpu":
-        n = gpus if ranks == "auto" else ranks
-        if n > gpus:
-            raise ConfigError(f"data_parallel: {n} ranks, but {gpus} GPUs are visible: at most one rank per GPU")
-        shares = _split(tuple(sorted(cpus)), n)
-        return [Placement(r, shares[r], gpu=r) for r in range(n)]
-    n = len(nodes) if ranks == "auto" else ranks
-    if n > len(cpus):
-        raise ConfigError(f"data_parallel: {n} ranks, but this process may use {len(cpus)} cores: at most one rank "
-                          "per core")
-    if n % len(nodes) == 0:
-        per_node = n // len(nodes)
-        placements = []
-        for node, node_cpus in nodes:
-            if per_node > len(node_cpus):
-                break
-            for share in _split(node_cpus, per_node):
-                placements.append(Placement(len(placements), share, numa_node=node if len(nodes) > 1 else None))
-        if len(placements) == n:
-            return placements
-    return [Placement(r, share) for r, share in enumerate(_split(tuple(sorted(cpus)), n))]
-
-
-def _split(cpus: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
-    """`cpus` in n contiguous sets as even as they go (the first ones one larger)."""
-    size, extra = divmod(len(cpus), n)
-    out, at = [], 0
-    for r in range(n):
-        take = size + (r < extra)
-        out.append(cpus[at:at + take] or cpus[r % len(cpus):r % len(cpus) + 1])
-        at += take
-    return out
-
-
-def _parse_cpulist(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if "-" in part:
-            lo, hi = part.split("-")
-            cpus.update(range(int(lo), int(hi) + 1))
-        elif part:
-            cpus.add(int(part))
-    return cpus
-
-
-def _ranges(cpus: tuple[int, ...]) -> str:
-    return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 and cpus[-1] - cpus[0] == len(cpus) - 1 else \
-        ",".join(map(str, cpus))
-
-
 # ---- the ranks ------------------------------------------------------------------------------------
 
 
@@ -148,7 +61,7 @@ def _rank_main(conn, call: ShardCall, placement: Placement, log_path: str) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the driver, which stops the ranks
     die_with_parent()
     if placement.gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = _visible_gpu(placement.gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu(placement.gpu)
     if placement.cpus:
         os.sched_setaffinity(0, placement.cpus)  # first-touch memory then comes from the cores' NUMA node
     fd = disk().open(Path(log_path), append=True)  # the rank's stdout and stderr: its own log
@@ -168,14 +81,6 @@ def _rank_main(conn, call: ShardCall, placement: Placement, log_path: str) -> No
         except ShardFailed as e:
             outcome = ShardOutcome(index, 1, str(e))
         conn.send(outcome)
-
-
-def _visible_gpu(index: int) -> str:
-    """The index-th GPU of those the driver sees, as CUDA_VISIBLE_DEVICES names it."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        return visible.split(",")[index].strip()
-    return str(index)
 
 
 def _how(code: int | None) -> str:
@@ -345,7 +250,7 @@ def run_data_parallel(job_file: str | None, options: dict, cfg, *, restart: bool
                           "--data-parallel, or give another --output")
     (path, _, _), = input_folders(cfg, output)
     device = cfg.device.value if cfg.device is not None else "auto"  # unset: cuda when there is one
-    placements = place(ranks, device, _gpus(device), set(os.sched_getaffinity(0)))
+    placements = place(ranks, device, gpu_count(device), set(os.sched_getaffinity(0)))
     planned = planned_shards(output)
     count = planned or SHARDS_PER_RANK * len(placements)
     if planned is None:  # an input that cannot be cut (compressed JSONL, CSV) is said once here, not by every rank
@@ -371,21 +276,6 @@ def run_data_parallel(job_file: str | None, options: dict, cfg, *, restart: bool
             runner.close()
     status = sharded_status(output, slurm=False) if has_job_file(output) else {}
     return DataParallelRun(sorted(outcomes, key=lambda o: o.index), placements, time.perf_counter() - t0, status)
-
-
-def _gpus(device: str) -> int:
-    """The NVIDIA GPUs this process sees, from the driver's /proc entries and CUDA_VISIBLE_DEVICES: the driver
-    process does not import torch (seconds, and memory) only to count them."""
-    if device == "cpu":
-        return 0
-    try:
-        installed = len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
-    except OSError:
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return installed
-    return len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")])
 
 
 class DataParallelFailed(RuntimeError):

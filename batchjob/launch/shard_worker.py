@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import threading
 from dataclasses import dataclass, field
 
+from batchjob.engine.placement import die_with_parent  # noqa: F401 - ray/worker.py's too
 from batchjob.errors import EXIT_RESUMABLE
 
 STOP_FILE = ".driver-stop"  # written in the output folder by a stopping driver (Ray's, data parallel's): shards drain
@@ -111,13 +111,3 @@ def _expected(e: Exception) -> bool:
 
     return isinstance(e, (ConfigError, *job_failures()))
 
-
-def die_with_parent() -> None:
-    """This process gets SIGKILL when its parent dies (Linux: PR_SET_PDEATHSIG), so a rerun never meets an orphan
-    holding a shard's lock."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the child may outlive a killed parent (its lock then waits for it)
-        pass

@@ -9,6 +9,7 @@ import torch
 from batchjob.kernels import KernelSet
 from batchjob.models.adapters import ModelAdapters
 from batchjob.models.config import ModelConfig
+from batchjob.models.tensor_parallel import RankGroup
 from batchjob.models.step_context import ModelFeature, StepContext
 
 
@@ -35,6 +36,7 @@ class CausalLM(Protocol):
     # a vision-language family's image encoder: pixel values [B, 3, S, S] -> [B, tokens per image, hidden]; else None
     image_encoder: Callable[[torch.Tensor], torch.Tensor] | None
     adapters: ModelAdapters | None  # the LoRA adapters it was built with (build_model), or None
+    parallel: RankGroup | None  # one tensor-parallel rank's slice of the model (models/tensor_parallel.py), or None
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids' input embeddings, as the forward looks them up (a step's inputs_embeds start from these)."""

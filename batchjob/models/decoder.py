@@ -10,6 +10,8 @@ has one (`add_rms_norm`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ from batchjob.kernels.quantization import WeightMatmul
 from batchjob.models.adapters import ModelAdapters
 from batchjob.models.config import ModelConfig
 from batchjob.models.layers import MLP, DecoderLayer, MoE
+from batchjob.models.tensor_parallel import RankGroup
 from batchjob.models.step_context import DECODER_FEATURES, ModelFeature, StepContext
 
 
@@ -30,12 +33,15 @@ class DecoderLM:
                  lm_head: WeightMatmul, rotaries: list[RotaryEmbedding], dtype: torch.dtype, device: torch.device,
                  kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
                  features: frozenset[ModelFeature] = DECODER_FEATURES, image_encoder=None,
-                 adapters: ModelAdapters | None = None):
+                 adapters: ModelAdapters | None = None, parallel: RankGroup | None = None):
         """`kernels`: auto | torch | native | triton (kernels/dispatch.py), for KV blocks of `block_size`
         tokens (the engine refits them to its own, `fit_kernels`). Raises kernels.KernelError for a choice
         that cannot run here. `adapters`: LoRA adapters, put on the projections now (lora/apply.py raises
-        LoraError for one that does not fit)."""
-        self.config = config
+        LoraError for one that does not fit). `parallel`: this model is one rank's slice of a model split over tensor-parallel
+        ranks (models/tensor_parallel.py): `config` gives its own sizes but the vocabulary, which is the whole
+        model's (the logits it returns are)."""
+        self.parallel = parallel
+        self.config = config if parallel is None else dataclasses.replace(config, vocab_size=parallel.shard.config.vocab_size)
         self.dtype = dtype
         self.device = device
         self.kernel_choice = kernels
@@ -98,11 +104,15 @@ class DecoderLM:
             x = ops.rms_norm(h, first, eps) if first is not None else h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, step.kv_caches)):
             o = layer.attn(x, ropes, meta, k_cache, v_cache, ops, eps, lora)
+            if self.parallel is not None:  # each rank's heads' share of the output projection
+                o = self.parallel.all_reduce(o)
             with scope("norm"):
                 if layer.post_attn_norm is not None:
                     o = ops.rms_norm(o, layer.post_attn_norm, eps)
                 x = _add_norm(ops, o, h, layer.mlp_norm, eps)
             x = layer.mlp(x, ops, lora)
+            if self.parallel is not None:
+                x = self.parallel.all_reduce(x)
             with scope("norm"):
                 if layer.post_mlp_norm is not None:
                     x = ops.rms_norm(x, layer.post_mlp_norm, eps)
@@ -153,8 +163,12 @@ class DecoderLM:
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids' input embeddings (scaled as the family does): what a step's inputs_embeds start from."""
+        here = None
+        if self.parallel is not None:  # this rank's vocabulary rows; the others' tokens are zero here
+            ids, here = self.parallel.embed_mask(ids)
         h = self.embed.rows(ids, self.dtype) if isinstance(self.embed, PackedWeight) else F.embedding(ids, self.embed)
-        return h if self.embed_scale is None else h * self.embed_scale
+        h = h if self.embed_scale is None else h * self.embed_scale
+        return h if here is None else self.parallel.all_reduce(h * here)
 
     def embeddings(self, step: StepContext) -> torch.Tensor:
         """The step's input embeddings: given (a copy: the residual stream is written in place), or looked up and
@@ -172,6 +186,8 @@ class DecoderLM:
         logit soft-cap (Gemma 2) applies here, before logprobs and sampling."""
         with scope("logits"):
             logits = self.lm_head(hidden)
+            if self.parallel is not None:
+                logits = self.parallel.gather_vocab(logits)
             cap = self.config.final_logit_softcap
             return logits if cap is None else self.kernels.softcap(logits, cap)
 

@@ -9,8 +9,9 @@ import torch
 from safetensors import safe_open
 
 from batchjob.models.compressed_tensors import CompressedTensors, compressed_tensors
-from batchjob.models.config import ModelConfig
+from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.registry import canonical_weights, config_from_hf
+from batchjob.models.tensor_parallel import TensorShard
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.models.identity import hf_identity, safetensors_files
 from batchjob.models.weights import LoadedModel, ModelLoadError, checked_weights
@@ -27,10 +28,19 @@ def hf_config(folder: Path, fp8_codes: bool = False) -> tuple[ModelConfig, Compr
     return config_from_hf(config_json, source=str(folder / "config.json")), quant
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) -> LoadedModel:
+def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False,
+                   rank_of: tuple[int, int] | None = None) -> LoadedModel:
     """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py: W8A8
-    int8 codes and W4A16 packed ones kept as they are, W8A8 fp8 ones only with `fp8_codes`, else dequantized here)."""
+    int8 codes and W4A16 packed ones kept as they are, W8A8 fp8 ones only with `fp8_codes`, else dequantized here).
+    `rank_of` (rank, world): only that tensor-parallel rank's slice of each weight is read (models/tensor_parallel.py);
+    the LoadedModel's `shard` says which."""
     config, quant = hf_config(folder, fp8_codes)  # refused before reading weights
+    split = None
+    if rank_of is not None:
+        if quant is not None:
+            raise UnsupportedModelError(f"{folder}: tensor parallel over a quantized checkpoint ({quant.scheme}) is not "
+                                        "implemented; use a float checkpoint")
+        split = TensorShard.of(config, *rank_of, source=str(folder))
     shards = safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
@@ -44,7 +54,11 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) ->
                     taken = 0
                     while names and taken < MAP_BYTES:
                         name = names.pop(0)
-                        t = f.get_tensor(name)
+                        if split is None:
+                            t = f.get_tensor(name)
+                        else:
+                            part = f.get_slice(name)
+                            t = split.take(name, tuple(part.get_shape()), part.__getitem__)
                         taken += t.numel() * t.element_size()
                         weights[name] = t if quant is not None and quant.keeps(t, name) else t.to(dtype)
         except Exception as e:  # the Rust reader raises its own error type for every kind of damage
@@ -52,7 +66,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) ->
                                  f"({shard.stat().st_size:,} bytes; {e}); copy or download it again") from None
     if quant is not None:
         weights = quant.weights(weights, dtype)
-    weights = checked_weights(config, canonical_weights(config, weights), source=str(folder))
+    weights = checked_weights(config if split is None else split.shard_config(), canonical_weights(config, weights),
+                              source=str(folder))
     try:
         tokenizer = Tokenizer.from_hf_dir(folder)
     except FileNotFoundError as e:
@@ -60,6 +75,6 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False) ->
 
     identity = hf_identity(folder, shards, config.architecture)
     if quant is None:
-        return LoadedModel(config, weights, tokenizer, identity, name=folder.name)
+        return LoadedModel(config, weights, tokenizer, identity, name=folder.name, shard=split)
     return LoadedModel(config, weights, tokenizer, identity, name=folder.name, quantization=quant.quantization,
                        quantization_scheme=quant.scheme)

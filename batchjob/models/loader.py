@@ -18,6 +18,7 @@ from batchjob.models.hf_folder import hf_config, load_hf_folder
 from batchjob.models.identity import gguf_identity, hf_identity, open_gguf, safetensors_files
 from batchjob.models.location import (BUILTIN_MODELS, hf_cache_snapshot, hf_hub_cache, model_source, resolve_model_path,
                                       resolve_model_spec)
+from batchjob.models.tensor_parallel import TensorShard
 from batchjob.models.weights import LoadedModel
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelLoadError", "UnsupportedModelError", "hf_cache_snapshot", "hf_hub_cache",
@@ -25,18 +26,36 @@ __all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelLoadError", "UnsupportedModelE
 
 
 def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32, int8_codes: bool = False,
-               fp8_codes: bool = False, blocks: bool = False) -> LoadedModel:
+               fp8_codes: bool = False, blocks: bool = False, rank_of: tuple[int, int] | None = None) -> LoadedModel:
     """`blocks`: a GGUF file's block-quantized matrices stay in their blocks, computed as stored (for a CPU model
     with --quantization auto; gguf_file.py). `int8_codes`: for a model built with --quantization int8, a GGUF file's Q8_0 matrices stay int8 codes with
     their block scales (gguf_file.py); a compressed-tensors folder's int8 codes always do. `fp8_codes`: for a
     device that computes fp8 (kernels/quantization.py keeps_fp8_codes), a compressed-tensors W8A8 fp8 folder's
-    codes stay codes (LoadedModel.quantization "fp8"); else they are dequantized at load."""
+    codes stay codes (LoadedModel.quantization "fp8"); else they are dequantized at load. `rank_of` (rank, world): that
+    tensor-parallel rank's slice only (an HF folder's; models/tensor_parallel.py)."""
     path, hf_id = resolve_model_spec(str(spec))
     source = model_source(path)
     if source.is_dir():
-        loaded = load_hf_folder(source, dtype, fp8_codes=fp8_codes)
+        loaded = load_hf_folder(source, dtype, fp8_codes=fp8_codes, rank_of=rank_of)
         return dataclasses.replace(loaded, name=hf_id) if hf_id else loaded  # not the snapshot's commit hash
+    if rank_of is not None:
+        raise UnsupportedModelError(f"{source}: tensor parallel over a GGUF file is not implemented; it reads Hugging "
+                                    "Face folders (safetensors) only")
     return load_gguf(source, dtype, int8_codes=int8_codes, blocks=blocks)
+
+
+def check_split(spec: str | Path, world: int) -> None:
+    """Raises UnsupportedModelError unless the model splits over `world` tensor-parallel ranks (before any starts)."""
+    path, _ = resolve_model_spec(str(spec))
+    source = model_source(path)
+    if not source.is_dir():
+        raise UnsupportedModelError(f"{source}: tensor parallel over a GGUF file is not implemented; it reads Hugging "
+                                    "Face folders (safetensors) only")
+    config, quant = hf_config(source)
+    if quant is not None:
+        raise UnsupportedModelError(f"{source}: tensor parallel over a quantized checkpoint ({quant.scheme}) is not "
+                                    "implemented; use a float checkpoint")
+    TensorShard.of(config, 0, world, source=str(source))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from batchjob.models.causal_lm import CausalLM
 from batchjob.models.config import ModelConfig, UnsupportedModelError
 from batchjob.models.decoder import DecoderLM
 from batchjob.models.family import BuildSpec, Family
+from batchjob.models.tensor_parallel import RankGroup
 from batchjob.models.families import gemma, gemma3, idefics3, llama, llava, moe, olmo2, phi3, qwen2_vl
 
 
@@ -76,7 +77,7 @@ _EMBEDDINGS = "embed_tokens.weight"  # a lookup: in the compute dtype, unless pa
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                 kernels: str = "auto", block_size: int = 16, kv_cache_dtype: str = "auto", quantization: str = "none",
                 quantize_lm_head: bool = True, prequantized: bool = False,
-                adapters: ModelAdapters | None = None) -> CausalLM:
+                adapters: ModelAdapters | None = None, parallel: RankGroup | None = None) -> CausalLM:
     """The model for `config` from HF-named weights. Raises kernels.KernelError for kernels that cannot run here,
     QuantizationError for a `quantization` (none | int8 | fp8, kernels/quantization.py) that cannot. Under int8
     the weight matmuls are quantized as they are built, the LM head among them unless `quantize_lm_head` is False
@@ -88,6 +89,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     stored on a CPU, embeddings included (looked up as stored), unless int8 or fp8 asks for those kernels (then it is
     dequantized first and quantized as they do); on another device, and for the routers, it is dequantized.
     `adapters`: LoRA adapters the model is built with (lora/apply.py AdapterSet), on the projections they target.
+    `parallel`: the weights are one tensor-parallel rank's (models/tensor_parallel.py: `config` is its shard_config);
+    the model sums and gathers across the ranks where its forward needs to.
 
     The model takes the weights: `weights` is emptied, and the family takes each layer's tensors out as it lays
     them out (fused projections, packed matmul weights), so a source tensor is freed once its final form
@@ -121,4 +124,4 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     return DecoderLM(config, parts.layers, parts.embed, parts.final_norm, lm_head_linear(spec.matmuls, parts.lm_head),
                      parts.rotaries, dtype, dev, kernels=kernels, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                      quantization=quantization, features=family.features, image_encoder=parts.image_encoder,
-                     adapters=adapters)
+                     adapters=adapters, parallel=parallel)

@@ -9,6 +9,7 @@ import torch
 
 from batchjob.errors import ModelLoadError  # noqa: F401 - raised by every loader, re-exported
 from batchjob.models.config import ModelConfig
+from batchjob.models.tensor_parallel import TensorShard
 from batchjob.models.tokenizer import Tokenizer
 
 
@@ -27,6 +28,8 @@ class LoadedModel:
     # it runs in the compute dtype), None (a float checkpoint or a GGUF file: any --quantization)
     quantization: str | None = None
     quantization_scheme: str = ""  # the checkpoint's scheme in words, for messages
+    # a tensor-parallel rank's load: the slice of the model its weights are (their shapes: shard.shard_config())
+    shard: TensorShard | None = None
 
     @property
     def prequantized(self) -> bool:

@@ -66,7 +66,7 @@ def test_the_start_line_counts_one_thread_as_one_thread(monkeypatch):
 
     model = SimpleNamespace(dtype=torch.float32, kv_cache_dtype="auto", quantization="none",
                             kernels=SimpleNamespace(label="torch"), device=torch.device("cpu"),
-                            weight_memory=lambda: {"float32": 1 << 20})
+                            weight_memory=lambda: {"float32": 1 << 20}, parallel=None)
     cfg = JobConfig(model="m", input="in.jsonl", output="out")
     for threads, said in ((1, "cpu, 1 thread)"), (2, "cpu, 2 threads)")):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)

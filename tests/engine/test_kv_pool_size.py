@@ -81,7 +81,7 @@ def test_the_start_line_says_the_pools_size_and_how_it_was_chosen():
                    "and the largest step)")
     model = SimpleNamespace(dtype=torch.float32, kv_cache_dtype="auto", quantization="none",
                             kernels=SimpleNamespace(label="torch"), device=torch.device("cpu"),
-                            weight_memory=lambda: {"float32": 3 << 20})
+                            weight_memory=lambda: {"float32": 3 << 20}, parallel=None)
     line = start_line(cfg, SimpleNamespace(name="m"), model, ["in.jsonl"], 3, 1, "out", rows)
     assert line.endswith("-> out; weights 3.0 MiB (float32); KV cache 96.0 MiB (64 rows x 2,048 tokens: --max-num-seqs x the model's context; "
                          "--kv-cache-gb to set); resuming: 1 of 3 rows committed")

@@ -26,9 +26,12 @@ from batchjob.models.step_context import ModelFeature, StepContext
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 graphs: tuple[int, int] | None = None, encoder_cache_tokens: int = 0):
+                 graphs: tuple[int, int] | None = None, encoder_cache_tokens: int = 0, samples: bool = True):
         """`graphs`: (most rows in a step, the longest row) to replay decode steps as CUDA graphs (the model's
-        kernels must capture them)."""
+        kernels must capture them). `samples`: False on a tensor-parallel rank other than the first (its steps
+        compute their share of the forward and the logits; rank 0 samples, and the tokens reach this rank with the
+        next step's rows: engine/worker/tensor_parallel.py)."""
+        self.samples = samples
         model.fit_kernels(block_size)
         self.model = model
         self.block_size = block_size
@@ -121,7 +124,7 @@ class ModelRunner:
         pooled = pool_step(hidden, step, last) if embeds else []
         scored = score_step(self.model, hidden, step, last) if scores else []
         self.model_s += time.perf_counter() - t0
-        if not rows:
+        if not rows or not self.samples:
             return StepTokens(len(step), rows, None, seq_ids=ids, pooled=pooled, scored=scored)
         offsets = [j for span in spans for j in range(span)] if len(sampling) > len(rows) else None
         with scope("sampler"):
