@@ -202,6 +202,34 @@ def quickstart_text(out: Path, rows: int, smoke: bool) -> dict:
     return {"rows": len(texts["gpu"]), "identical": same, "share": round(same / max(1, len(texts["gpu"])), 3)}
 
 
+def tensor_parallel_text(out: Path, smoke: bool) -> dict:
+    """Greedy text of `--tensor-parallel 2` vs one process (fp32) on an HF folder whose heads split two ways (the bench's
+    tiny Llama): NCCL over two GPUs, or gloo over two CPU processes under --smoke. One GPU: skipped, with the reason."""
+    from batchjob.bench.models import prepare
+    from batchjob.io.parts import read_results
+
+    gpus = torch.cuda.device_count() if not smoke else 0
+    if not smoke and gpus < 2:
+        return {"status": f"skipped: tensor parallel needs 2 GPUs, this machine has {gpus}"}
+    folder = prepare("tiny").path
+    prompts = out / "tp-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{3 + (i * 7 + j) % 500}" for j in range(5 + i))}) + "\n"
+                               for i in range(8)))
+    device = "cpu" if smoke else "cuda"
+    texts = {}
+    for name, extra in (("one", []), ("tp2", ["--tensor-parallel", "2"])):
+        folder_out = out / f"tp-{name}"
+        cmd = [sys.executable, "-m", "batchjob", "run", "--model", folder, "--input", str(prompts), "--output",
+               str(folder_out), "--dtype", "float32", "--device", device, "--max-tokens", "16", "--ignore-eos",
+               "--no-progress", "--restart", *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise CheckFailed(f"tensor parallel check ({name}) failed:\n{done.stderr[-2000:]}")
+        texts[name] = read_results(folder_out).column("generated_text").to_pylist()
+    same = sum(a == b for a, b in zip(texts["one"], texts["tp2"]))
+    return {"status": "ok", "backend": "gloo" if smoke else "nccl", "rows": len(texts["one"]), "identical": same}
+
+
 def hf_generate(device: torch.device, rows: int, prompt: int, out: int) -> dict:
     try:
         import transformers as tf
@@ -252,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         report["text"] = quickstart_text(args.out, 2 if smoke else 48, smoke)
         if report["text"]["share"] < (1.0 if smoke else 0.9):
             raise CheckFailed(f"GPU greedy text differs from the CPU fp32 run on too many rows: {report['text']}")
+        report["tensor_parallel"] = tensor_parallel_text(args.out, smoke)
+        tp = report["tensor_parallel"]
+        if tp["status"] == "ok" and tp["identical"] < tp["rows"]:
+            raise CheckFailed(f"--tensor-parallel 2 greedy text differs from one process's: {tp}")
         bw = copy_bandwidth(device, (16 << 20) if smoke else (2 << 30))
         report["copy_gb_s"] = round(bw / 1e9, 1)
         shapes = {"smollm2": (3, 3, 64), "1b": (8, 4, 64)}  # kv heads, GQA group, head_dim

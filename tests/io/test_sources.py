@@ -289,3 +289,36 @@ def test_sample_data_is_the_same_in_both_formats():
     assert len(jsonl_rows) >= 250
     chats = [r.record["messages"] for r in open_source(data / "chat.jsonl").rows()]
     assert any(m[0]["role"] == "system" for m in chats) and any(len(m) > 2 for m in chats)
+
+
+def test_a_fifo_is_read_whole_without_waiting_for_its_writer_to_open(tmp_path):
+    """A FIFO opens before any writer does (a blocking open would hold the main thread where Ctrl-C may not reach it:
+    io/sources/pipes.py), reads what the writer wrote in its chunks, and ends when the writer leaves."""
+    import os
+    import threading
+    from pathlib import Path
+
+    from batchjob.io.sources.pipes import PipeReader, open_input
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    reader = open_input(fifo)  # no writer yet: returns at once
+    assert isinstance(reader, PipeReader)
+    lines = [f'{{"prompt": "row {i}"}}\n'.encode() for i in range(500)]
+
+    def write():
+        with open(fifo, "wb") as w:
+            for line in lines:
+                w.write(line)
+                w.flush()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got = bytearray()
+    with reader:
+        while chunk := reader.read(64):
+            got += chunk
+    writer.join()
+    assert bytes(got) == b"".join(lines)
+    with open_input(Path(__file__)) as plain:  # a regular file opens as Python opens it
+        assert not isinstance(plain, PipeReader)

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from batchjob.io.ranges import RowRanges
 from batchjob.io.sources.base import InputRow, Source, SourceError, folder_files, narrow
+from batchjob.io.sources.pipes import is_pipe, open_input
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 FOLDER_JSONL_SUFFIXES = (".jsonl", ".ndjson")  # not .json: folders often hold metadata .json files
@@ -68,7 +69,7 @@ class JsonLines(Source):
         self.columns = self._sample_columns()
 
     def _open(self, file: Path):
-        return open(file, "rb")
+        return open_input(file)
 
     def _reading(self, file: Path, line_no: Callable[[], int | None] = lambda: None):
         """Around each read of `file`: where a source turns a damaged stream into a SourceError."""
@@ -230,10 +231,10 @@ class CompressedJsonlSource(JsonLines):
     def _open(self, file: Path):
         codec = self.codec or codec_of(file)
         if codec == "gzip":
-            return gzip.open(file, "rb")
+            return gzip.GzipFile(fileobj=open_input(file), mode="rb") if is_pipe(file) else gzip.open(file, "rb")
         if codec == "zstd":
-            return pa.input_stream(str(file), compression="zstd")
-        return open(file, "rb")
+            return pa.input_stream(open_input(file) if is_pipe(file) else str(file), compression="zstd")
+        return open_input(file)
 
     def rows(self, skip: RowRanges | None = None, *, columns: list[str] | None = None) -> Iterator[InputRow]:
         row_index = 0
