@@ -244,6 +244,9 @@ def run_data_parallel(job_file: str | None, options: dict, cfg, *, restart: bool
     if cfg.limit is not None:
         raise ConfigError("--limit with --data-parallel: try the first rows without --data-parallel, then run the "
                           "whole job with it into another --output")
+    if cfg.tensor_parallel > 1:  # each rank would need a group of devices (GPUs, or cores) of its own: not placed so yet
+        raise ConfigError("--data-parallel with --tensor-parallel is not implemented yet; run --tensor-parallel N alone "
+                          "(one model split over N devices), or --data-parallel N alone (a whole model per device)")
     output = Path(cfg.output)
     if (output / MANIFEST).exists() and not has_job_file(output):
         raise ConfigError(f"{output} holds an unsharded run; a data-parallel run writes shards: rerun it without "

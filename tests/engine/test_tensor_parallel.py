@@ -107,6 +107,14 @@ def test_what_does_not_split_is_refused_by_name(tiny_model_dir, tiny_gguf_path):
         job_config({"model": "m", "input": "x.jsonl", "tensor_parallel": 0})
 
 
+def test_data_parallel_with_tensor_parallel_is_refused_before_any_rank_starts(tmp_path, tiny_model_dir):
+    done = _run(["--model", str(tiny_model_dir("llama")), "--input", str(_prompts(tmp_path / "in.jsonl", 2)), "--output",
+                 str(tmp_path / "out"), "--data-parallel", "2", "--tensor-parallel", "2"])
+    assert done.returncode == 2
+    assert "--data-parallel with --tensor-parallel is not implemented yet" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_two_ranks_write_the_single_processs_greedy_text(tmp_path, tiny_model_dir, arch):
     src = _prompts(tmp_path / "in.jsonl", 12)
