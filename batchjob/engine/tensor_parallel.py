@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from batchjob.errors import ConfigError
-from batchjob.engine.placement import Placement, die_with_parent, gpu_count, place, visible_gpu
+from batchjob.engine.placement import die_with_parent, gpu_count, place, visible_gpu
 
 WAIT = timedelta(hours=24)  # how long a rank waits in a collective: rank 0 may wait on its input, or on an API caller
 WATCH_S = 0.5  # how often rank 0 looks at its ranks
@@ -40,16 +40,12 @@ class ModelRequest:
 class TensorRanks:
     """Rank 0's view of the group: the other ranks' processes, watched."""
 
-    def __init__(self, world: int, placements: list[Placement], processes: list[subprocess.Popen]):
+    def __init__(self, world: int, processes: list[subprocess.Popen]):
         self.world = world
-        self.placements = placements
         self.processes = processes
         self.stopping = False
         threading.Thread(target=self._watch, name="batchjob-tp-watch", daemon=True).start()
         atexit.register(self.stop)
-
-    def describe(self) -> str:
-        return ", ".join(f"rank {p.rank}: {p.describe()}" for p in self.placements)
 
     def request(self, request: ModelRequest) -> None:
         from batchjob.engine.worker.tensor_parallel import broadcast
@@ -127,7 +123,7 @@ def tensor_ranks(world: int, device: str) -> TensorRanks:
                                           stdin=subprocess.DEVNULL))
     _pin(placements[0].cpus)
     _join(0, world, port, gpus > 0 and device != "cpu")
-    _ranks = TensorRanks(world, placements, processes)
+    _ranks = TensorRanks(world, processes)
     return _ranks
 
 

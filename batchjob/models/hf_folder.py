@@ -28,6 +28,15 @@ def hf_config(folder: Path, fp8_codes: bool = False) -> tuple[ModelConfig, Compr
     return config_from_hf(config_json, source=str(folder / "config.json")), quant
 
 
+def folder_shard(folder: Path, config: ModelConfig, quant: CompressedTensors | None, rank: int,
+                 world: int) -> TensorShard:
+    """Rank `rank` of `world` of the folder's model; raises UnsupportedModelError for one that does not split so."""
+    if quant is not None:
+        raise UnsupportedModelError(f"{folder}: tensor parallel over a quantized checkpoint ({quant.scheme}) is not "
+                                    "implemented; use a float checkpoint")
+    return TensorShard.of(config, rank, world, source=str(folder))
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False,
                    rank_of: tuple[int, int] | None = None) -> LoadedModel:
     """A compressed-tensors checkpoint's codes and scales are read as stored (models/compressed_tensors.py: W8A8
@@ -35,12 +44,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, fp8_codes: bool = False,
     `rank_of` (rank, world): only that tensor-parallel rank's slice of each weight is read (models/tensor_parallel.py);
     the LoadedModel's `shard` says which."""
     config, quant = hf_config(folder, fp8_codes)  # refused before reading weights
-    split = None
-    if rank_of is not None:
-        if quant is not None:
-            raise UnsupportedModelError(f"{folder}: tensor parallel over a quantized checkpoint ({quant.scheme}) is not "
-                                        "implemented; use a float checkpoint")
-        split = TensorShard.of(config, *rank_of, source=str(folder))
+    split = None if rank_of is None else folder_shard(folder, config, quant, *rank_of)
     shards = safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:

@@ -14,11 +14,10 @@ import torch
 from batchjob.errors import ModelLoadError
 from batchjob.models.config import UnsupportedModelError
 from batchjob.models.gguf_file import gguf_config, load_gguf
-from batchjob.models.hf_folder import hf_config, load_hf_folder
+from batchjob.models.hf_folder import folder_shard, hf_config, load_hf_folder
 from batchjob.models.identity import gguf_identity, hf_identity, open_gguf, safetensors_files
 from batchjob.models.location import (BUILTIN_MODELS, hf_cache_snapshot, hf_hub_cache, model_source, resolve_model_path,
                                       resolve_model_spec)
-from batchjob.models.tensor_parallel import TensorShard
 from batchjob.models.weights import LoadedModel
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelLoadError", "UnsupportedModelError", "hf_cache_snapshot", "hf_hub_cache",
@@ -39,8 +38,7 @@ def load_model(spec: str | Path = "smollm2", dtype: torch.dtype = torch.float32,
         loaded = load_hf_folder(source, dtype, fp8_codes=fp8_codes, rank_of=rank_of)
         return dataclasses.replace(loaded, name=hf_id) if hf_id else loaded  # not the snapshot's commit hash
     if rank_of is not None:
-        raise UnsupportedModelError(f"{source}: tensor parallel over a GGUF file is not implemented; it reads Hugging "
-                                    "Face folders (safetensors) only")
+        raise _gguf_split(source)
     return load_gguf(source, dtype, int8_codes=int8_codes, blocks=blocks)
 
 
@@ -49,13 +47,13 @@ def check_split(spec: str | Path, world: int) -> None:
     path, _ = resolve_model_spec(str(spec))
     source = model_source(path)
     if not source.is_dir():
-        raise UnsupportedModelError(f"{source}: tensor parallel over a GGUF file is not implemented; it reads Hugging "
-                                    "Face folders (safetensors) only")
-    config, quant = hf_config(source)
-    if quant is not None:
-        raise UnsupportedModelError(f"{source}: tensor parallel over a quantized checkpoint ({quant.scheme}) is not "
-                                    "implemented; use a float checkpoint")
-    TensorShard.of(config, 0, world, source=str(source))
+        raise _gguf_split(source)
+    folder_shard(source, *hf_config(source), 0, world)
+
+
+def _gguf_split(source: Path) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{source}: tensor parallel over a GGUF file is not implemented; it reads Hugging Face "
+                                 "folders (safetensors) only")
 
 
 @dataclass(frozen=True, slots=True)

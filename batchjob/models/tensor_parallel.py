@@ -129,8 +129,11 @@ class RankGroup:
         """`lost(wait_s)`: which rank ended, in words (rank 0's view of the processes: engine/tensor_parallel.py), for
         the error of a step whose collective failed; None where it cannot tell."""
         self.shard = shard
-        self.world = shard.world
         self.lost = lost or (lambda wait_s: None)
+
+    @property
+    def world(self) -> int:
+        return self.shard.world
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, added in rank order (the same bits on each rank, whatever the batch)."""

@@ -5,7 +5,7 @@ the same forward, whose all-reduces and vocabulary gather meet across the ranks,
 rank holds its heads' K/V; the block tables are the scheduler's, the same on every rank). Rank 0 samples; the
 tokens reach the other ranks with the next step's rows, as any token the scheduler sends. One broadcast a step.
 
-The other ranks run `serve` (launch/tensor_parallel.py starts them): a ModelRunner that does not sample, applying
+The other ranks run `serve` (engine/tensor_parallel.py starts them): a ModelRunner that does not sample, applying
 what rank 0 sends until it sends Stop."""
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class TensorParallelExecutor:
 
 def serve(build: Callable[[object], CausalLM]) -> None:
     """A rank other than 0: run what rank 0 sends, on this rank's slice of the model, until Stop. A message of no
-    kind known here asks for a model: `build(message)` builds this rank's slice (launch/tensor_parallel.py)."""
+    kind known here asks for a model: `build(message)` builds this rank's slice (engine/tensor_parallel.py)."""
     model = runner = None
     while True:
         message = broadcast()
