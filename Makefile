@@ -42,7 +42,7 @@ bench: $(VENV)/.installed-bench
 
 # Issue 31: llama.cpp built for this CPU (-DGGML_NATIVE=ON: its AVX2 or AVX-512 paths) from the vendored tree of the
 # llama-cpp-python sdist, the peer of bench/cpu_peers.py; ~10 minutes on 2 cores, once (bench/cache/llama.cpp/).
-LLAMA_CPP := bench/cache/llama.cpp
+LLAMA_CPP := $(or $(BATCHJOB_BENCH_CACHE),bench/cache)/llama.cpp
 $(LLAMA_CPP)/build/bin/llama-batched-bench: | $(VENV)/.installed
 	mkdir -p $(LLAMA_CPP)
 	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_CPP)

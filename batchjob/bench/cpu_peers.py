@@ -20,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from batchjob.bench.paths import CACHE
+
 ROWS, PROMPT, GEN = 64, 128, 128
-LLAMA_CPP_DIR = Path("bench/cache/llama.cpp")  # `make bench-llama-cpp` builds here
+LLAMA_CPP_DIR = CACHE / "llama.cpp"  # `make bench-llama-cpp` builds here
 TIME = "/usr/bin/time"  # GNU time: a process's peak RSS (-f %M)
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
+from batchjob.bench.paths import CACHE, PERPLEXITY_TEXT, PROMPTS
 from batchjob.bench.scale_models import llama_quantize_binary
 from batchjob.bench.report import json_out
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / "bench/cache/gguf_quality"
+CACHE = CACHE / "gguf_quality"
 FORMATS = ("Q4_K_M", "Q4_0", "Q8_0", "Q5_K_M", "Q6_K")
 
 
@@ -82,8 +82,8 @@ def matmul_errors(stored, text_ids: list[int]) -> dict:
 def measure(formats=FORMATS, num_prompts: int = 64, max_tokens: int = 64, log=print) -> dict:
     from batchjob.api import LLM
 
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()]
-    text = (ROOT / "jobs/data/perplexity.txt").read_text() + "\n" + "\n".join(prompts)
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    text = PERPLEXITY_TEXT.read_text() + "\n" + "\n".join(prompts)
     rows = []
     for fmt in formats:
         path = requantized(fmt)

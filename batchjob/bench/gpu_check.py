@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
+from batchjob.bench.paths import REPORTS, ROOT
 from batchjob.kernels.quantization import fp8_capable
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class CheckFailed(Exception):
@@ -251,7 +250,7 @@ def hf_generate(device: torch.device, rows: int, prompt: int, out: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m batchjob.bench.gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu-check")
+    ap.add_argument("--out", type=Path, default=REPORTS / "gpu-check")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     smoke = args.smoke

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-CACHE = Path("bench/cache")
+from batchjob.bench.paths import CACHE
+
 MAX_TOKENS, SIZE, PROMPT = 32, (512, 384), "Describe this image in detail."
 TEMPLATE = ("<|im_start|>{% for m in messages %}{{ m.role | capitalize }}:{% if m.content is string %}{{ m.content }}"
             "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}"

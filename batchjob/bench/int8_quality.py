@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
+from batchjob.bench.paths import PERPLEXITY_TEXT, PROMPTS
 from batchjob.bench.report import json_out
 
-ROOT = Path(__file__).resolve().parents[2]
 # (name, quantization, int8 LM head, kernels, dtype); the first is the reference of all
 VARIANTS = [("bf16", "none", False, "native", "bfloat16"), ("bf16, torch kernels", "none", False, "torch", "bfloat16"),
             ("fp32", "none", False, "native", "float32"), ("int8", "int8", True, "native", "bfloat16"),
@@ -47,8 +47,8 @@ def _llm(quantization: str, lm_head: bool, kernels: str, dtype: str):
 
 
 def measure(num_prompts: int = 64, max_tokens: int = 64, variants=VARIANTS, log=print) -> dict:
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:num_prompts]
-    text = (ROOT / "jobs/data/perplexity.txt").read_text()
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][:num_prompts]
+    text = PERPLEXITY_TEXT.read_text()
     rows, ref = [], None
     for name, quantization, lm_head, kernels, dtype in variants:
         t0 = time.perf_counter()

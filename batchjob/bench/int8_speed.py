@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from batchjob.bench.paths import CACHE
+
 TARGET = 1.5
 SYSTEMS = ("batchjob", "batchjob-int8")
 
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="16 rows of W1, fewer repetitions and prompts")
-    ap.add_argument("--cache-dir", type=Path, default=Path("bench/cache"))
+    ap.add_argument("--cache-dir", type=Path, default=CACHE)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the report here (default: print it)")
     args = ap.parse_args(argv)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from batchjob.bench.paths import PERPLEXITY_TEXT, PROMPTS
+
 CHUNK = 64
 
 
@@ -57,8 +58,8 @@ def measure(num_prompts: int = 64, max_tokens: int = 64, log=print, only: list[s
     from batchjob.kernels.reference import kv_quant
     from batchjob.models.registry import build_model
 
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:num_prompts]
-    text = (ROOT / "jobs/data/perplexity.txt").read_text()
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][:num_prompts]
+    text = PERPLEXITY_TEXT.read_text()
     # (KV dtype, int4 group, kernels, dtype); the first of each dtype is the reference of the ones after it
     variants = [("auto", None, "torch", None), ("int8", None, "torch", None), ("int4", 16, "torch", None),
                 ("int4", 32, "torch", None), ("int4", 64, "torch", None), ("auto", None, "native", None),

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from batchjob.bench.paths import PERPLEXITY_TEXT, PROMPTS
 from batchjob.bench.report import json_out
 
-ROOT = Path(__file__).resolve().parents[2]
 KV = ("auto", "int8", "int4")
 CASES = [(8, 50, 500), (64, 50, 500), (128, 50, 500), (64, 500, 2000), (128, 500, 2000)]  # rows, context range
 
@@ -81,9 +81,9 @@ def workload(name: str, rows: int) -> list[str]:
     """chat: the sample prompts (short); long: ~500 tokens of given text (jobs/data/perplexity.txt) and a
     question about it, each row with its own row number so that no two prompts share a prefix."""
     if name == "chat":
-        texts = [json.loads(line)["prompt"] for line in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()]
+        texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
         return [texts[i % len(texts)] for i in range(rows)]
-    text = (ROOT / "jobs/data/perplexity.txt").read_text()
+    text = PERPLEXITY_TEXT.read_text()
     return [f"Document {i}.\n\n{text}\n\n{ASKS[i % len(ASKS)]}" for i in range(rows)]
 
 

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 from batchjob.bench import models, report
+from batchjob.bench.paths import CACHE
 from batchjob.bench.workloads import w1
 
-CACHE = Path("bench/cache")
 ADAPTERS, RANK = 8, 16
 
 

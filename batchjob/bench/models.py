@@ -1,5 +1,5 @@
 """The benchmark's models, as HF folders every system loads the same weights from: a tiny random Llama
-built here (seeded) and SmolLM2-135M converted once from its GGUF. Both are cached under bench/cache/."""
+built here (seeded) and SmolLM2-135M converted once from its GGUF. Both are cached in the bench cache (bench/paths.py: a checkout's bench/cache)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE = Path("bench/cache")
+from batchjob.bench.paths import CACHE
+
 TINY = dict(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from batchjob.bench.paths import CACHE
+
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 512, 6, 8, 4, 64
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 512
 
@@ -107,7 +108,7 @@ def _rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(n: int = 64, prompt: int = 64, max_tokens: int = 64, cache: Path = ROOT / "bench/cache", log=print) -> list[dict]:
+def measure(n: int = 64, prompt: int = 64, max_tokens: int = 64, cache: Path = CACHE, log=print) -> list[dict]:
     out = []
     for kind in ("moe", "dense"):
         folder = build(kind, cache / f"bench-qwen3-{kind}")

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
+from batchjob.bench.paths import PROMPTS
+
 HF_BATCH = 32
 
 
 def texts(n: int) -> tuple[list[str], list[str]]:
     """n prompts (the shipped sample prompts, numbered) and a continuation for each."""
-    lines = [json.loads(x)["prompt"] for x in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x)["prompt"] for x in PROMPTS.read_text().splitlines() if x.strip()]
     prompts = [f"Question {i}: {lines[i % len(lines)]}" for i in range(n)]
     answers = [" The answer is yes.", " It depends on the context.", " Paris.", " I do not know."]
     return prompts, [answers[i % len(answers)] for i in range(n)]

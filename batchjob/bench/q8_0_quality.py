@@ -22,13 +22,12 @@ import numpy as np
 import torch
 
 from batchjob.bench.kv_quality import teacher_forced_logits
+from batchjob.bench.paths import PERPLEXITY_TEXT
 from batchjob.kernels.quantization import QuantizedWeight
 from batchjob.kernels import quantize_weight_int8
 from batchjob.models.gguf_file import Q8_0_BLOCK
 from batchjob.models.loader import load_model
 from batchjob.models.registry import build_model
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def q8_0(w: torch.Tensor) -> QuantizedWeight:
@@ -58,7 +57,7 @@ def measure(log=print) -> dict:
     for k, parts in err.items():
         flat = torch.cat([p.reshape(-1) for p in parts])
         out[k] = {"max_abs": flat.max().item(), "mean_abs": flat.mean().item(), "mean_abs_rel": flat.mean().item() / mean_w}
-    ids = loaded.tokenizer.encode((ROOT / "jobs/data/perplexity.txt").read_text())
+    ids = loaded.tokenizer.encode(PERPLEXITY_TEXT.read_text())
     rows = {}
     for name, quantization in (("Q8_0 values, bf16", "none"), ("Q8_0 -> int8 per channel", "int8")):
         model = build_model(loaded.config, dict(weights), torch.bfloat16, kernels="native" if _native() else "torch",

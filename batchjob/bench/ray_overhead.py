@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 from batchjob.bench import report
+from batchjob.bench.paths import PROMPTS, ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def job_file(folder: Path, rows: int, max_tokens: int, out: Path) -> Path:
-    lines = (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()[:rows]
+    lines = PROMPTS.read_text().splitlines()[:rows]
     src = folder / "in.jsonl"
     src.write_text("\n".join(lines) + "\n")
     path = folder / f"{out.name}.toml"

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from batchjob.ray.stage import LLMStage
 from batchjob.bench import report
+from batchjob.bench.paths import PROMPTS
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE = {"max_num_seqs": 64}
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows = [json.loads(x) for x in (ROOT / "jobs/data/prompts.jsonl").read_text().splitlines()][:args.rows]
+    rows = [json.loads(x) for x in PROMPTS.read_text().splitlines()][:args.rows]
     rows = [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.jsonl"

@@ -1,8 +1,8 @@
 """`batchjob bench` / `python -m batchjob.bench`: the issue-7 benchmark in one invocation.
 
-Order: build the models (cached under bench/cache/), time the matmul ceiling, run every system on every
+Order: build the models (cached in the bench cache: bench/paths.py), time the matmul ceiling, run every system on every
 workload (one process per system and model), run the pipeline jobs, then print the table and targets and
-write bench/results-<date>.json and .png."""
+write results-<date>.json and .png (bench/ in a checkout)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from batchjob.bench import cpu_peers, images, kv_speed, lora, moe, prefill, report, scale_models, speculative, structured
+from batchjob.bench.paths import CACHE, REPORTS
 from batchjob.bench.systems import OPTIONAL_SYSTEMS, SYSTEMS
 
 MODELS = ["tiny", "smollm2"]
@@ -59,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "HF on a 2-core AVX-512 VM; 0: skip)")
     ap.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles (native and torch kernels)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (default: torch's, all cores)")
-    ap.add_argument("--out-dir", default="bench", help="folder of results-<date>.json and .png (default: bench)")
-    ap.add_argument("--cache-dir", default="bench/cache", help="built models and pipeline files (default: bench/cache)")
+    ap.add_argument("--out-dir", default=str(REPORTS), help="folder of results-<date>.json and .png (default: %(default)s)")
+    ap.add_argument("--cache-dir", default=str(CACHE), help="built models and pipeline files (default: %(default)s; bench/paths.py)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per bench process")
     args = ap.parse_args(argv)
     if args.quick:
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         rows_n, prompt, gen = scale.QUICK_WORK if args.quick else (scale.ROWS, scale.PROMPT, scale.GEN)
         rows_n = args.scale_rows or rows_n
         log(f"scale rows: random {'/'.join(names)} models as GGUF {', '.join(scale_models.FORMATS)}, batchjob vs "
-            f"llama-batched-bench, {rows_n} x ({prompt} + {gen}) token ids (models cached in bench/cache/scale) ...")
+            f"llama-batched-bench, {rows_n} x ({prompt} + {gen}) token ids (models cached in {Path(args.cache_dir) / 'scale'}) ...")
         scale_rows = scale.measure(names, rows=rows_n, prompt=prompt, gen=gen, threads=args.threads,
                                    cache=Path(args.cache_dir) / "scale", timeout=args.timeout, log=log)
 

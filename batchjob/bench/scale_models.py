@@ -6,7 +6,7 @@ user downloads. Random weights are enough for speed and memory (EOS ignored).
 
 The weights are written shard by shard (about 2 GB each, generated tensor by tensor in bf16): no model object and no
 fp32 copy exists, so building the 8B needs a shard's memory, not 16 GB. Everything is cached under
-bench/cache/scale/<model>/ and reused; each file is written under a temporary name and renamed when complete, so an
+the bench cache's scale/<model>/ (bench/paths.py) and reused; each file is written under a temporary name and renamed when complete, so an
 interrupted build resumes at the step it stopped in. The 8B is built only when the disk and the memory allow it.
 
 `python -m batchjob.bench.scale_models [--models 1b,4b,8b] [--formats Q4_K_M,Q4_0,Q8_0]` builds and prints the
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchjob.bench.cpu_peers import LLAMA_CPP_DIR, llama_cpp_tool
+from batchjob.bench.paths import CACHE
 
-CACHE = Path("bench/cache/scale")
+CACHE = CACHE / "scale"
 FORMATS = ("Q4_K_M", "Q4_0", "Q8_0")
 CONVERTER = LLAMA_CPP_DIR / "llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py"  # `make bench-llama-cpp`
 SHARD_BYTES = 2 * 10**9

@@ -14,7 +14,8 @@ import json
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from batchjob.bench.paths import CACHE, ROOT
+
 MODES = {"off": dict(speculative="none"), "forced": dict(speculative="ngram", speculative_max_rows=1 << 20),
          "default": dict(speculative="ngram")}
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--json", type=Path, help="write the rows here (default: print them)")
     ap.add_argument("--draft-layers", type=int, default=0, help="also run a draft model: SmolLM2's first N layers")
-    ap.add_argument("--cache-dir", type=Path, default=ROOT / "bench/cache", help="where the draft model is built")
+    ap.add_argument("--cache-dir", type=Path, default=CACHE, help="where the draft model is built")
     args = ap.parse_args(argv)
     if args.draft_layers:
         from batchjob.bench.draft_model import truncated_smollm2
