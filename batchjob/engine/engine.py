@@ -24,7 +24,7 @@ from batchjob.engine.core.scheduler import Scheduler, SchedulerConfig, Step
 from batchjob.engine.core.scheduler_output import SchedulerOutput, WorkerView
 from batchjob.engine.core.output import OutputProcessor
 from batchjob.engine.requests import EngineRequest, RequestOutput
-from batchjob.engine.params import SamplingParams
+from batchjob.engine.params import Refusal, SamplingParams, invalid
 from batchjob.engine.core.sequence import Sequence, SeqStatus
 from batchjob.engine.spec_decode.draft import DraftProposer
 from batchjob.engine.spec_decode.config import SpeculativeError, SpeculativeMethod
@@ -146,13 +146,13 @@ class Engine:
         self.tokenizer = tokenizer
         self._next_id = 1 << 40  # submitted requests' ids (apart from the ids of Sequences added as they are)
 
-    def submit(self, request: EngineRequest) -> int | str:
+    def submit(self, request: EngineRequest) -> int | Refusal:
         """Queue a request: its id (the finished Sequence's `seq_id`), or why it can never run (nothing queued)."""
         seq = self._sequence(request)
         err = self.add(seq)
         return err if err else seq.seq_id
 
-    def never_fits(self, request: EngineRequest) -> str | None:
+    def never_fits(self, request: EngineRequest) -> Refusal | None:
         """Why the request could never run here (too long for the context or the KV pool), or None; queues nothing."""
         return self.scheduler.never_fits(Sequence(-1, list(request.prompt_ids), request.params))
 
@@ -171,38 +171,38 @@ class Engine:
                         images=request.images, lora=request.lora,
                         prefix_root=self._lora_roots[request.lora] if request.lora >= 0 else b"")
 
-    def add(self, seq: Sequence) -> str | None:
-        """Queue a row. Returns an error message (and queues nothing) when the row can never run. A
+    def add(self, seq: Sequence) -> Refusal | None:
+        """Queue a row. Returns why (and queues nothing) when the row can never run. A
         structured row waits outside the scheduler while its grammar compiles; one whose grammar fails
         to compile then finishes with reason "error" (`seq.error`) from `step`."""
         err = self.scheduler.never_fits(seq)
         if err is None and seq.images:
             err = self._images_error(seq)
         if err is None and not -1 <= seq.lora < len(self._lora_roots):
-            err = f"lora slot {seq.lora}: the model has {len(self._lora_roots)} adapters"
+            err = invalid(f"lora slot {seq.lora}: the model has {len(self._lora_roots)} adapters")
         if err is None and seq.params.prefill_only and self.proposer is not None:
-            err = "an embed or scoring row cannot run with speculative decoding (it generates nothing)"
+            err = invalid("an embed or scoring row cannot run with speculative decoding (it generates nothing)")
         if err is None and seq.params.structured_outputs is not None:
             state = self.structured.admit(seq)
             if state is GrammarState.PENDING:
                 self._compiling.append(seq)
                 return None
             if state is GrammarState.FAILED:
-                err, seq.error = seq.error, None  # refused at once: the caller records the row's error
+                err, seq.error = invalid(seq.error), None  # refused at once: the caller records the row's error
         if err is None:
             self._queue(seq)
         return err
 
-    def _images_error(self, seq: Sequence) -> str | None:
+    def _images_error(self, seq: Sequence) -> Refusal | None:
         """Why a row's images cannot run here: a text-only model, or placeholder runs outside the prompt or
         overlapping."""
         if self.model.image_encoder is None:
-            return "images: this model is a text-only model; images need a vision-language model"
+            return invalid("images: this model is a text-only model; images need a vision-language model")
         end = 0
         for k, img in enumerate(seq.images):
             if img.offset < end or img.length < 1 or img.offset + img.length > seq.num_prompt:
-                return (f"images: image {k}'s placeholders ({img.offset}..{img.offset + img.length}) overlap another's or "
-                        f"run past the prompt ({seq.num_prompt} tokens)")
+                return invalid(f"images: image {k}'s placeholders ({img.offset}..{img.offset + img.length}) overlap "
+                               f"another's or run past the prompt ({seq.num_prompt} tokens)")
             end = img.offset + img.length
         return None
 

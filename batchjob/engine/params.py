@@ -1,5 +1,5 @@
 """What a row asks of the engine: its sampling parameters (vLLM's meanings), an embed row's pooling, the images in its
-prompt. Plain values, read by the scheduler, the worker and the sampler alike: they live beside the engine's parts,
+prompt; and, back, why the engine refuses a row (`Refusal`: a code as data beside the message). Plain values, read by the scheduler, the worker and the sampler alike: they live beside the engine's parts,
 not inside one of them, so no part imports another for them."""
 from __future__ import annotations
 
@@ -14,6 +14,30 @@ from batchjob.engine.structured.spec import StructuredOutputs, parse_structured_
 
 MAX_LOGPROBS = 20  # top-n logprobs per token, as vLLM's default max_logprobs
 MAX_N = 128  # completions per row, as the OpenAI API
+
+
+class RefusalCode(enum.StrEnum):
+    """Why a row can never run, as data (the OpenAI API's error codes): callers map it, never the message's words."""
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt (+ 1 generated token) exceeds the context, the cap or the KV cache
+    INVALID_REQUEST = "invalid_request"  # anything else: an empty prompt, images on a text model, a grammar that fails...
+
+
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    """A row the engine will not run: its code and the message a user reads (its str)."""
+    code: RefusalCode
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+    def within(self, where: str) -> Refusal:
+        """The same refusal, its message placed (`input[2]: ...`)."""
+        return Refusal(self.code, f"{where}: {self.message}")
+
+
+def invalid(message: str) -> Refusal:
+    return Refusal(RefusalCode.INVALID_REQUEST, message)
 
 
 class Pooling(enum.StrEnum):

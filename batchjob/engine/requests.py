@@ -1,7 +1,7 @@
 """The engine's surface for its callers: one `EngineRequest` in per completion, one `RequestOutput` out per
 finished request. The engine makes a request's Sequence, its incremental detokenizer (for stop strings) and its
 random key (from the caller's seed, row and completion), checks that it can ever run (`Engine.submit`,
-`Engine.never_fits`), and hands back plain outputs (`Engine.run_step`); so the job and the API build and read no
+`Engine.never_fits`: a `Refusal`, its code as data), and hands back plain outputs (`Engine.run_step`); so the job and the API build and read no
 engine internals. The request's parameters are `SamplingParams` and `PoolingParams` (engine/params.py) and
 a structured output (engine/structured/spec.py), named here for callers; what the engine itself is built with is
 in engine/config.py."""
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from batchjob.engine.params import ImageSlot, Pooling, PoolingParams, SamplingParams
+from batchjob.engine.params import ImageSlot, Pooling, PoolingParams, Refusal, RefusalCode, SamplingParams, invalid
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.structured.spec import StructuredOutputs, StructuredOutputsError, from_response_format
 
-__all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputs",
-           "StructuredOutputsError", "from_response_format"]
+__all__ = ["EngineRequest", "ImageSlot", "Pooling", "PoolingParams", "Refusal", "RefusalCode", "RequestOutput", "SamplingParams",
+           "StructuredOutputs", "StructuredOutputsError", "from_response_format", "invalid"]
 
 
 class EngineRequest(NamedTuple):  # NamedTuples: immutable, and cheap to make (one per row of a job)

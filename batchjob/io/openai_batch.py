@@ -206,9 +206,8 @@ def response_line(row: dict, model: str, created: int) -> dict:
     rid = hashlib.sha256(f"{row['row_index']}\0{custom_id}".encode()).hexdigest()[:24]
     line = {"id": f"batch_req_{rid}", "custom_id": custom_id, "response": None, "error": None}
     if row["finish_reason"] == "error":
-        message = row.get("error") or "error"
-        code = "context_length_exceeded" if "fit (the model's context" in message else "invalid_request"
-        line["error"] = {"code": code, "message": message}
+        # the row's error_code column (an older output without it: invalid_request)
+        line["error"] = {"code": row.get("error_code") or "invalid_request", "message": row.get("error") or "error"}
         return line
     if row.get("endpoint") == EMBEDDINGS:
         line["response"] = {"status_code": 200, "request_id": f"req_{rid}", "body": _embeddings_body(row, model)}

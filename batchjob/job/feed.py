@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchjob.engine.engine import Engine
+from batchjob.engine.requests import Refusal, invalid
 from batchjob.job.config import JobConfig
 from batchjob.job.engine_setup import adapter_slots, lanes_of
 from batchjob.job.error_budget import ErrorBudget
 from batchjob.job.images import ImageRows
 from batchjob.job.prompt_builder import PromptBuilder, RowError
+from batchjob.job.results import ERROR_CODE
 from batchjob.job.tool_rows import ToolRows
 from batchjob.job.row_driver import RowDriver, StepDone
 from batchjob.job.row_plan import plan_rows
@@ -99,12 +101,12 @@ class RowFeed:
                 record = item.record or {}
                 kept = {c: record.get(c) for c in stream.columns.keep}
                 if item.error:
-                    self.emit(stream, item.row_index, kept, error=item.error)
+                    self.emit(stream, item.row_index, kept, error=invalid(item.error))
                     continue
                 try:
                     row_lane = self.lane_for(stream, record)
                 except RowError as e:
-                    self.emit(stream, item.row_index, kept, error=str(e))
+                    self.emit(stream, item.row_index, kept, error=invalid(str(e)))
                     continue
                 if self.lane_column_out:
                     kept["lane"] = row_lane
@@ -113,12 +115,12 @@ class RowFeed:
             plans = plan_rows(builder, [b[1] for b in batch], defaults, stream.columns, self.driver.reasoning,
                               self.cfg.task)
             for (row_index, _, kept, row_lane, where), plan in zip(batch, plans):
-                err = str(plan) if isinstance(plan, RowError) else self.driver.add(
+                err = invalid(str(plan)) if isinstance(plan, RowError) else self.driver.add(
                     (stream, row_index, kept), plan, stream.columns, seed=self.cfg.seed ^ stream.key_salt,
                     row_index=row_index, lane=row_lane)
                 if err:  # `where`: the row's place as its source names it
                     tokens = 0 if isinstance(plan, RowError) else sum(map(len, plan.prompts))  # a prompt too long
-                    self.emit(stream, row_index, kept, error=f"{where}: {err}" if where else err, prompt_tokens=tokens)
+                    self.emit(stream, row_index, kept, error=err.within(where) if where else err, prompt_tokens=tokens)
 
     @property
     def rows_in_flight(self) -> int:
@@ -135,12 +137,17 @@ class RowFeed:
         """A step's finished rows (each once its last completion is in) to their sinks."""
         for done in step.rows:
             stream, row_index, kept = done.key
-            self.emit(stream, row_index, kept, **done.row.fields())
+            fields = done.row.fields()
+            error = fields.pop("error")  # a completion that failed after it was queued (its grammar): invalid
+            self.emit(stream, row_index, kept, **fields, error=None if error is None else invalid(error))
 
     def emit(self, stream: Stream, row_index: int, kept: dict, *, text: str = "", reason: str = "error",
-             prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None, extra: dict | None = None) -> None:
+             prompt_tokens: int = 0, completion_tokens: int = 0, error: Refusal | None = None,
+             extra: dict | None = None) -> None:
+        """One output row; an error row's `error` is the refusal: its message and its code (ERROR_CODE)."""
         row = {"row_index": row_index, "generated_text": text, "finish_reason": reason,
-               "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "error": error}
+               "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+               "error": None if error is None else error.message, ERROR_CODE: None if error is None else error.code.value}
         row.update(kept)
         row.update(extra or {})
         stream.sink.write(row)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.requests import RequestOutput
+from batchjob.engine.requests import Refusal, RefusalCode, RequestOutput, invalid
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.job.prompt_builder import PromptBuilder, RowError
@@ -31,6 +31,7 @@ class Result:
     prompt_tokens: int
     completion_tokens: int  # of all n completions
     error: str | None = None  # why the prompt failed (finish_reason "error")
+    error_code: str | None = None  # and its kind (finish_reason "error"): context_length_exceeded or invalid_request
     logprobs: list[dict] | None = None  # the first completion's, when logprobs was asked for
     completions: tuple[Completion, ...] | None = None  # n > 1: all n, in order (the first is also `text`)
     token_ids: tuple[int, ...] = ()  # the first completion's generated token ids
@@ -54,14 +55,19 @@ RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_lo
                        "is_greedy", "prompt_top_logprobs")  # the output columns of the same names
 
 
-def failed(error: str, prompt_tokens: int = 0) -> Result:
-    return Result(text="", finish_reason="error", prompt_tokens=prompt_tokens, completion_tokens=0, error=error)
+def failed(error: str | Refusal, prompt_tokens: int = 0) -> Result:
+    """A row that never ran: the engine's refusal (its code with it), or a row error (an invalid request)."""
+    refusal = error if isinstance(error, Refusal) else invalid(error)
+    return Result(text="", finish_reason="error", prompt_tokens=prompt_tokens, completion_tokens=0, error=refusal.message,
+                  error_code=refusal.code.value)
 
 
 def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
     fields = row.fields()
     return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
-                  completion_tokens=fields["completion_tokens"], error=fields["error"], logprobs=fields["extra"].get("logprobs"),
+                  completion_tokens=fields["completion_tokens"], error=fields["error"],
+                  error_code=RefusalCode.INVALID_REQUEST.value if fields["error"] else None,
+                  logprobs=fields["extra"].get("logprobs"),
                   completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
                   embedding=fields["extra"].get("embedding"),
                   **{name: fields["extra"].get(name) for name in (*RESULT_SCORE_FIELDS, REASONING, REASONING_TOKENS, TOOL_CALLS,

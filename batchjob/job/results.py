@@ -31,6 +31,8 @@ OPENAI_COLUMNS = ("custom_id", "endpoint")  # carried from an OpenAI Batch input
 ENCODING_FORMAT = "encoding_format"  # and an embeddings request's (float | base64)
 TOOL_CALLS, TOOL_CALL_ERROR = "tool_calls", "tool_call_error"  # a tool parser's: OpenAI's calls, or why a call did
 # not parse (generated_text then keeps the raw answer)
+ERROR_CODE = "error_code"  # a job's rows: an error row's kind (engine/params.py RefusalCode: context_length_exceeded,
+# invalid_request), null for the others; the OpenAI Batch export's error code
 REASONING, REASONING_TOKENS = "reasoning", "reasoning_tokens"  # a reasoning parser's: the thinking (string, null when
 # the row did not think) and its tokens (generated_text is then the answer alone)
 
@@ -39,6 +41,7 @@ REASONING, REASONING_TOKENS = "reasoning", "reasoning_tokens"  # a reasoning par
 class OutputColumns:
     """The optional columns of one output folder, after the result columns."""
     keep: tuple[str, ...] = ()  # input columns copied as they are (--keep-columns, the OpenAI request's ids)
+    error_code: bool = False  # ERROR_CODE (a job's output; the API's Result has its field)
     logprobs: bool = False
     completions: bool = False
     embedding: bool = False
@@ -55,6 +58,8 @@ class OutputColumns:
         import pyarrow as pa
 
         types = {EMBEDDING: pa.list_(pa.float32())} if self.embedding else {}
+        if self.error_code:
+            types[ERROR_CODE] = pa.string()
         if self.reasoning:
             types.update({REASONING: pa.string(), REASONING_TOKENS: pa.int32()})
         if self.tools:
@@ -70,7 +75,7 @@ class OutputColumns:
 
     @property
     def names(self) -> list[str]:
-        return [*self.keep, *([REASONING, REASONING_TOKENS] if self.reasoning else []),
+        return [*self.keep, *([ERROR_CODE] if self.error_code else []), *([REASONING, REASONING_TOKENS] if self.reasoning else []),
                 *([TOOL_CALLS, TOOL_CALL_ERROR] if self.tools else []), *([LOGPROBS] if self.logprobs else []), *([COMPLETIONS] if self.completions else []),
                 *([EMBEDDING] if self.embedding else []), *([EMBEDDINGS] if self.embeddings else []),
                 *([PROMPT_LOGPROBS] if self.prompt_logprobs else []),
@@ -104,7 +109,7 @@ def output_columns(keep: list[str], defaults: SamplingParams, input_columns: lis
     openai_keep = (*OPENAI_COLUMNS, ENCODING_FORMAT) if embed else OPENAI_COLUMNS
     keep = list(keep) + [c for c in (openai_keep if openai else ()) if c not in keep]
     generate = not (embed or score)
-    cols = OutputColumns(tuple(keep), logprobs=generate and (per_row or defaults.logprobs is not None),
+    cols = OutputColumns(tuple(keep), error_code=True, logprobs=generate and (per_row or defaults.logprobs is not None),
                          completions=generate and (per_row or defaults.n > 1), embedding=embed and not openai,
                          embeddings=embed and openai, score=score,
                          top_logprobs=score and bool(defaults.prompt_logprobs),

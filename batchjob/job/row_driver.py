@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.requests import EngineRequest, RequestOutput
+from batchjob.engine.requests import EngineRequest, Refusal, RequestOutput
 from batchjob.job.results import OutputColumns, PendingRow, TokenText
 from batchjob.job.row_plan import RowPlan
 
@@ -44,9 +44,9 @@ class RowDriver(Generic[Key]):
         self.num_rows = 0  # rows in the engine (a row of n completions counts once)
 
     def add(self, key: Key, plan: RowPlan, columns: OutputColumns, *, seed: int, row_index: int,
-            lane: str = "default") -> str | None:
+            lane: str = "default") -> Refusal | None:
         """Queue a planned row's n requests (job/row_plan.py); their random streams come from (seed, row_index,
-        completion). Returns the error (and queues nothing) when a prompt can never run."""
+        completion). Returns why (and queues nothing) when a prompt can never run."""
         prompts, params = plan.prompts, plan.params
         many = len(prompts) > 1
         inputs = list(prompts) if many else list(prompts) * params.n
@@ -60,11 +60,11 @@ class RowDriver(Generic[Key]):
         for c, request in enumerate(requests if many else ()):
             err = self.engine.never_fits(request)
             if err:  # one input that can never run fails the row: none of its inputs enter the engine
-                return f"input[{c}]: {err}"
+                return err.within(f"input[{c}]")
         outputs: list[RequestOutput | None] = [None] * len(requests)  # each completion's, as it finishes
         for c, request in enumerate(requests):
             got = self.engine.submit(request)
-            if isinstance(got, str):  # the prompt never fits: the same for every completion (only the first is tried)
+            if isinstance(got, Refusal):  # the prompt never fits: the same for every completion (only the first is tried)
                 return got
             self._by_id[got] = (key, row, outputs, c)
         self.num_rows += 1

@@ -14,7 +14,7 @@ from batchjob.job.keywords import check_names
 from batchjob.job.prompt_records import PROMPT_KEYS, prompt_records
 from batchjob.job.row_server import RowServer
 
-STAGE_COLUMNS = ("generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+STAGE_COLUMNS = ("generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error", "error_code")
 
 
 class LLMStage:
@@ -66,7 +66,7 @@ class LLMStage:
         results = server.submit(records)
         out = {k: list(batch[k]) for k in names}
         for column, field in zip(STAGE_COLUMNS, ("text", "finish_reason", "prompt_tokens", "completion_tokens",
-                                                  "error")):
+                                                  "error", "error_code")):
             out[column] = [getattr(r, field) for r in results]
         return out
 

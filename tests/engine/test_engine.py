@@ -8,7 +8,7 @@ import torch
 
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.core.scheduler import Lane, SchedulerConfig
-from batchjob.engine.params import SamplingParams
+from batchjob.engine.params import RefusalCode, SamplingParams
 from batchjob.engine.core.sequence import Sequence
 from batchjob.engine.sample.row_keys import row_key
 from batchjob.engine.worker.input_batch import rows_of, step_inputs
@@ -159,9 +159,11 @@ def test_chunked_prefill_and_preemption_keep_greedy_output(tiny_model):
 
 def test_row_that_cannot_fit_is_refused(tiny_model):
     engine = make_engine(tiny_model, num_blocks=4, block_size=8)
-    assert "KV cache" in engine.add(Sequence(0, list(range(40)), SamplingParams()))
-    assert "empty" in engine.add(Sequence(1, [], SamplingParams()))
-    assert "context" in make_engine(tiny_model).add(Sequence(2, [1] * 1024, SamplingParams()))
+    kv, empty = engine.add(Sequence(0, list(range(40)), SamplingParams())), engine.add(Sequence(1, [], SamplingParams()))
+    context = make_engine(tiny_model).add(Sequence(2, [1] * 1024, SamplingParams()))
+    assert "KV cache" in kv.message and "empty" in empty.message and "context" in context.message
+    # the kind is data, whichever limit says it (OpenAI's codes: io/openai_batch.py reads them, not the words)
+    assert kv.code == context.code == RefusalCode.CONTEXT_LENGTH_EXCEEDED and empty.code == RefusalCode.INVALID_REQUEST
 
 
 def _outputs(engine, ps, params):

@@ -5,7 +5,7 @@ import itertools
 
 from batchjob.engine.core.block_pool import BlockPool
 from batchjob.engine.core.scheduler import Lane, Scheduler, SchedulerConfig
-from batchjob.engine.params import SamplingParams
+from batchjob.engine.params import RefusalCode, SamplingParams
 from batchjob.engine.core.sequence import Sequence, SeqStatus
 
 
@@ -226,9 +226,9 @@ def test_admission_reserve_never_preempts_optimistic_does():
 
 def test_never_fitting_row_is_a_row_error_and_does_not_block_the_queue():
     s = make(num_blocks=8, block_size=4, max_model_len=100)
-    assert "KV cache" in s.never_fits(row(40))
-    assert "context" in make(max_model_len=100).never_fits(row(100))
-    assert "empty" in s.never_fits(row(0))
+    kv, capped, empty = s.never_fits(row(40)), make(max_model_len=100).never_fits(row(100)), s.never_fits(row(0))
+    assert "KV cache" in kv.message and "max_model_len" in capped.message and "empty" in empty.message
+    assert kv.code == capped.code == RefusalCode.CONTEXT_LENGTH_EXCEEDED and empty.code == RefusalCode.INVALID_REQUEST
     # under reserve, a row whose prompt + max_tokens exceeds the pool reserves all of it (and ends with
     # "length" when the pool is full) rather than being refused
     reserve = make(num_blocks=8, block_size=4, admission="reserve")

@@ -31,9 +31,9 @@ def run_rows(engine: Engine, rows: list, slots: Callable, which: list[int], para
     for i in which:
         ids, images = rows[i]
         got = engine.submit(EngineRequest(ids, params, seed=0, row_index=i, images=slots(ids, images)))
-        if isinstance(got, str):
+        if not isinstance(got, int):  # a Refusal
             assert errors, got
-            out[i] = got
+            out[i] = got.message
         else:
             ids_of[got] = i
     while engine.has_work:

@@ -194,11 +194,17 @@ def test_openai_batch_file_runs_to_a_response_file(tmp_path, tiny_model_dir):
     ]
     src = write_lines(tmp_path / "batch.jsonl", requests)
     out = tmp_path / "out"
+    # capped below the model's context: "too long" is said of max_model_len, and its code is still the data's
     args = ["run", "--model", str(model), "--input", str(src), "--output", str(out), "--max-tokens", "8",
-            "--output-format", "openai-batch", "--no-progress"]
+            "--max-model-len", "512", "--output-format", "openai-batch", "--no-progress"]
     r = CliRunner().invoke(main, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "10 rows (6 errors)" in r.output
+    table = read_results(out).to_pylist()  # the Arrow rows carry each error's code beside its message
+    assert [(x["custom_id"], x["error_code"]) for x in table if x["error"]] == [
+        (None, "invalid_request"), ("bad-url", "invalid_request"), ("no-body", "invalid_request"),
+        ("chat-1", "invalid_request"), ("bad-temp", "invalid_request"), ("too-long", "context_length_exceeded")]
+    assert all(x["error_code"] is None for x in table if not x["error"])
     lines = read_jsonl(out / "results.jsonl")  # every line with a custom_id: the one that is not JSON has none
     assert [x["custom_id"] for x in lines] == ["chat-1", "cmpl-1", "bad-url", "no-body", "chat-1", "bad-temp",
                                                "chat-2", "cmpl-2", "too-long"]

@@ -50,7 +50,8 @@ def test_run_writes_one_row_per_input_row_readable_by_pyarrow_and_pandas(tmp_pat
     tables = [ipc.open_file(p).read_all() for p in parts]
     table = pa.concat_tables(tables).sort_by("row_index")
     assert table.column("row_index").to_pylist() == list(range(31))
-    assert table.schema.names == ["row_index", "generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error", "id"]
+    assert table.schema.names == ["row_index", "generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error", "id",
+                                 "error_code"]
     reasons = table.column("finish_reason").to_pylist()
     errors = table.column("error").to_pylist()
     assert {i for i, r in enumerate(reasons) if r == "error"} == {3, 7, 11, 13, 20}

@@ -15,6 +15,7 @@ from typing import Callable
 from batchjob.engine.core.block_pool import BlockPool, block_hashes
 from batchjob.engine.core.lanes import Lane, LaneQueues, admit_order, victim_order
 from batchjob.engine.core.sequence import Sequence, SeqStatus
+from batchjob.engine.params import Refusal, RefusalCode, invalid
 
 __all__ = ["Lane", "Scheduler", "SchedulerConfig", "Step"]  # Lane: re-exported for callers that configure lanes
 
@@ -107,26 +108,28 @@ class Scheduler:
         """Take back the waiting rows that never started (a stopping job lets only started rows finish)."""
         return self.queues.drop_unstarted()
 
-    def never_fits(self, seq: Sequence) -> str | None:
+    def never_fits(self, seq: Sequence) -> Refusal | None:
         """Why a row can never be admitted (a per-row error), or None."""
         n, limit = seq.num_prompt, self.max_model_len
         if n == 0:
-            return "empty prompt: it has no tokens"
+            return invalid("empty prompt: it has no tokens")
+        too_long = RefusalCode.CONTEXT_LENGTH_EXCEEDED
         if seq.params.prefill_only:  # an embed or scoring row generates nothing: its prompt alone must fit
             if n > limit:
-                return f"prompt has {n} tokens; at most {limit} fit ({self._cap_why(limit)})"
+                return Refusal(too_long, f"prompt has {n} tokens; at most {limit} fit ({self._cap_why(limit)})")
             return None
         if n + 1 > limit:
-            return f"prompt has {n} tokens; at most {limit - 1} fit ({self._cap_why(limit)}; prompt + 1 generated token must fit)"
+            return Refusal(too_long, f"prompt has {n} tokens; at most {limit - 1} fit ({self._cap_why(limit)}; "
+                                     "prompt + 1 generated token must fit)")
         return self._run_too_long(seq)
 
-    def _run_too_long(self, seq: Sequence) -> str | None:
+    def _run_too_long(self, seq: Sequence) -> Refusal | None:
         """Why an image run that must be computed in one step (bidirectional) never fits a step's token budget."""
         budget = self.config.max_num_batched_tokens
         for k, img in enumerate(seq.images):
             if img.bidirectional and img.length > budget:
-                return (f"image {k} is {img.length} tokens that attend to each other and must be computed in one step; "
-                        f"max_num_batched_tokens is {budget}: raise it to at least {img.length}")
+                return invalid(f"image {k} is {img.length} tokens that attend to each other and must be computed in one "
+                               f"step; max_num_batched_tokens is {budget}: raise it to at least {img.length}")
         return None
 
     def _cap_why(self, limit: int) -> str:
