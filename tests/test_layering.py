@@ -29,23 +29,23 @@ LAYERS = {
     "batchjob.engine": ("batchjob.models", "batchjob.kernels", "batchjob.errors", "batchjob.notices"),
     "batchjob.io": ("batchjob.errors", "batchjob.notices", "batchjob.version"),
     "batchjob.images": ("batchjob.errors", "batchjob.notices",),  # reading and decoding a row's images, pixel values
-    "batchjob.cluster": ("batchjob.io", "batchjob.errors", "batchjob.notices"),
-    "batchjob.tools": (),  # a row's tools, the call parsers and grammars: plain data and text
+    "batchjob.sharding": ("batchjob.io", "batchjob.errors", "batchjob.notices"),  # a job cut into shards: outputs, progress, Slurm arrays
+    "batchjob.tool_calls": (),  # a row's tools, the call parsers and grammars: plain data and text
     "batchjob.reasoning": ("batchjob.engine", "batchjob.errors", "batchjob.notices"),  # thinking split from answers; budgets as grammars
     "batchjob.lora": ("batchjob.models", "batchjob.kernels", "batchjob.errors", "batchjob.notices"),  # adapters read and put on a model
-    "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.cluster",
-                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.tools",
+    "batchjob.job": ("batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io", "batchjob.sharding",
+                     "batchjob.images", "batchjob.device", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.tool_calls",
                      "batchjob.reasoning", "batchjob.lora"),
     # a process that runs shards, the driver's loop, data parallel on this node
-    "batchjob.launch": ("batchjob.job", "batchjob.engine", "batchjob.cluster", "batchjob.io", "batchjob.errors",
+    "batchjob.launch": ("batchjob.job", "batchjob.engine", "batchjob.sharding", "batchjob.io", "batchjob.errors",
                         "batchjob.notices"),
     # shards on Ray; LLMStage, an LLM (the API) as a Ray Data stage
-    "batchjob.ray": ("batchjob.api", "batchjob.launch", "batchjob.job", "batchjob.cluster", "batchjob.io",
+    "batchjob.ray": ("batchjob.api", "batchjob.launch", "batchjob.job", "batchjob.sharding", "batchjob.io",
                      "batchjob.errors", "batchjob.notices"),
     "batchjob.cli": ("batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels", "batchjob.io",
-                     "batchjob.cluster", "batchjob.launch", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.bench"),
+                     "batchjob.sharding", "batchjob.launch", "batchjob.ray", "batchjob.images", "batchjob.errors", "batchjob.notices", "batchjob.version", "batchjob.bench"),
     "batchjob.bench": ("batchjob.api", "batchjob.job", "batchjob.engine", "batchjob.models", "batchjob.kernels",
-                       "batchjob.io", "batchjob.cluster", "batchjob.ray", "batchjob.images", "batchjob.device", "batchjob.errors",
+                       "batchjob.io", "batchjob.sharding", "batchjob.ray", "batchjob.images", "batchjob.device", "batchjob.errors",
                        "batchjob.notices", "batchjob.version"),
 }
 # what the job, the API, the command line and the cluster code may import of the engine: its surface (requests in,
@@ -213,7 +213,7 @@ def test_the_top_level_modules_import_only_what_they_may():
 def test_outside_the_engine_only_its_surface_is_imported():
     graph = _graph()
     callers = [n for n in graph if n == "batchjob.api" or any(_under(n, p) for p in ("batchjob.job", "batchjob.cli",
-                                                                                    "batchjob.cluster"))]
+                                                                                    "batchjob.sharding"))]
     leaks = {n: sorted(d for d in graph[n] if _under(d, "batchjob.engine") and d not in ENGINE_SURFACE)
              for n in callers}
     assert {n: bad for n, bad in leaks.items() if bad} == {}

@@ -189,7 +189,7 @@ def status_cmd(out: str, as_json: bool) -> None:
 
     from batchjob.io.manifest import ManifestError
     from batchjob.cli.status_view import format_sharded_status, format_status
-    from batchjob.cluster.sharded_output import ShardError, is_planned_or_submitted, sharded_status
+    from batchjob.sharding.sharded_output import ShardError, is_planned_or_submitted, sharded_status
     from batchjob.io.folder_status import status
 
     _output_folder(out)
@@ -232,9 +232,9 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
               f"--to {to}: cannot create its folder ({e.strerror or e}); choose a place you can write to", 1)
     if fmt == "openai-batch":  # one output folder or a sharded one
         from batchjob.io.manifest import ManifestError
-        from batchjob.cluster.shards import ShardError as _ShardError
+        from batchjob.sharding.shards import ShardError as _ShardError
         from batchjob.io.merge import ExportError
-        from batchjob.cluster.sharded_output import export_openai_batch
+        from batchjob.sharding.sharded_output import export_openai_batch
 
         try:
             files = export_openai_batch(out, to)
@@ -245,7 +245,7 @@ def export_cmd(out: str, to: str, fmt: str = "rows", partial: bool = False) -> N
             _export_failed(to, e)
         click.echo(f"batchjob: {files.lines} response lines -> {to}; failed requests ({files.errors}) -> {files.errors_path}")
         return
-    from batchjob.cluster.sharded_output import ShardError, export_shards, has_job_file
+    from batchjob.sharding.sharded_output import ShardError, export_shards, has_job_file
 
     if not has_job_file(out):  # one output folder: a streaming merge of its parts
         from batchjob.io.export import ExportError, export
@@ -365,7 +365,7 @@ def slurm_submit_cmd(job: str, shards: int, time_limit: str | None, dry_run: boo
     the job id."""
     from pathlib import Path
 
-    from batchjob.cluster.slurm import SlurmError, SubmitOptions, SubmittedJob, submit
+    from batchjob.sharding.slurm import SlurmError, SubmitOptions, SubmittedJob, submit
 
     opts = SubmitOptions(shards=shards, time=time_limit, sbatch_options=list(sbatch_options), **options)
     try:

@@ -1,4 +1,4 @@
-"""`batchjob status` as text: one output folder (io/folder_status.py) or a sharded job (cluster/sharded_output.py)
+"""`batchjob status` as text: one output folder (io/folder_status.py) or a sharded job (sharding/sharded_output.py)
 from the status dicts that `--json` prints as they are."""
 from __future__ import annotations
 

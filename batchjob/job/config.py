@@ -14,7 +14,7 @@ from pathlib import Path
 
 from batchjob.engine.config import speculative_config
 from batchjob.reasoning.parsers import PARSERS as REASONING_PARSERS, check_parser_name
-from batchjob.tools.parsers import PARSERS as TOOL_PARSERS
+from batchjob.tool_calls.parsers import PARSERS as TOOL_PARSERS
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 from batchjob.job.modes import Quantization, SpeculativeMethod, Task
 from batchjob.job.options import FIELDS, OPTIONS, JobConfig, Table, mode_of, names_in, scalar_types
@@ -169,7 +169,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.shard is not None:
-        from batchjob.cluster.shards import ShardSpec
+        from batchjob.sharding.shards import ShardSpec
 
         ShardSpec.resolve(cfg.shard)  # the one K/N parser; raises ConfigError naming the field
     return cfg

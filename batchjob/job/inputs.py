@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from batchjob.cluster.shards import ShardSpec, check_unsharded
+from batchjob.sharding.shards import ShardSpec, check_unsharded
 from batchjob.errors import ConfigError
 from batchjob.job.config import JobConfig
 from batchjob.job.modes import Task
 from batchjob.io.sources import Source, SourceError, open_source, validate_columns
-from batchjob.tools.requests import TOOLS_COLUMN
+from batchjob.tool_calls.requests import TOOLS_COLUMN
 
 OpenedInput = tuple[Source, str, Path, str | None]  # (source, its path, its output folder, its lane)
 

@@ -21,7 +21,7 @@ from batchjob.job.chat_messages import chat_message
 from batchjob.job.row_error import RowError
 from batchjob.job.tool_rows import ToolRows, tools_refused
 from batchjob.reasoning.budget import with_budget
-from batchjob.tools.requests import ToolRequest
+from batchjob.tool_calls.requests import ToolRequest
 
 ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's (io/openai_batch.py)
 

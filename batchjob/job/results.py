@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from batchjob.engine.requests import RequestOutput, SamplingParams
 from batchjob.job.prompt_builder import RowError, has_row_sampling
-from batchjob.tools.cut_calls import complete_calls
-from batchjob.tools.parsers import PARSE, parse, tag_decoder
-from batchjob.tools.requests import ToolRequest
+from batchjob.tool_calls.cut_calls import complete_calls
+from batchjob.tool_calls.parsers import PARSE, parse, tag_decoder
+from batchjob.tool_calls.requests import ToolRequest
 
 LOGPROBS = "logprobs"  # list<struct{token_id, token, logprob, top_logprobs: list<struct{token_id, token, logprob}>}>
 EMBEDDING = "embedding"  # list<float32>; task = "embed" only
@@ -180,7 +180,7 @@ class PendingRow:
             tool_parser: str | None = None) -> bool:
         """Record completion `index`; True once all n are in. `reasoning`: the job's reasoning parser
         (batchjob/reasoning/parsers.py), which splits the thinking from the answer; `tool_parser`: the job's tool
-        parser (batchjob/tools/parsers.py), which reads the answer's calls where the row has tools."""
+        parser (batchjob/tool_calls/parsers.py), which reads the answer's calls where the row has tools."""
         lps = token_text.logprobs(out.logprobs) if out.logprobs is not None else None
         thought, thought_tokens, addressed = None, 0, None
         parses = tool_parser is not None and self.tools is not None and self.tools.choice != "none"

@@ -33,7 +33,7 @@ class StepDone(Generic[Key]):
 class RowDriver(Generic[Key]):
     def __init__(self, engine: Engine, tokenizer, truncate: bool = False, reasoning=None, tool_parser: str | None = None):
         """`reasoning`: the reasoning parser that splits each completion's thinking (reasoning/parsers.py), or None;
-        `tool_parser`: the tool parser that reads the calls of rows with tools (tools/parsers.py), or None."""
+        `tool_parser`: the tool parser that reads the calls of rows with tools (tool_calls/parsers.py), or None."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.reasoning = reasoning

@@ -14,7 +14,7 @@ from batchjob.images.sources import fetch_many
 from batchjob.job.modes import Task
 from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
 from batchjob.job.results import OutputColumns
-from batchjob.tools.requests import ToolRequest
+from batchjob.tool_calls.requests import ToolRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from batchjob.job.feed import RowFeed
 from batchjob.job.embed_task import resolve_pooling
 from batchjob.job.fingerprint import ModelFacts, fingerprint
 from batchjob.job.heap import QuietCollector
-from batchjob.cluster.shards import claim_shard
+from batchjob.sharding.shards import claim_shard
 from batchjob.io.export import responses_written, write_openai_batch
 from batchjob.io.lock import OutputLock
 from batchjob.io.part_writer import OutputError

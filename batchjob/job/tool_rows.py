@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from batchjob.engine.requests import SamplingParams, StructuredOutputs
 from batchjob.errors import ConfigError
-from batchjob.tools.grammar import AUTO_CONSTRAINED, CONSTRAINED, auto_grammar, call_grammar
-from batchjob.tools.parsers import PARSERS, detect
-from batchjob.tools.requests import (PARALLEL_COLUMN, TOOL_CHOICE_COLUMN, TOOLS_COLUMN, ToolRequest, carries_tools,
+from batchjob.tool_calls.grammar import AUTO_CONSTRAINED, CONSTRAINED, auto_grammar, call_grammar
+from batchjob.tool_calls.parsers import PARSERS, detect
+from batchjob.tool_calls.requests import (PARALLEL_COLUMN, TOOL_CHOICE_COLUMN, TOOLS_COLUMN, ToolRequest, carries_tools,
                                      tool_request)
 
 

@@ -11,9 +11,9 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-from batchjob.cluster.shard_progress import ShardProgress
-from batchjob.cluster.sharded_output import has_job_file, shard_states
-from batchjob.cluster.shards import JobFile
+from batchjob.sharding.shard_progress import ShardProgress
+from batchjob.sharding.sharded_output import has_job_file, shard_states
+from batchjob.sharding.shards import JobFile
 from batchjob.errors import ConfigError
 from batchjob.io.disk import disk
 from batchjob.launch.shard_worker import ShardOutcome

@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchjob.cluster.shard_progress import ShardProgress
-from batchjob.cluster.sharded_output import has_job_file, sharded_status
+from batchjob.sharding.shard_progress import ShardProgress
+from batchjob.sharding.sharded_output import has_job_file, sharded_status
 from batchjob.errors import EXIT_RESUMABLE, ConfigError
 from batchjob.io.disk import disk
-from batchjob.cluster.shards import plan_shards
+from batchjob.sharding.shards import plan_shards
 from batchjob.io.manifest import MANIFEST
 from batchjob.io.sources import open_source
 from batchjob.job.inputs import input_folders

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchjob.cluster.shard_progress import ShardProgress
-from batchjob.cluster.sharded_output import has_job_file, sharded_status
+from batchjob.sharding.shard_progress import ShardProgress
+from batchjob.sharding.sharded_output import has_job_file, sharded_status
 from batchjob.errors import ConfigError
 from batchjob.io.disk import disk
 from batchjob.ray.runners import Runner, make_runner, shard_slots

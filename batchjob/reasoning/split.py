@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class AddressedMessage:
     """A harmony message the model addressed to a tool (`to=functions.get_weather`): a call for the `openai` tool
-    parser (tools/parsers.py), not part of the answer."""
+    parser (tool_calls/parsers.py), not part of the answer."""
     recipient: str  # functions.get_weather, or a built-in tool's (browser.search)
     content_type: str  # json (`<|constrain|>json`), or "" where the header names none
     body: str  # the arguments as written

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.cluster.sharded_output import has_job_file, shard_states
+from batchjob.sharding.sharded_output import has_job_file, shard_states
 from batchjob.errors import ConfigError
 from batchjob.io.parts import read_results
 from batchjob.launch.local import Placement, place, rank_count

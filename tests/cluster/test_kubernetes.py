@@ -12,8 +12,8 @@ import yaml
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.cluster.shards import ShardSpec
-from batchjob.cluster.sharded_output import shard_states
+from batchjob.sharding.shards import ShardSpec
+from batchjob.sharding.sharded_output import shard_states
 from batchjob.errors import ConfigError
 from batchjob.io.parts import read_results
 

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.cluster.sharded_output import shard_states
+from batchjob.sharding.sharded_output import shard_states
 from batchjob.io.manifest import Manifest
 from tests.builders import exported as export_rows
 

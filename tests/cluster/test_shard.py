@@ -14,8 +14,8 @@ from batchjob.job.config import ConfigError
 from batchjob.io.ranges import RowRanges
 from batchjob.io.parts import read_results
 from batchjob.io.sources import DatasetsSource, ParquetSource, open_source
-from batchjob.cluster.shards import JobFile, ShardError, ShardSource, ShardSpec, claim_shard, cut_points, plan_shards
-from batchjob.cluster.sharded_output import shard_states
+from batchjob.sharding.shards import JobFile, ShardError, ShardSource, ShardSpec, claim_shard, cut_points, plan_shards
+from batchjob.sharding.sharded_output import shard_states
 
 N = 103
 RECORDS = [{"id": f"r{i}", "prompt": f"The fox number {i} jumps over " + "the dog " * (i % 4)} for i in range(N)]

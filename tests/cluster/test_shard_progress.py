@@ -9,7 +9,7 @@ import json
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.cluster.shard_progress import ShardProgress
+from batchjob.sharding.shard_progress import ShardProgress
 
 
 class Terminal(io.StringIO):

@@ -324,7 +324,7 @@ exit 0
 
 @pytest.mark.parametrize("signal_name,requeued,exit_code", [("USR1", True, 0), ("TERM", False, 75), (None, False, 0)])
 def test_batch_script_forwards_signals_and_requeues_only_after_the_warning(tmp_path, signal_name, requeued, exit_code):
-    from batchjob.cluster.slurm import SubmitOptions, render_script
+    from batchjob.sharding.slurm import SubmitOptions, render_script
 
     fake = tmp_path / "python"
     fake.write_text(FAKE_BATCHJOB)

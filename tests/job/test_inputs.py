@@ -32,7 +32,7 @@ from batchjob.io.sources import (
 )
 from batchjob.models.tokenizer import Tokenizer
 from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
-from batchjob.cluster.shards import ShardError, ShardSource, ShardSpec, plan_shards
+from batchjob.sharding.shards import ShardError, ShardSource, ShardSpec, plan_shards
 
 N = 60
 RECORDS = [{"id": i, "prompt": f"prompt number {i}"} for i in range(N)]

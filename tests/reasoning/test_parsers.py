@@ -11,7 +11,7 @@ import pytest
 from batchjob.errors import ConfigError
 from batchjob.reasoning.parsers import ThinkParser, detect, reasoning_parser
 from batchjob.reasoning.split import AddressedMessage
-from batchjob.tools.parsers import parse
+from batchjob.tool_calls.parsers import parse
 
 VOCAB = ["<think>", "</think>", "\n", "\n\n", "Okay", ",", " the", " user", " asks", " 2+2", ".", "The", " answer",
          " is", " 4", "Hello", "!", " 日本", "語", " ✓", "<|im_start|>", "assistant", "<|im_end|>",

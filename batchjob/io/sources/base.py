@@ -59,7 +59,7 @@ class Source:
         raise NotImplementedError(f"{self.format_name} input does not resume at byte offsets")
 
     def shard(self) -> dict | None:
-        """What a shard's manifest records of its slice (cluster/shards.py); None for a whole input."""
+        """What a shard's manifest records of its slice (sharding/shards.py); None for a whole input."""
         return None
 
     def check_task(self, task: str) -> None:

@@ -6,13 +6,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from batchjob.cluster.shards import JOB_FILE, JobFile, ShardError, ShardRange, ShardSpec
+from batchjob.sharding.shards import JOB_FILE, JobFile, ShardError, ShardRange, ShardSpec
 from batchjob.io.export import ResponseFiles, export_folder_responses, write_responses
 from batchjob.io.lock import lock_holder
 from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.merge import FORMATS, ExportError, write_merged
 from batchjob.io.ranges import RowRanges
-from batchjob.cluster.slurm import last_submission, task_states
+from batchjob.sharding.slurm import last_submission, task_states
 from batchjob.io.folder_status import FolderStatus, folder_status
 
 __all__ = ["has_job_file", "is_planned_or_submitted", "ShardState", "shard_states", "sharded_status",

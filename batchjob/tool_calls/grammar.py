@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from batchjob.tools.requests import Tool
+from batchjob.tool_calls.requests import Tool
 
 CONSTRAINED = ("hermes", "mistral", "llama3_json")  # parsers whose call syntax has a grammar here
 AUTO_CONSTRAINED = ("hermes", "mistral")  # ... and whose calls an `auto` answer can start anywhere, after free text

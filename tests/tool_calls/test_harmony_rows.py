@@ -8,7 +8,7 @@ import json
 from batchjob.engine.requests import RequestOutput
 from batchjob.job.results import OutputColumns, PendingRow, TokenText
 from batchjob.reasoning.harmony import CONSTRAIN, TOKENS, HarmonyParser
-from batchjob.tools.requests import tool_request
+from batchjob.tool_calls.requests import tool_request
 
 SPECIAL = [*TOKENS, CONSTRAIN]
 VOCAB = [*SPECIAL, "assistant", "analysis", "commentary", "final", " to=functions.get_weather", " ", "json",

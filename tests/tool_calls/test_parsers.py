@@ -11,10 +11,10 @@ import json
 import llguidance
 import pytest
 
-from batchjob.tools.grammar import call_grammar
-from batchjob.tools.parsers import (PARSERS, detect, parse, parse_hermes, parse_llama3_json, parse_mistral,
+from batchjob.tool_calls.grammar import call_grammar
+from batchjob.tool_calls.parsers import (PARSERS, detect, parse, parse_hermes, parse_llama3_json, parse_mistral,
                                     parse_pythonic)
-from batchjob.tools.requests import tool_request
+from batchjob.tool_calls.requests import tool_request
 
 NESTED = {"query": {"filters": [{"field": "città", "op": "=", "value": "Zürich 🇨🇭"}], "limit": 5}, "flag": True}
 
@@ -303,7 +303,7 @@ def test_call_grammars_take_valid_calls_only(parser, good, bad, smollm2_loaded):
 def test_an_auto_grammar_takes_free_text_or_valid_calls(text, ok, smollm2_loaded):
     """tool_choice auto: free text, or a call constrained from its opening tag on."""
     from batchjob.engine.structured.grammar import GrammarTokenizer
-    from batchjob.tools.grammar import auto_grammar
+    from batchjob.tool_calls.grammar import auto_grammar
 
     tools = tool_request([WEATHER, SEARCH], "auto").tools
     gt = GrammarTokenizer.from_tokenizer(smollm2_loaded.tokenizer)

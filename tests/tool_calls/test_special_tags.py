@@ -11,7 +11,7 @@ from tokenizers import models, pre_tokenizers
 
 from batchjob.engine.requests import RequestOutput
 from batchjob.job.results import OutputColumns, PendingRow, TokenText
-from batchjob.tools.requests import tool_request
+from batchjob.tool_calls.requests import tool_request
 
 WORDS = ["<unk>", "</s>", "get_weather", '{"city":', '"Paris"}', "Sure,", "calling", "now.", '{"name":', '"get_weather",',
          '"parameters":', '"Paris"}}']

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from batchjob.tools.parsers import ParsedCalls
+from batchjob.tool_calls.parsers import ParsedCalls
 
 CLOSERS = frozenset(">}])")  # the last character of every call syntax's end: a tag, an object, a call, a list
 LIST_ENDS = ("", "]")  # a prefix as it is, or closed as a list of calls (mistral's, pythonic's)

@@ -14,7 +14,7 @@ OpenAI's `tool_calls` (`{id, type: "function", function: {name, arguments}}`, `a
 
 Any text gives calls, or none. A call that was started and does not parse refuses every call of the answer, as in
 vLLM: the text stays as it was and `ParsedCalls.error` says why. No parser raises, and `arguments` is always JSON text
-(tools/arguments.py)."""
+(tool_calls/arguments.py)."""
 from __future__ import annotations
 
 import ast
@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchjob.tools.arguments import kind, literal, loads, object_text, raw_decode
+from batchjob.tool_calls.arguments import kind, literal, loads, object_text, raw_decode
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 

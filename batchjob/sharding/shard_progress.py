@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from batchjob.cluster.sharded_output import ShardError, sharded_status
+from batchjob.sharding.sharded_output import ShardError, sharded_status
 from batchjob.io.durations import format_duration
 
 BAR_EVERY_S = 1.0

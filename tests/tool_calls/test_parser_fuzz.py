@@ -14,7 +14,7 @@ import pytest
 from batchjob.reasoning.harmony import CONSTRAIN, TOKENS, HarmonyParser
 from batchjob.reasoning.parsers import ThinkParser
 from batchjob.reasoning.split import AddressedMessage, Split
-from batchjob.tools.parsers import PARSERS, ParsedCalls, parse
+from batchjob.tool_calls.parsers import PARSERS, ParsedCalls, parse
 
 RECORDED = {  # each format's calls as its models write them; VALUE: an argument's value, drawn from VALUES
     "hermes": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "days": VALUE}}\n</tool_call>',

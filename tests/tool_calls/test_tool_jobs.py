@@ -95,7 +95,7 @@ def test_auto_leaves_an_answer_an_answer_and_none_parses_nothing(tmp_path, smoll
     """auto rows run under the auto grammar (free text, or a call constrained from its opening tag); SmolLM2-135M
     answers these questions in prose (greedy), which stays the answer, with no call error. That a call the model
     starts is held to the tools' schemas is shown on the grammar itself
-    (tests/tools/test_parsers.py::test_an_auto_grammar_takes_free_text_or_valid_calls): this model never starts one
+    (tests/tool_calls/test_parsers.py::test_an_auto_grammar_takes_free_text_or_valid_calls): this model never starts one
     here, so a job test could not show it."""
     rows = [{"messages": [{"role": "user", "content": q}], "tools": TOOLS} for q in QUESTIONS[:3]]
     rows += [{"messages": [{"role": "user", "content": QUESTIONS[0]}], "tools": TOOLS, "tool_choice": "none"}]

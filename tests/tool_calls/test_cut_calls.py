@@ -1,14 +1,14 @@
 """An answer the length limit cut inside a call (issue 49): the complete calls before the cut are kept, the rest is
 the content and is quoted in the error; for each parser's syntax, on answers written in its models' documented format
-and cut where max_tokens would cut them. The same in a job: tests/tools/test_tool_jobs.py."""
+and cut where max_tokens would cut them. The same in a job: tests/tool_calls/test_tool_jobs.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from batchjob.tools.cut_calls import complete_calls
-from batchjob.tools.parsers import PARSE
+from batchjob.tool_calls.cut_calls import complete_calls
+from batchjob.tool_calls.parsers import PARSE
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 HERMES = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'

@@ -173,7 +173,7 @@ def submit(cfg: SubmittedJob, opts: SubmitOptions, *, dry_run: bool = False) -> 
     """Check the job against its output folder, write the script there and sbatch it.
     Returns (script text, job id or None on a dry run, output folder, warnings)."""
     from batchjob.io.manifest import MANIFEST
-    from batchjob.cluster.shards import JobFile
+    from batchjob.sharding.shards import JobFile
 
     job_file = cfg.job_file
     if cfg.per_lane_inputs:
