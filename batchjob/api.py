@@ -16,29 +16,29 @@ import torch
 
 from batchjob.engine.engine import Engine
 from batchjob.errors import ChatHintWarning
-from batchjob.job.config import ConfigError, JobConfig, job_values, load_job
-from batchjob.job.embed_task import resolve_pooling
+from batchjob.job.options.config import ConfigError, JobConfig, job_values, load_job
+from batchjob.job.rows.embed_task import resolve_pooling
 from batchjob.job.engine_setup import adapter_slots, build_models, engine_for
-from batchjob.job.in_memory import Result, run_in_memory, score_records
-from batchjob.job.chat_templates import check_chat_template, template_text
-from batchjob.job.keywords import api_words, check_names, job_config
-from batchjob.job.modes import Task
-from batchjob.job.options import TEXT_LISTS, Api, api_keywords
-from batchjob.job.tool_rows import ToolRows, carries_tools
-from batchjob.job.prompt_builder import PromptBuilder
-from batchjob.job.prompt_records import conversation_records, prompt_records
-from batchjob.job.images import ImageRows
-from batchjob.job.resolved import ResolvedJob
-from batchjob.job.row_server import RowServer
-from batchjob.job.results import Completion
+from batchjob.job.rows.in_memory import Result, run_in_memory, score_records
+from batchjob.job.rows.chat_templates import check_chat_template, template_text
+from batchjob.job.options.keywords import api_words, check_names, job_config
+from batchjob.job.options.modes import Task
+from batchjob.job.options.options import TEXT_LISTS, Api, api_keywords
+from batchjob.job.rows.tool_rows import ToolRows, carries_tools
+from batchjob.job.rows.prompt_builder import PromptBuilder
+from batchjob.job.rows.prompt_records import conversation_records, prompt_records
+from batchjob.job.rows.images import ImageRows
+from batchjob.job.options.resolved import ResolvedJob
+from batchjob.job.rows.row_server import RowServer
+from batchjob.job.rows.results import Completion
 from batchjob.job.run import run_job
-from batchjob.job.summary import JobSummary
+from batchjob.job.report.summary import JobSummary
 from batchjob.models.loader import resolve_model_path
 
 __all__ = ["LLM", "Completion", "Result", "cached_llm", "chat", "clear_cache", "embed", "generate", "run",
            "score"]
 
-# the keywords, named as in a job file (and vLLM), from the options table (job/options.py); `seed` is the job seed:
+# the keywords, named as in a job file (and vLLM), from the options table (job/options/options.py); `seed` is the job seed:
 # row i's random stream comes from (seed, i), as row i of `batchjob run` (a prompt dict's own `seed` is that row's)
 SAMPLING_OPTIONS = api_keywords(Api.SAMPLING)
 CHAT_OPTIONS = api_keywords(Api.CHAT)

@@ -17,11 +17,11 @@ from click.testing import CliRunner
 import batchjob
 from batchjob import api
 from batchjob.cli.main import main
-from batchjob.job.config import ConfigError, load_job
+from batchjob.job.options.config import ConfigError, load_job
 from batchjob.engine.params import SamplingParams
 from batchjob.job.engine_setup import build_engine
-from batchjob.job.resolved import ResolvedJob
-from batchjob.job.keywords import api_message
+from batchjob.job.options.resolved import ResolvedJob
+from batchjob.job.options.keywords import api_message
 from batchjob.models.loader import load_model
 
 PROMPTS = ["The quick brown fox", "Batch inference reads rows", "def square(x: int) -> int:", "Hello & welcome"]
@@ -383,7 +383,7 @@ NOT_KEYWORDS = {"model", "task", "input", "input_format", "output", "output_form
 
 
 def test_every_per_job_option_is_a_keyword_of_the_api_from_the_one_options_table():
-    from batchjob.job.options import OPTIONS, Api, api_keywords
+    from batchjob.job.options.options import OPTIONS, Api, api_keywords
 
     assert {name for name, o in OPTIONS.items() if not o.api} == NOT_KEYWORDS
     assert set(api.LLM_KEYWORDS) == set(OPTIONS) - NOT_KEYWORDS | {"structured_outputs", "lora"}

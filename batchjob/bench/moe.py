@@ -64,9 +64,9 @@ def run_one(system: str, folder: Path, n: int, prompt: int, max_tokens: int) -> 
     ps = rows(n, prompt)
     if system == "batchjob":
         from batchjob.engine.params import SamplingParams
-        from batchjob.job.config import load_job
+        from batchjob.job.options.config import load_job
         from batchjob.job.engine_setup import build_engine
-        from batchjob.job.resolved import ResolvedJob
+        from batchjob.job.options.resolved import ResolvedJob
         from batchjob.models.loader import load_model
     else:
         import transformers

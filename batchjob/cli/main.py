@@ -8,9 +8,9 @@ import sys
 import click
 
 from batchjob.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RESUMABLE, EXIT_USAGE, ConfigError
-from batchjob.job.config import SECTIONS, load_job
-from batchjob.job.failures import job_failures
-from batchjob.job.threads import choose_wait_policy
+from batchjob.job.options.config import SECTIONS, load_job
+from batchjob.job.process.failures import job_failures
+from batchjob.job.process.threads import choose_wait_policy
 from batchjob.ray.runners import Runner
 from batchjob.cli.run_options import run_options
 
@@ -37,9 +37,9 @@ RUN_HELP = (
 def run_cmd(job: str | None, restart: bool, **overrides) -> None:
     """`batchjob run` (RUN_HELP)."""
     started = False
-    choose_wait_policy()  # before torch is imported: OpenMP reads it once (job/threads.py)
+    choose_wait_policy()  # before torch is imported: OpenMP reads it once (job/process/threads.py)
     try:  # the imports too: torch's takes seconds, and a Ctrl-C there is a start-up interrupted
-        from batchjob.job.preflight import preflight
+        from batchjob.job.process.preflight import preflight
 
         try:
             cfg = load_job(job, overrides)
@@ -50,7 +50,7 @@ def run_cmd(job: str | None, restart: bool, **overrides) -> None:
         if wants_ranks(cfg.data_parallel):
             _run_data_parallel(job, overrides, cfg, restart)
             return
-        try:  # before torch is imported: what needs no model is said in a second (job/preflight.py)
+        try:  # before torch is imported: what needs no model is said in a second (job/process/preflight.py)
             summary = preflight(cfg, restart=restart)
         except job_failures(with_torch=False) as e:
             _fail(e, EXIT_FAILED)
@@ -99,7 +99,7 @@ def _run_data_parallel(job: str | None, overrides: dict, cfg, restart: bool) -> 
     exit code of the whole: 0 every shard finished, 75 stopped (rerun to continue), 1 a shard failed."""
     from batchjob.launch.local import run_data_parallel
 
-    from batchjob.job.failures import job_failures
+    from batchjob.job.process.failures import job_failures
 
     try:
         done = run_data_parallel(job, {k: v for k, v in overrides.items() if v is not None}, cfg, restart=restart,

@@ -1,4 +1,4 @@
-"""The generated reference pages: docs/reference/run-options.md from the options table (job/options.py, its
+"""The generated reference pages: docs/reference/run-options.md from the options table (job/options/options.py, its
 flags: run_options.py), `python -m batchjob.cli.reference > docs/reference/run-options.md`; and
 docs/reference/models.md from the model registry, `python -m batchjob.cli.reference models > ...`. A test fails
 when a committed page differs from what this prints."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 import click
 
 from batchjob.cli.run_options import RUN_OPTIONS, RunOption
-from batchjob.job.config import FIELDS, TABLES
+from batchjob.job.options.config import FIELDS, TABLES
 
 HEADER = """# `batchjob run` options
 
-Generated from the options table (`batchjob/job/options.py`) by `python -m batchjob.cli.reference`; do not
+Generated from the options table (`batchjob/job/options/options.py`) by `python -m batchjob.cli.reference`; do not
 edit by hand. Every option is also a job-file key: the flag overrides the file. A flag marked repeatable names a
 list: `--stop a --stop b` is the list of both (as vLLM's repeated `--lora-modules` entries), and it replaces the
 job file's list rather than adding to it. A key stands at the top level of the job file or in its table

@@ -1,4 +1,4 @@
-"""`batchjob run`'s flags, made from the options table (job/options.py): one per job-file field, each overriding
+"""`batchjob run`'s flags, made from the options table (job/options/options.py): one per job-file field, each overriding
 the job file's value. A flag that names a list (`--lora`, `--stop`, `--keep-columns`, ...) may be repeated: all its
 values together are the list (as vLLM's repeated `--lora-modules` entries), which replaces the job file's."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from batchjob.job.options import OPTIONS, TYPES, Option, mode_of, scalar_types
+from batchjob.job.options.options import OPTIONS, TYPES, Option, mode_of, scalar_types
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,7 +24,7 @@ class RunOption:
 
 def _click_type(name: str, o: Option):
     """The flag's click type: a mode's choices, the scalar type (in its bounds); lists, schemas and
-    the error limit are text the job's parser reads (job/config.py)."""
+    the error limit are text the job's parser reads (job/options/config.py)."""
     mode = mode_of(name)
     if mode is not None:
         return click.Choice([m.value for m in mode])
@@ -48,11 +48,11 @@ def _flag(name: str, o: Option) -> str:
 
 
 def _names_a_list(name: str) -> bool:
-    """A list option, or the adapters (NAME=PATH pairs): its flag may be repeated (job/config.py joins the values)."""
+    """A list option, or the adapters (NAME=PATH pairs): its flag may be repeated (job/options/config.py joins the values)."""
     return name == "adapters" or any(typing.get_origin(t) is list for t in scalar_types(name))
 
 
-# Every option of the table (job/options.py) but the job-file-only ones has a flag; a flag overrides the job file.
+# Every option of the table (job/options/options.py) but the job-file-only ones has a flag; a flag overrides the job file.
 # docs/reference/run-options.md is made from these (cli/reference.py).
 RUN_OPTIONS = [RunOption(_flag(name, o), name, _click_type(name, o), o.help, _names_a_list(name))
                for name, o in OPTIONS.items() if o.flag != ""]

@@ -90,7 +90,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (vLLM's); () = any
     bad_words: tuple[str, ...] = ()  # vLLM's: words whose token sequences are never completed
     # their token sequences (each word alone and after a space, as vLLM), made by the row planner from the row's
-    # tokenizer (job/row_plan.py); the sampler bans a sequence's last token once the output ends with the rest
+    # tokenizer (job/rows/row_plan.py); the sampler bans a sequence's last token once the output ends with the rest
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False

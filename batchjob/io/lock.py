@@ -92,7 +92,7 @@ class OutputLock:
 
 def check_free(folder: str | Path) -> None:
     """LockHeld, as OutputLock says it, when another process holds `folder`: a run asks before it imports torch
-    or loads a model (job/preflight.py), so a second run on a busy folder is refused in a second."""
+    or loads a model (job/process/preflight.py), so a second run on a busy folder is refused in a second."""
     holder = lock_holder(folder)
     if holder.held:
         raise LockHeld(_in_use(Path(folder), holder))

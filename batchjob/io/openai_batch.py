@@ -159,7 +159,7 @@ def _messages(value) -> list[dict]:
                     if not isinstance(ref.get("url") if isinstance(ref, dict) else ref, str):
                         raise ValueError(f"body.messages[{i}].content[{k}].image_url.url: a string is required (a data: "
                                          "URI, a path or an http(s) URL)")
-                    images = True  # read, and refused for a text-only model, by the job (job/images.py)
+                    images = True  # read, and refused for a text-only model, by the job (job/rows/images.py)
                 elif kind != "text" or not isinstance(p.get("text"), str):
                     raise ValueError(f"body.messages[{i}].content[{k}]: only text and image_url parts are supported")
             if not images:

@@ -2,9 +2,9 @@
 cache), built the same way for `batchjob run` and for the Python API."""
 from __future__ import annotations
 
-from batchjob.job.config import JobConfig
-from batchjob.job.modes import AsyncScheduling, Preemption, Scheduling, SpeculativeMethod
-from batchjob.job.resolved import ResolvedJob
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.modes import AsyncScheduling, Preemption, Scheduling, SpeculativeMethod
+from batchjob.job.options.resolved import ResolvedJob
 from batchjob.engine.config import EngineConfig, Lane, SchedulerConfig, speculative_config
 from batchjob.engine.engine import Engine
 from batchjob.lora.adapter import read_adapters

@@ -6,18 +6,18 @@ from pathlib import Path
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.requests import Refusal, invalid
-from batchjob.job.config import JobConfig
+from batchjob.job.options.config import JobConfig
 from batchjob.job.engine_setup import adapter_slots, lanes_of
 from batchjob.job.error_budget import ErrorBudget
-from batchjob.job.images import ImageRows
-from batchjob.job.prompt_builder import PromptBuilder, RowError
-from batchjob.job.results import ERROR_CODE
-from batchjob.job.tool_rows import ToolRows
-from batchjob.job.row_driver import RowDriver, StepDone
-from batchjob.job.row_plan import plan_rows
+from batchjob.job.rows.images import ImageRows
+from batchjob.job.rows.prompt_builder import PromptBuilder, RowError
+from batchjob.job.rows.results import ERROR_CODE
+from batchjob.job.rows.tool_rows import ToolRows
+from batchjob.job.rows.row_driver import RowDriver, StepDone
+from batchjob.job.rows.row_plan import plan_rows
 from batchjob.models.loader import LoadedModel
 from batchjob.job.streams import Stream
-from batchjob.job.summary import JobSummary
+from batchjob.job.report.summary import JobSummary
 
 FEED_BATCH = 256  # rows read and tokenized together
 

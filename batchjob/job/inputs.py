@@ -1,4 +1,4 @@
-"""A job's inputs, found and checked before anything heavy starts (no torch here: job/preflight.py runs it before
+"""A job's inputs, found and checked before anything heavy starts (no torch here: job/process/preflight.py runs it before
 torch is imported): each input path with its output folder and lane, opened, with the columns the job reads."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from batchjob.sharding.shards import ShardSpec, check_unsharded
 from batchjob.errors import ConfigError
-from batchjob.job.config import JobConfig
-from batchjob.job.modes import Task
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.modes import Task
 from batchjob.io.sources import Source, SourceError, open_source, validate_columns
 from batchjob.tool_calls.requests import TOOLS_COLUMN
 
@@ -83,7 +83,7 @@ def _is_empty(source: Source, path: str) -> bool:
 def with_tool_parser(cfg: JobConfig, sources: list[OpenedInput]) -> JobConfig:
     """The job's options with `tool_parser` auto where it names none and its input carries tools (a `tools` column;
     an OpenAI Batch file's chat bodies with tools): their calls are read by the parser the chat template calls for,
-    named on the start line (job/run.py), or the job stops at start when there is none (job/tool_rows.py)."""
+    named on the start line (job/run.py), or the job stops at start when there is none (job/rows/tool_rows.py)."""
     if cfg.tool_parser is not None or cfg.task != Task.GENERATE:
         return cfg
     for source, *_ in sources:

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from batchjob.errors import ConfigError
-from batchjob.job.config import JobConfig
-from batchjob.job.modes import OutputFormat, Task
-from batchjob.job.chat_templates import check_chat_template, read_template
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.modes import OutputFormat, Task
+from batchjob.job.rows.chat_templates import check_chat_template, read_template
 from batchjob.job.feed import RowFeed
-from batchjob.job.embed_task import resolve_pooling
-from batchjob.job.fingerprint import ModelFacts, fingerprint
-from batchjob.job.heap import QuietCollector
+from batchjob.job.rows.embed_task import resolve_pooling
+from batchjob.job.options.fingerprint import ModelFacts, fingerprint
+from batchjob.job.process.heap import QuietCollector
 from batchjob.sharding.shards import claim_shard
 from batchjob.io.export import responses_written, write_openai_batch
 from batchjob.io.lock import OutputLock
@@ -32,20 +32,20 @@ from batchjob.io.part_writer import OutputError
 from batchjob.io.sink import RESUME_POSITION
 from batchjob.io.sources import Source
 from batchjob.job.engine_setup import engine_for
-from batchjob.job.kept_models import ModelKeeper
-from batchjob.job.images import ImageRows
-from batchjob.job.resolved import ResolvedJob
+from batchjob.job.process.kept_models import ModelKeeper
+from batchjob.job.rows.images import ImageRows
+from batchjob.job.options.resolved import ResolvedJob
 from batchjob.models.loader import resolve_model_path
-from batchjob.job.preflight import rows_of_finished_run
-from batchjob.job.progress import Progress, Snapshot
-from batchjob.job.stats import StatsRecorder, peak_rss_bytes
+from batchjob.job.process.preflight import rows_of_finished_run
+from batchjob.job.report.progress import Progress, Snapshot
+from batchjob.job.report.stats import StatsRecorder, peak_rss_bytes
 from batchjob.job.error_budget import ErrorBudget, TooManyErrors, job_failure
-from batchjob.job.signals import StopSignals
+from batchjob.job.process.signals import StopSignals
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder, with_tool_parser
-from batchjob.job.tool_rows import ToolRows
+from batchjob.job.rows.tool_rows import ToolRows
 from batchjob.reasoning.parsers import job_parser
 from batchjob.job.streams import clear_for_restart, open_streams, remove_bare_folders, uncommitted_rows
-from batchjob.job.summary import ChatHint, JobSummary, start_line
+from batchjob.job.report.summary import ChatHint, JobSummary, start_line
 
 log = logging.getLogger(__name__)
 PEAK_RSS_EVERY = 10.0  # seconds between updates of a running job's peak RSS in its manifests

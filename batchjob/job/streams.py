@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from batchjob.job.config import JobConfig
-from batchjob.job.fingerprint import ModelFacts, fingerprint
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.fingerprint import ModelFacts, fingerprint
 from batchjob.job.inputs import OpenedInput
 from batchjob.io.disk import disk
 from batchjob.io.export import ERRORS_FILE, RESULTS_FILE
@@ -18,7 +18,7 @@ from batchjob.io.parts import part_schema
 from batchjob.io.recovery import clear_results
 from batchjob.io.sink import INPUT_PATH, RESUME_POSITION, ArrowSink
 from batchjob.io.sources import InputRow, OpenAIBatchSource, Source
-from batchjob.job.results import OutputColumns, output_columns
+from batchjob.job.rows.results import OutputColumns, output_columns
 
 @dataclass(slots=True, eq=False)
 class Stream:

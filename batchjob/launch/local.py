@@ -25,7 +25,7 @@ from batchjob.sharding.shards import plan_shards
 from batchjob.io.manifest import MANIFEST
 from batchjob.io.sources import open_source
 from batchjob.job.inputs import input_folders
-from batchjob.job.summary import JobSummary
+from batchjob.job.report.summary import JobSummary
 from batchjob.launch.driver import PROGRESS_EVERY_S, Retries, drive, finished_shards, planned_shards
 from batchjob.engine.placement import Placement, die_with_parent, gpu_count, place, visible_gpu
 from batchjob.launch.shard_worker import STOP_FILE, ShardCall, ShardFailed, ShardOutcome, ShardWorker

@@ -58,10 +58,10 @@ class ShardCall:
 class ShardWorker:
     """A Ray actor that runs shards in its own process, keeping the model loaded between them (one job's shards
     share it). Its methods run on the worker's main thread, where the model loads and computes (one thread owns the
-    OpenMP team: job/threads.py)."""
+    OpenMP team: job/process/threads.py)."""
 
     def __init__(self, call: ShardCall) -> None:
-        from batchjob.job.threads import choose_wait_policy
+        from batchjob.job.process.threads import choose_wait_policy
 
         choose_wait_policy()  # before torch is imported, as `batchjob run` does
         if os.path.isdir(call.cwd):
@@ -72,8 +72,8 @@ class ShardWorker:
     def run(self, index: int) -> ShardOutcome:
         """Shard `index` through the same Job as `batchjob run JOB --shard K/N`; raises ShardFailed when the run
         fails (the driver then hands the shard out again: runners.py ActorRunner)."""
-        from batchjob.job.config import load_job
-        from batchjob.job.kept_models import ModelKeeper
+        from batchjob.job.options.config import load_job
+        from batchjob.job.process.kept_models import ModelKeeper
         from batchjob.job.run import Job
 
         call = self.call
@@ -107,7 +107,7 @@ def _stop_on_file(stop_file: str, stop, done: threading.Event) -> None:
 def _expected(e: Exception) -> bool:
     """A failure `batchjob run` reports in one line (its message says it all)."""
     from batchjob.errors import ConfigError
-    from batchjob.job.failures import job_failures
+    from batchjob.job.process.failures import job_failures
 
     return isinstance(e, (ConfigError, *job_failures()))
 

@@ -1,6 +1,6 @@
-"""What a model is, for a job's fingerprint (job/fingerprint.py), read from its files without loading its weights
+"""What a model is, for a job's fingerprint (job/options/fingerprint.py), read from its files without loading its weights
 and without importing torch: so that a rerun of a finished job can be recognised before anything heavy starts
-(job/preflight.py), and the loaders record the same dict (hf_folder.py, gguf_file.py). Also where a GGUF file is
+(job/process/preflight.py), and the loaders record the same dict (hf_folder.py, gguf_file.py). Also where a GGUF file is
 opened, with the errors a damaged one gets."""
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from batchjob.api import GENERATE_KEYWORDS, LLM
-from batchjob.job.chat_templates import check_chat_template
-from batchjob.job.keywords import check_names
-from batchjob.job.prompt_records import PROMPT_KEYS, prompt_records
-from batchjob.job.row_server import RowServer
+from batchjob.job.rows.chat_templates import check_chat_template
+from batchjob.job.options.keywords import check_names
+from batchjob.job.rows.prompt_records import PROMPT_KEYS, prompt_records
+from batchjob.job.rows.row_server import RowServer
 
 STAGE_COLUMNS = ("generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error", "error_code")
 
@@ -31,7 +31,7 @@ class LLMStage:
     def __init__(self, model: str = "smollm2", engine: dict | None = None, **options: Any):
         """`engine`: LLM(...) keywords (dtype, kv_cache_gb, max_num_seqs, ...); `options`: generate()'s (sampling
         parameters, chat, chat_template, system_prompt). Batches given at once (Ray Data's `max_concurrency` in
-        `ray_remote_args`) share the engine's steps (job/row_server.py). The model loads at the first batch, on the
+        `ray_remote_args`) share the engine's steps (job/rows/row_server.py). The model loads at the first batch, on the
         thread that runs it: Ray Data calls a stage from a thread of its own, and OpenMP's workers are fast only for
         the one thread that makes them (libgomp throttles its workers' spinning once a second thread has a team of its
         own: the stage ran 1.6x slower when the model loaded on the actor's main thread; docs/benchmarks.md)."""

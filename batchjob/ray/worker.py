@@ -3,7 +3,7 @@
 
 - ShardWorker (launch/shard_worker.py), a long-lived actor per shard slot (a GPU, or `--cpus-per-shard` CPUs): it
   runs the shards the driver hands it one after another in its own process, through the same Job as `batchjob run`,
-  and keeps the model loaded between them (job/kept_models.py). The default: measured, it saves a model load per
+  and keeps the model loaded between them (job/process/kept_models.py). The default: measured, it saves a model load per
   shard (docs/guide/ray.md).
 - run_shard, the body of one Ray task per shard: `batchjob run` as a child process that dies with the task's worker.
 

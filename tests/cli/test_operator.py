@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from batchjob.cli.main import main
 from batchjob.engine.worker.model_runner import ModelRunner
 from batchjob.io.manifest import Manifest
-from batchjob.job.progress import Progress, Snapshot
+from batchjob.job.report.progress import Progress, Snapshot
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,8 @@ def test_the_start_line_counts_one_thread_as_one_thread(monkeypatch):
 
     import torch
 
-    from batchjob.job.config import JobConfig
-    from batchjob.job.summary import start_line
+    from batchjob.job.options.config import JobConfig
+    from batchjob.job.report.summary import start_line
 
     model = SimpleNamespace(dtype=torch.float32, kv_cache_dtype="auto", quantization="none",
                             kernels=SimpleNamespace(label="torch"), device=torch.device("cpu"),
@@ -316,7 +316,7 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, model):
 
 
 def test_ctrl_c_after_the_final_commit_keeps_the_jobs_exit_code(tmp_path, model, monkeypatch):
-    from batchjob.job.summary import JobSummary
+    from batchjob.job.report.summary import JobSummary
 
     line = JobSummary.line
 

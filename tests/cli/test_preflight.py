@@ -1,4 +1,4 @@
-"""What `batchjob run` says before torch is imported or a model loads (job/preflight.py): a missing input, a rerun
+"""What `batchjob run` says before torch is imported or a model loads (job/process/preflight.py): a missing input, a rerun
 of a finished job; and an empty input, which loads no model. Each fast path is checked by what it imports and
 loads, not by the wall clock."""
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_a_finished_job_run_again_is_said_before_torch_is_imported(tmp_path, tin
 
 
 def test_an_empty_input_loads_no_model(tmp_path, tiny_model_dir, monkeypatch):
-    import batchjob.job.resolved as job_run  # where a job loads its model
+    import batchjob.job.options.resolved as job_run  # where a job loads its model
 
     def refuse(*_, **__):
         raise AssertionError("an empty input loaded the model")
@@ -114,7 +114,7 @@ def test_a_finished_limit_run_is_finished_on_a_rerun_and_a_failed_one_still_quot
     as finished all the same, before torch is imported, and by the Job too (Ray's shards run it without the
     preflight): nothing runs and no record is added to commits.log; one whose every row failed exits 1 again,
     quoting its error. Without the limit, the rest runs."""
-    from batchjob.job.config import load_job
+    from batchjob.job.options.config import load_job
     from batchjob.job.error_budget import AllRowsFailed
     from batchjob.job.run import run_job
 

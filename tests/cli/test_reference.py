@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from batchjob.cli.main import main
 from batchjob.cli.reference import render, render_models
 from batchjob.cli.run_options import RUN_OPTIONS
-from batchjob.job.config import FIELDS
+from batchjob.job.options.config import FIELDS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "run-options.md"
 

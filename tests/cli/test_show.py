@@ -54,7 +54,7 @@ def test_show_is_listed_and_the_module_form_still_runs(tmp_path):
 def test_show_prints_a_rows_reasoning_and_tool_calls(tmp_path):
     """A tool parser's row of calls alone is not shown empty; a reasoning parser's thinking is shown before the
     answer; a call that did not parse says why."""
-    from batchjob.job.results import OutputColumns
+    from batchjob.job.rows.results import OutputColumns
 
     columns = OutputColumns(keep=("prompt",), reasoning=True, tools=True)
     call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

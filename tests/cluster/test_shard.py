@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.job.config import ConfigError
+from batchjob.job.options.config import ConfigError
 from batchjob.io.ranges import RowRanges
 from batchjob.io.parts import read_results
 from batchjob.io.sources import DatasetsSource, ParquetSource, open_source

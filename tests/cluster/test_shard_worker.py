@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from batchjob.cli.main import main
 from batchjob.errors import EXIT_RESUMABLE
-from batchjob.job.config import load_job
-from batchjob.job.kept_models import ModelKeeper
+from batchjob.job.options.config import load_job
+from batchjob.job.process.kept_models import ModelKeeper
 from batchjob.job.run import Job
 from batchjob.launch.shard_worker import ShardCall, ShardFailed, ShardWorker
 from tests.builders import exported

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from batchjob.job.config import load_job
+from batchjob.job.options.config import load_job
 from batchjob.engine.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_size
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.job.engine_setup import build_engine
-from batchjob.job.resolved import ResolvedJob
+from batchjob.job.options.resolved import ResolvedJob
 
 
 def test_graph_sizes_cover_every_batch_up_to_max_num_seqs_with_little_padding():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from batchjob.job.config import ConfigError, load_job
+from batchjob.job.options.config import ConfigError, load_job
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.engine.worker.kv_budget import GIB, DeviceMemory, KvBudgetError, blocks_for, kv_cache_bytes, profile_step
 from batchjob.engine.core.scheduler_output import WorkerView

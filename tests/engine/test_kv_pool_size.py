@@ -12,9 +12,9 @@ from batchjob.engine.config import KvPool, KvSizing
 from batchjob.engine.core.scheduler import SchedulerConfig
 from batchjob.engine.worker.kv_budget import pool_size
 from batchjob.engine.worker.kv_cache import KVCache
-from batchjob.job.config import JobConfig
+from batchjob.job.options.config import JobConfig
 from batchjob.job.engine_setup import CPU_KV_CEILING_GB, engine_for
-from batchjob.job.summary import kv_words, start_line
+from batchjob.job.report.summary import kv_words, start_line
 
 MIB = 1 << 20
 

@@ -22,7 +22,7 @@ from batchjob.engine.core.sequence import Sequence
 from batchjob.io.parts import read_results
 from batchjob.models.registry import build_model
 from batchjob.models.loader import load_model
-from batchjob.job.prompt_builder import RowError, row_sampling
+from batchjob.job.rows.prompt_builder import RowError, row_sampling
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +389,7 @@ def test_argmax_rows_matches_torch_argmax_including_ties_and_nan():
 def test_bad_words_match_transformers_and_reach_every_entry_point(tiny, tmp_path):
     # vLLM's bad_words: a word's last token is banned once the output ends with its other tokens; transformers'
     # bad_words_ids is the same rule over prompt + output, so the words here never begin inside the prompt
-    from batchjob.job.row_plan import bad_words_token_ids
+    from batchjob.job.rows.row_plan import bad_words_token_ids
 
     ours, ref, tok, path = tiny
     ps = prompts(4, ours.config.vocab_size, seed=11)

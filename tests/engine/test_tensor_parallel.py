@@ -21,7 +21,7 @@ import torch
 
 from batchjob.errors import ConfigError
 from batchjob.io.parts import read_results
-from batchjob.job.keywords import job_config
+from batchjob.job.options.keywords import job_config
 from batchjob.models.config import UnsupportedModelError
 from batchjob.models.loader import check_split, load_model
 from batchjob.models.tensor_parallel import TensorShard

@@ -26,7 +26,7 @@ SHUTIL_WRITES = {"move", "copy", "copy2", "copyfile", "copytree", "copyfileobj",
 LAYER = {"disk", "layer"}  # how the package names the layer: disk().unlink(...), layer.rename(...)
 # writes the scan flags that stay outside the layer, and why
 ALLOWED: dict[tuple[str, str], str] = {
-    ("batchjob/job/signals.py", "os.write"): "a signal handler's line to stderr (fd 2), not a file",
+    ("batchjob/job/process/signals.py", "os.write"): "a signal handler's line to stderr (fd 2), not a file",
     ("batchjob/job/streams.py", ".rmdir()"): "takes back an empty folder a failed start made; if a crash keeps it, "
                                              "the next run uses it",
 }

@@ -288,7 +288,7 @@ def test_export_openai_batch_from_one_folder_and_from_shards(tmp_path, tiny_mode
 
 
 def test_example_job_files_load():
-    from batchjob.job.config import load_job
+    from batchjob.job.options.config import load_job
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_job(repo / "jobs" / "openai_batch.toml", {})

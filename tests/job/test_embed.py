@@ -220,8 +220,8 @@ def test_the_model_folders_pooling_is_the_default(tmp_path, llama_dir):
     import json
     import shutil
 
-    from batchjob.job.config import JobConfig
-    from batchjob.job.embed_task import resolve_pooling
+    from batchjob.job.options.config import JobConfig
+    from batchjob.job.rows.embed_task import resolve_pooling
 
     folder = tmp_path / "model"
     shutil.copytree(llama_dir, folder)

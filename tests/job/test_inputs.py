@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchjob.job import fingerprint as fingerprint_module
+from batchjob.job.options import fingerprint as fingerprint_module
 from batchjob.cli.main import main
-from batchjob.job.config import ConfigError, JobConfig
-from batchjob.job.fingerprint import input_identity
+from batchjob.job.options.config import ConfigError, JobConfig
+from batchjob.job.options.fingerprint import input_identity
 from batchjob.io.manifest import Manifest
 from batchjob.io.ranges import RowRanges
 from batchjob.io.parts import read_results
@@ -31,7 +31,7 @@ from batchjob.io.sources import (
     validate_columns,
 )
 from batchjob.models.tokenizer import Tokenizer
-from batchjob.job.prompt_builder import PromptBuilder, RowError, row_sampling
+from batchjob.job.rows.prompt_builder import PromptBuilder, RowError, row_sampling
 from batchjob.sharding.shards import ShardError, ShardSource, ShardSpec, plan_shards
 
 N = 60
@@ -481,7 +481,7 @@ def test_a_finished_job_on_a_streamed_input_can_be_exported(tmp_path, tiny_model
 def test_an_input_with_tools_and_no_tool_parser_is_read_with_auto(tmp_path):
     """A `tools` column, or an OpenAI Batch file whose chat bodies carry tools, makes a job that names no tool parser
     read their calls with auto (job/inputs.py); a job that names one, or whose input has none, keeps its own."""
-    from batchjob.job.config import load_job
+    from batchjob.job.options.config import load_job
     from batchjob.job.inputs import input_folders, open_inputs, with_tool_parser
 
     chat = {"messages": [{"role": "user", "content": "hi"}]}
@@ -502,7 +502,7 @@ def test_an_input_with_tools_and_no_tool_parser_is_read_with_auto(tmp_path):
 def test_template_kwargs_for_a_job_of_plain_prompts_stop_it_at_start(tmp_path):
     """No chat template renders a plain prompt: the job's chat_template_kwargs would be ignored (vLLM's generate()
     takes none); with --chat, a messages column or an image column they reach the template."""
-    from batchjob.job.config import load_job
+    from batchjob.job.options.config import load_job
     from batchjob.job.inputs import input_folders, open_inputs
 
     src = tmp_path / "in.jsonl"

@@ -1,4 +1,4 @@
-"""The options table (job/options.py): each option declared once, and what is made from it agrees with it."""
+"""The options table (job/options/options.py): each option declared once, and what is made from it agrees with it."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +8,10 @@ import pytest
 from batchjob import api
 from batchjob.cli.run_options import RUN_OPTIONS
 from batchjob.engine.requests import SamplingParams
-from batchjob.job.config import TABLES, ConfigError, load_job
-from batchjob.job.fingerprint import PARAM_FIELDS, WHEN_SET_FIELDS
-from batchjob.job.modes import KernelChoice, Pooling, Preemption, Task
-from batchjob.job.options import OPTIONS, SAMPLING_PARAMS, Api, Table
+from batchjob.job.options.config import TABLES, ConfigError, load_job
+from batchjob.job.options.fingerprint import PARAM_FIELDS, WHEN_SET_FIELDS
+from batchjob.job.options.modes import KernelChoice, Pooling, Preemption, Task
+from batchjob.job.options.options import OPTIONS, SAMPLING_PARAMS, Api, Table
 
 
 def test_the_sampling_options_are_the_sampling_parameters():
@@ -48,7 +48,7 @@ def test_an_option_added_later_leaves_an_older_jobs_fingerprint_as_it_was(tmp_pa
     # WHEN_SET options (allowed_token_ids, a list: its default is a factory's) enter the fingerprint only when set,
     # so a job written before they existed still resumes
     from batchjob.io.sources import open_source
-    from batchjob.job.fingerprint import ModelFacts, fingerprint
+    from batchjob.job.options.fingerprint import ModelFacts, fingerprint
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "hi"}\n')

@@ -285,7 +285,7 @@ def test_the_python_api_takes_the_reasoning_options_in_llm_chat_and_generate(tmp
 
 
 def test_the_reasoning_parser_help_names_every_parser():
-    from batchjob.job.options import OPTIONS
+    from batchjob.job.options.options import OPTIONS
     from batchjob.reasoning.parsers import PARSERS
 
     assert all(name in OPTIONS["reasoning_parser"].help for name in PARSERS)

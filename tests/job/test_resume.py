@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.job.config import load_job
+from batchjob.job.options.config import load_job
 from batchjob.engine.worker.model_runner import ModelRunner, StepTokens
 from batchjob.engine.sample.sampler import SampledTokens
 from batchjob.io.manifest import Manifest
@@ -23,7 +23,7 @@ from batchjob.io.sink import ArrowSink
 from batchjob.io.parts import read_results
 from batchjob.io.sources import JsonlSource
 from batchjob.job.run import run_job
-from batchjob.job.stats import StatsRecorder
+from batchjob.job.report.stats import StatsRecorder
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--kv-cache-gb", "0.02", "--swap-space-gb", "0.01", "--no-progress"]  # small KV and swap pools: quick start-up
@@ -131,7 +131,7 @@ def test_resume_of_100000_committed_rows_reads_none_of_them(tmp_path, model_dir,
 
 
 def test_a_stop_notice_under_a_progress_bar_starts_its_own_line(capfd):
-    from batchjob.job.signals import StopSignals
+    from batchjob.job.process.signals import StopSignals
 
     for bar, start in ((True, "\n"), (False, "")):
         stop = StopSignals(30, bar_shown=lambda: bar)

@@ -130,7 +130,7 @@ def test_an_openai_batch_with_response_format_comes_back_as_json(tmp_path, smoll
 
 
 def test_job_flags_and_table(tmp_path):
-    from batchjob.job.config import load_job
+    from batchjob.job.options.config import load_job
 
     cfg = load_job(None, {"input": "x.jsonl", "choice": "yes,no"})
     assert cfg.sampling_defaults().structured_outputs.choices == ["yes", "no"]

@@ -1,12 +1,12 @@
 """The default thread count (the CPUs this process may use: affinity capped by a cgroup quota) and the OpenMP wait
-policy set before torch is imported (job/threads.py)."""
+policy set before torch is imported (job/process/threads.py)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
-from batchjob.job.threads import cgroup_cpu_quota, job_threads, other_work_share, usable_cpus
+from batchjob.job.process.threads import cgroup_cpu_quota, job_threads, other_work_share, usable_cpus
 
 
 def test_a_cgroup_v2_quota_caps_the_threads_and_the_tightest_one_wins(tmp_path):
@@ -56,7 +56,7 @@ def test_other_work_on_these_cpus_is_seen_in_a_short_sample(tmp_path):
 def test_a_shared_machine_gets_a_short_spin_and_an_idle_one_keeps_libgomps(tmp_path):
     """In a fresh interpreter (the choice is made before torch loads): with two processes spinning on every CPU of
     this one, the CPUs are shared; what the environment says is kept as it is."""
-    code = ("import os; from batchjob.job.threads import choose_wait_policy; p = choose_wait_policy(0.3); "
+    code = ("import os; from batchjob.job.process.threads import choose_wait_policy; p = choose_wait_policy(0.3); "
             "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), '|', p.words())")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,  # noqa: E731

@@ -7,11 +7,11 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from batchjob.cli.main import main
-from batchjob.job.config import JobConfig
+from batchjob.job.options.config import JobConfig
 from batchjob.io.parts import read_results
 from batchjob.models.chat import render_chat
 from batchjob.models.loader import load_model
-from batchjob.job.prompt_builder import PromptBuilder, RowError
+from batchjob.job.rows.prompt_builder import PromptBuilder, RowError
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
@@ -60,9 +60,9 @@ def test_chat_rows_with_template_file_and_system_prompt_via_cli(tmp_path, tiny_m
 
 
 def test_a_batch_of_prompts_tokenizes_as_each_alone(tiny_model_dir):
-    from batchjob.job.config import JobConfig
+    from batchjob.job.options.config import JobConfig
     from batchjob.models.loader import load_model
-    from batchjob.job.prompt_builder import PromptBuilder, RowError
+    from batchjob.job.rows.prompt_builder import PromptBuilder, RowError
 
     tok = load_model(str(tiny_model_dir("llama"))).tokenizer
     records = [{"prompt": "hello world"}, {"prompt": ""}, {"prompt": [5, 6, 7]}, {"prompt": "the quick brown fox " * 20},

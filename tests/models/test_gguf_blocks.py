@@ -168,7 +168,7 @@ def test_types_not_computed_as_stored_are_named_once_with_their_memory(wide_gguf
 
 
 def test_the_start_line_says_the_weights_formats_and_size(wide_gguf):
-    from batchjob.job.summary import weight_words
+    from batchjob.job.report.summary import weight_words
 
     path = wide_gguf(*Q4_K_M_LIKE)
     ours, ref, _ = models(path)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import batchjob.api
-import batchjob.job.resolved
+import batchjob.job.options.resolved
 import batchjob.models.registry
 from batchjob.api import LLM
 from batchjob.bench.kv_quality import teacher_forced_logits
@@ -36,7 +36,7 @@ FP8_W8A8 = quantization_config({**W8A8, "type": "float"}, {**TOKEN, "type": "flo
 def fp8_gate_open(monkeypatch):
     """As on a GPU with fp8: build_model's device check passes, the API's loader keeps a checkpoint's fp8 codes."""
     monkeypatch.setattr(batchjob.models.registry, "check_quantization", lambda quantization, device: None)
-    monkeypatch.setattr(batchjob.job.resolved, "keeps_fp8_codes", lambda requested, device: requested != "none")
+    monkeypatch.setattr(batchjob.job.options.resolved, "keeps_fp8_codes", lambda requested, device: requested != "none")
 
 
 class Fp8Activations:

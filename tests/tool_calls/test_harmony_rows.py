@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from batchjob.engine.requests import RequestOutput
-from batchjob.job.results import OutputColumns, PendingRow, TokenText
+from batchjob.job.rows.results import OutputColumns, PendingRow, TokenText
 from batchjob.reasoning.harmony import CONSTRAIN, TOKENS, HarmonyParser
 from batchjob.tool_calls.requests import tool_request
 
@@ -60,7 +60,7 @@ def test_the_openai_tool_parser_needs_the_gpt_oss_split_and_says_so_at_start():
     import pytest
 
     from batchjob.errors import ConfigError
-    from batchjob.job.tool_rows import ToolRows
+    from batchjob.job.rows.tool_rows import ToolRows
 
     template = "{% for t in tools %}{{ t }}{% endfor %}<|start|>assistant<|channel|>final<|message|>"
     with pytest.raises(ConfigError, match=r"^tool_parser openai \(auto, for the chat template's harmony format\): .*"

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from batchjob.engine.requests import RequestOutput
-from batchjob.job.results import OutputColumns, PendingRow, TokenText
+from batchjob.job.rows.results import OutputColumns, PendingRow, TokenText
 from batchjob.tool_calls.requests import tool_request
 
 WORDS = ["<unk>", "</s>", "get_weather", '{"city":', '"Paris"}', "Sure,", "calling", "now.", '{"name":', '"get_weather",',

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from batchjob.job.engine_setup import build_models
-from batchjob.job.resolved import ResolvedJob
+from batchjob.job.options.resolved import ResolvedJob
 from batchjob.models.causal_lm import CausalLM
 from batchjob.models.loader import LoadedModel
 

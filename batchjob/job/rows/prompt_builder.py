@@ -10,16 +10,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchjob.job.config import JobConfig, template_kwargs
-from batchjob.job.modes import Task
-from batchjob.job.options import TEXT_LISTS  # parameters whose value may be plain text
+from batchjob.job.options.config import JobConfig, template_kwargs
+from batchjob.job.options.modes import Task
+from batchjob.job.options.options import TEXT_LISTS  # parameters whose value may be plain text
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 from batchjob.images.sources import Fetched, ImageError, column_count, from_column
-from batchjob.job.images import IMAGE_PARTS, ImageRows, image_part, part_url
-from batchjob.job.chat_messages import chat_message
-from batchjob.job.row_error import RowError
-from batchjob.job.tool_rows import ToolRows, tools_refused
+from batchjob.job.rows.images import IMAGE_PARTS, ImageRows, image_part, part_url
+from batchjob.job.rows.chat_messages import chat_message
+from batchjob.job.rows.row_error import RowError
+from batchjob.job.rows.tool_rows import ToolRows, tools_refused
 from batchjob.reasoning.budget import with_budget
 from batchjob.tool_calls.requests import ToolRequest
 
@@ -263,7 +263,7 @@ class PromptBuilder:
         return slot
 
     def constrained(self, params: SamplingParams, request: ToolRequest | None) -> SamplingParams:
-        """A row's parameters with its call grammar where its tool_choice forces a call (job/tool_rows.py)."""
+        """A row's parameters with its call grammar where its tool_choice forces a call (job/rows/tool_rows.py)."""
         if self.tool_rows is None or request is None:
             return params
         try:

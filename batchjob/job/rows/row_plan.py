@@ -2,8 +2,8 @@
 one per input), its images fetched (a batch's together) and expanded into their placeholders, a score row's
 continuation, its sampling parameters (the row's own over the job's or its lane's, checked against the output's
 columns; its bad_words tokenized), its thinking budget and tool grammar, its tools and its LoRA slot; or the
-RowError that fails it. The job's feed (job/feed.py) and the Python API's loop (job/in_memory.py) both plan their
-rows here, then hand each plan to the RowDriver (job/row_driver.py)."""
+RowError that fails it. The job's feed (job/feed.py) and the Python API's loop (job/rows/in_memory.py) both plan their
+rows here, then hand each plan to the RowDriver (job/rows/row_driver.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from batchjob.engine.requests import SamplingParams
 from batchjob.images.sources import fetch_many
-from batchjob.job.modes import Task
-from batchjob.job.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
-from batchjob.job.results import OutputColumns
+from batchjob.job.options.modes import Task
+from batchjob.job.rows.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
+from batchjob.job.rows.results import OutputColumns
 from batchjob.tool_calls.requests import ToolRequest
 
 

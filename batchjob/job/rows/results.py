@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchjob.engine.requests import RequestOutput, SamplingParams
-from batchjob.job.prompt_builder import RowError, has_row_sampling
+from batchjob.job.rows.prompt_builder import RowError, has_row_sampling
 from batchjob.tool_calls.cut_calls import complete_calls
 from batchjob.tool_calls.parsers import PARSE, parse, tag_decoder
 from batchjob.tool_calls.requests import ToolRequest
@@ -117,7 +117,7 @@ def output_columns(keep: list[str], defaults: SamplingParams, input_columns: lis
                          reasoning=generate and reasoning, tools=generate and tools)
     clash = set(keep) & set(cols.names[len(keep):])
     if clash:
-        from batchjob.job.config import ConfigError
+        from batchjob.job.options.config import ConfigError
 
         raise ConfigError(f"keep_columns: {', '.join(sorted(clash))} would collide with the result column of that name")
     return cols

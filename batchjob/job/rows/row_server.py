@@ -1,5 +1,5 @@
 """Several callers' rows through one engine at once: each `submit` (from any thread) queues its records; one caller
-at a time runs the row loop (job/in_memory.py run_rows) over every caller's rows, so a batch that arrives while
+at a time runs the row loop (job/rows/in_memory.py run_rows) over every caller's rows, so a batch that arrives while
 another runs joins its steps (continuous batching across batches, as Ray Data LLM's `max_concurrency`); each call
 returns its own Results, in order. A row's random stream comes from its index in its
 own batch, so a batch's text does not depend on what shared its steps."""
@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable
 
 from batchjob.engine.engine import Engine
-from batchjob.job.config import JobConfig
-from batchjob.job.in_memory import Result, run_rows
-from batchjob.job.prompt_builder import PromptBuilder
+from batchjob.job.options.config import JobConfig
+from batchjob.job.rows.in_memory import Result, run_rows
+from batchjob.job.rows.prompt_builder import PromptBuilder
 
 
 class _Batch:

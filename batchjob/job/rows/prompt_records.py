@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from batchjob.job.prompt_builder import SAMPLING_COLUMN, SAMPLING_FIELDS, TEMPLATE_KWARGS_COLUMN
+from batchjob.job.rows.prompt_builder import SAMPLING_COLUMN, SAMPLING_FIELDS, TEMPLATE_KWARGS_COLUMN
 
 # the keys of a prompt given as a dict: what an input row of a job may carry (vLLM's prompt_token_ids too)
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", SAMPLING_COLUMN, TEMPLATE_KWARGS_COLUMN,

@@ -15,13 +15,13 @@ from batchjob.io.lock import check_free
 from batchjob.io.manifest import MANIFEST, Manifest, ManifestError
 from batchjob.io.ranges import RowRanges
 from batchjob.io.recovery import same_job
-from batchjob.job.config import JobConfig
-from batchjob.job.embed_task import resolve_pooling
+from batchjob.job.options.config import JobConfig
+from batchjob.job.rows.embed_task import resolve_pooling
 from batchjob.job.error_budget import job_failure
-from batchjob.job.fingerprint import ModelFacts, fingerprint
+from batchjob.job.options.fingerprint import ModelFacts, fingerprint
 from batchjob.job.inputs import OpenedInput, input_folders, open_inputs, output_folder, with_tool_parser
-from batchjob.job.modes import OutputFormat, Quantization
-from batchjob.job.summary import JobSummary
+from batchjob.job.options.modes import OutputFormat, Quantization
+from batchjob.job.report.summary import JobSummary
 from batchjob.models.identity import model_identity
 from batchjob.models.location import model_source, resolve_model_path
 

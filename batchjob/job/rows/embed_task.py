@@ -6,8 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from batchjob.job.config import ConfigError, JobConfig
-from batchjob.job.modes import Pooling, Task
+from batchjob.job.options.config import ConfigError, JobConfig
+from batchjob.job.options.modes import Pooling, Task
 
 # sentence-transformers' pooling modes -> ours; the first one set wins (a config sets one)
 _MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"))

@@ -1,4 +1,4 @@
-"""How one job option is declared (job/options.py holds the table): where its key may stand in the job file, the
+"""How one job option is declared (job/options/options.py holds the table): where its key may stand in the job file, the
 Python API's keyword group that takes it, how it enters the job's fingerprint, the bounds its flag enforces, and
 `opt(...)`, which makes a JobConfig field carrying its Option."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Api(StrEnum):
 
 
 class Identity(Enum):
-    """How an option enters the job's fingerprint (job/fingerprint.py): always, only when it differs from its
+    """How an option enters the job's fingerprint (job/options/fingerprint.py): always, only when it differs from its
     default (an option added later: an older job's fingerprint stays the same), or not at all (how the job runs,
     not what it computes; the task, structured outputs, dtype and quantization are entered by fingerprint.py)."""
     ALWAYS = "always"

@@ -1,5 +1,5 @@
 """A job's options read and checked once: the job file (TOML) and its tables, the flags and the API's keywords
-over it, each value coerced to its option's type (job/options.py) and the checks across fields; the result is a
+over it, each value coerced to its option's type (job/options/options.py) and the checks across fields; the result is a
 frozen JobConfig."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from batchjob.engine.config import speculative_config
 from batchjob.reasoning.parsers import PARSERS as REASONING_PARSERS, check_parser_name
 from batchjob.tool_calls.parsers import PARSERS as TOOL_PARSERS
 from batchjob.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
-from batchjob.job.modes import Quantization, SpeculativeMethod, Task
-from batchjob.job.options import FIELDS, OPTIONS, JobConfig, Table, mode_of, names_in, scalar_types
+from batchjob.job.options.modes import Quantization, SpeculativeMethod, Task
+from batchjob.job.options.options import FIELDS, OPTIONS, JobConfig, Table, mode_of, names_in, scalar_types
 
 __all__ = ["FIELDS", "SECTIONS", "TABLES", "ConfigError", "JobConfig", "job_values", "load_job", "validate"]
 

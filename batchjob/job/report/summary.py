@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchjob.io.sizes import format_bytes
-from batchjob.job import threads as threads_module
-from batchjob.job.config import JobConfig
-from batchjob.job.modes import KvCacheDtype, Quantization, Scheduling, Task
+from batchjob.job.process import threads as threads_module
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.modes import KvCacheDtype, Quantization, Scheduling, Task
 
 if TYPE_CHECKING:  # the summary and its final line are also a rerun's verdict before torch is imported (preflight.py)
     from batchjob.engine.config import KvPool

@@ -1,12 +1,12 @@
 """The job's options, each declared once: its name, type, default, help, job-file table, whether it is part of
 the job's identity (the fingerprint) and which keyword group of the Python API takes it. The command line's flags
-(cli/run_options.py), the job file's tables and validation (job/config.py), the API's keywords (api.py), the
-fingerprint (job/fingerprint.py) and docs/reference/run-options.md are all made from this table.
+(cli/run_options.py), the job file's tables and validation (job/options/config.py), the API's keywords (api.py), the
+fingerprint (job/options/fingerprint.py) and docs/reference/run-options.md are all made from this table.
 
 Adding an option: one `opt(...)` line below (and the code that reads it); a sampling parameter also needs its
 field in SamplingParams (engine/params.py), which also says what the sampler does with it (a token it bans:
 `SamplingParams.banned_next`), and, when the row's text or tokenizer shapes it, its part in the row planner
-(job/row_plan.py)."""
+(job/rows/row_plan.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.errors import ConfigError
-from batchjob.job.option_spec import Api, Bounds, Identity, Option, Table, opt  # noqa: F401 (the table's vocabulary)
-from batchjob.job.modes import (Admission, AsyncScheduling, Device, Dtype, KernelChoice, KvCacheDtype, OutputFormat,
+from batchjob.job.options.option_spec import Api, Bounds, Identity, Option, Table, opt  # noqa: F401 (the table's vocabulary)
+from batchjob.job.options.modes import (Admission, AsyncScheduling, Device, Dtype, KernelChoice, KvCacheDtype, OutputFormat,
                                 PartFormat, Pooling, Preemption, Quantization, Scheduling, SpeculativeMethod, Task)
 
 
@@ -30,7 +30,7 @@ ALWAYS, WHEN_SET = Identity.ALWAYS, Identity.WHEN_SET
 
 @dataclass(frozen=True, slots=True)
 class JobConfig:
-    """One job's options, validated once (job/config.py load_job) and never changed after: a value resolved later
+    """One job's options, validated once (job/options/config.py load_job) and never changed after: a value resolved later
     (an embed job's pooling from the model folder) makes a new JobConfig (`dataclasses.replace`)."""
     # the job: model, input, prompts, run control
     model: str = opt('smollm2',
@@ -322,7 +322,7 @@ class JobConfig:
 
     def pooling_params(self):
         """The embed task's PoolingParams (None for generate); an unset pooling is `last` until the job
-        resolves it from the model folder (job/embed_task.py)."""
+        resolves it from the model folder (job/rows/embed_task.py)."""
         from batchjob.engine.requests import PoolingParams
 
         if self.task != Task.EMBED:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from batchjob.device import choose_device, choose_dtype, dtype_name
-from batchjob.job.modes import Quantization
-from batchjob.job.options import JobConfig
-from batchjob.job.threads import job_threads
+from batchjob.job.options.modes import Quantization
+from batchjob.job.options.options import JobConfig
+from batchjob.job.process.threads import job_threads
 from batchjob.kernels.quantization import keeps_fp8_codes, resolved_quantization
 from batchjob.engine.tensor_parallel import ModelRequest, tensor_ranks
 from batchjob.models.loader import LoadedModel, ModelDescription, check_split, describe_model, load_model

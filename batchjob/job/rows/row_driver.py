@@ -10,8 +10,8 @@ from typing import Generic, TypeVar
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.requests import EngineRequest, Refusal, RequestOutput
-from batchjob.job.results import OutputColumns, PendingRow, TokenText
-from batchjob.job.row_plan import RowPlan
+from batchjob.job.rows.results import OutputColumns, PendingRow, TokenText
+from batchjob.job.rows.row_plan import RowPlan
 
 Key = TypeVar("Key")  # what the caller knows a row by (its stream and index, or its place in a list)
 
@@ -45,7 +45,7 @@ class RowDriver(Generic[Key]):
 
     def add(self, key: Key, plan: RowPlan, columns: OutputColumns, *, seed: int, row_index: int,
             lane: str = "default") -> Refusal | None:
-        """Queue a planned row's n requests (job/row_plan.py); their random streams come from (seed, row_index,
+        """Queue a planned row's n requests (job/rows/row_plan.py); their random streams come from (seed, row_index,
         completion). Returns why (and queues nothing) when a prompt can never run."""
         prompts, params = plan.prompts, plan.params
         many = len(prompts) > 1

@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from batchjob.job.config import JobConfig
-from batchjob.job.modes import Quantization, Task
-from batchjob.job.options import DEFAULTS, OPTIONS, Identity
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.modes import Quantization, Task
+from batchjob.job.options.options import DEFAULTS, OPTIONS, Identity
 from batchjob.io.sources import Source
 from batchjob.version import __version__
 
@@ -18,7 +18,7 @@ CONTENT_SAMPLES = 64  # this many windows spread evenly over the file, the first
 CONTENT_SAMPLE_BYTES = 64 << 10  # of this size (4 MiB read per huge file)
 _content_hashes: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> hash: a sharded run asks twice
 
-# the options that make a rerun the same job (job/options.py): always recorded, or only when set (an option added
+# the options that make a rerun the same job (job/options/options.py): always recorded, or only when set (an option added
 # later: without it, an older job's fingerprint stays the same)
 PARAM_FIELDS = tuple(name for name, o in OPTIONS.items() if o.identity is Identity.ALWAYS)
 WHEN_SET_FIELDS = tuple(name for name, o in OPTIONS.items() if o.identity is Identity.WHEN_SET)
@@ -28,14 +28,14 @@ WHEN_SET_FIELDS = tuple(name for name, o in OPTIONS.items() if o.identity is Ide
 class ModelFacts:
     """What a fingerprint knows of the model that runs: its identity (models/identity.py), the compute dtype's
     name ("bfloat16") and the format its weight matmuls run in (none | int8 | fp8: a pre-quantized checkpoint's
-    own under --quantization auto; job/resolved.py ResolvedJob.quantization)."""
+    own under --quantization auto; job/options/resolved.py ResolvedJob.quantization)."""
     identity: dict
     dtype: str
     quantization: str
 
 
 def fingerprint(cfg: JobConfig, source: Source, input_path: str, model: ModelFacts) -> dict:
-    """Plain data, no torch: a rerun can be told from another job before torch is imported (job/preflight.py)."""
+    """Plain data, no torch: a rerun can be told from another job before torch is imported (job/process/preflight.py)."""
     params = {k: v for k, v in asdict(cfg).items() if k in PARAM_FIELDS}
     params["dtype"] = model.dtype
     params.update({name: getattr(cfg, name) for name in WHEN_SET_FIELDS if getattr(cfg, name) != DEFAULTS[name]})

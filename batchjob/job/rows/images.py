@@ -3,7 +3,7 @@ relative to the input file, file://, http(s)), each rendered by the chat templat
 after tokenizing, each image token replaced by what the image becomes in the family's layout (images/layouts.py:
 LLaVA's one run of placeholders, Idefics3's tiles), each placeholder run with its pixel values (as transformers'
 processor computes them) and a content digest: the row's ImageSlots for its EngineRequest. A row whose image cannot be read, decoded or fit fails alone, naming the message and the part (the
-prompt builder names them: job/prompt_builder.py)."""
+prompt builder names them: job/rows/prompt_builder.py)."""
 from __future__ import annotations
 
 import hashlib

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from batchjob.job.images import IMAGE_PARTS
-from batchjob.job.row_error import RowError
+from batchjob.job.rows.images import IMAGE_PARTS
+from batchjob.job.rows.row_error import RowError
 
 
 def chat_message(message, index: int, where: str, images: bool = False, model: str = "this model") -> dict:

@@ -1,6 +1,6 @@
 """A job's rows in memory, for the Python API (api.py): records (what `generate()`, `chat()`, `embed()` and
-`score()` accept, job/prompt_records.py) through the same prompt building, sampling and row loop as a job's rows
-(job/row_driver.py), one `Result` each, in input order."""
+`score()` accept, job/rows/prompt_records.py) through the same prompt building, sampling and row loop as a job's rows
+(job/rows/row_driver.py), one `Result` each, in input order."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -9,14 +9,14 @@ from typing import Any
 
 from batchjob.engine.engine import Engine
 from batchjob.engine.requests import Refusal, RefusalCode, RequestOutput, invalid
-from batchjob.job.config import JobConfig
-from batchjob.job.modes import Task
-from batchjob.job.prompt_builder import PromptBuilder, RowError
-from batchjob.job.prompt_records import is_token_ids, prompt_records
-from batchjob.job.results import (REASONING, REASONING_TOKENS, TOOL_CALL_ERROR, TOOL_CALLS, Completion, OutputColumns,
+from batchjob.job.options.config import JobConfig
+from batchjob.job.options.modes import Task
+from batchjob.job.rows.prompt_builder import PromptBuilder, RowError
+from batchjob.job.rows.prompt_records import is_token_ids, prompt_records
+from batchjob.job.rows.results import (REASONING, REASONING_TOKENS, TOOL_CALL_ERROR, TOOL_CALLS, Completion, OutputColumns,
                                   PendingRow)
-from batchjob.job.row_driver import RowDriver
-from batchjob.job.row_plan import plan_rows
+from batchjob.job.rows.row_driver import RowDriver
+from batchjob.job.rows.row_plan import plan_rows
 from batchjob.reasoning.parsers import job_parser
 
 ALL_COLUMNS = OutputColumns(logprobs=True, completions=True, prompt_logprobs=True)  # a Result has these (None when unused)
@@ -87,7 +87,7 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
              done: Callable[[Any, Result], None]) -> None:
     """The row loop over `rows` (key, row index for the random stream, record), read as the engine has room:
     `done(key, result)` for each, until the engine is idle and `rows` gives no more for now (an iterator may give
-    more on a later call: job/row_server.py feeds several callers' rows into one loop so)."""
+    more on a later call: job/rows/row_server.py feeds several callers' rows into one loop so)."""
     base = cfg.sampling_defaults()
     reasoning, _ = job_parser(cfg.reasoning_parser, tokenizer, builder.chat_template)
     tool_parser = None if builder.tool_rows is None else builder.tool_rows.parser
@@ -97,7 +97,7 @@ def run_rows(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, 
                                              reasoning=reasoning is not None, tools=tool_parser is not None))
 
     def refill() -> None:
-        batch = []  # (key, row index, record): read as the engine has room, planned together (job/row_plan.py)
+        batch = []  # (key, row index, record): read as the engine has room, planned together (job/rows/row_plan.py)
         while engine.num_waiting() + len(batch) < cfg.read_ahead_rows and (item := next(rows, None)) is not None:
             key, index, record = item
             if isinstance(record, str):

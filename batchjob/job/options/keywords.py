@@ -9,8 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from batchjob.job.config import FIELDS, ConfigError, JobConfig, load_job
-from batchjob.job.options import DEFAULTS
+from batchjob.job.options.config import FIELDS, ConfigError, JobConfig, load_job
+from batchjob.job.options.options import DEFAULTS
 
 IN_MEMORY = "<in memory>"  # JobConfig's input and output, which an in-memory run has none of
 
