@@ -202,7 +202,7 @@ def test_run_a_dict_and_a_file_return_the_summary(tmp_path, model_dir):
 def test_a_second_generate_with_the_same_model_does_not_load_it_again(model_dir, monkeypatch):
     api.clear_cache()
     loads = []
-    from batchjob.job import resolved  # the one place a job or an LLM loads its model
+    from batchjob.job.options import resolved  # the one place a job or an LLM loads its model
 
     real = resolved.load_model
     monkeypatch.setattr(resolved, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))

@@ -8,12 +8,14 @@ from batchjob.job.rows.images import IMAGE_PARTS
 from batchjob.job.rows.row_error import RowError
 
 
-def chat_message(message, index: int, where: str, images: bool = False, model: str = "this model") -> dict:
+def chat_message(message, index: int, where: str, images: bool = False, model: str = "this model",
+                 image_parts: list | None = None) -> dict:
     """One message as the chat template expects it: string `role` and `content`. OpenAI's forms are
     accepted as its Batch path reads them: content parts (text only, joined with newlines, as vLLM
     does) and the `developer` role (its newer name for `system`). The other keys are kept. `where`: the
     column (or the API's key) the messages came from. `images`: the model takes images: a content with image
-    parts stays a list of parts, each image as `{"type": "image"}` (as transformers' processors give templates)."""
+    parts stays a list of parts, each image as `{"type": "image"}` (as transformers' processors give templates), and
+    `image_parts` (when given) gains (index, part index, part) for each, in order: the row's one walk over its parts."""
     where = f"{where}: message {index}"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RowError(f"{where} needs string 'role' and 'content'")
@@ -27,6 +29,8 @@ def chat_message(message, index: int, where: str, images: bool = False, model: s
             if kind in IMAGE_PARTS and not images:
                 raise RowError(f"{where}: content part {k} is an image ({kind}): {model} is a text-only model; images "
                                "need a vision-language model (docs/reference/models.md)")
+            if kind in IMAGE_PARTS and image_parts is not None:
+                image_parts.append((index, k, part))
             if kind not in IMAGE_PARTS and (kind != "text" or not isinstance(part.get("text"), str)):
                 got = f"type {kind!r}" if isinstance(kind, str) else "no text"
                 raise RowError(f"{where}: content part {k} has {got}; only text and image parts are supported")

@@ -16,7 +16,7 @@ from batchjob.job.options.options import TEXT_LISTS  # parameters whose value ma
 from batchjob.engine.requests import PoolingParams, SamplingParams, StructuredOutputsError, from_response_format
 from batchjob.io.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 from batchjob.images.sources import Fetched, ImageError, column_count, from_column
-from batchjob.job.rows.images import IMAGE_PARTS, ImageRows, image_part, part_url
+from batchjob.job.rows.images import ImageRows, image_part, part_url
 from batchjob.job.rows.chat_messages import chat_message
 from batchjob.job.rows.row_error import RowError
 from batchjob.job.rows.tool_rows import ToolRows, tools_refused
@@ -28,6 +28,18 @@ ENDPOINT_COLUMN, INPUT_COLUMN = "endpoint", "input"  # an OpenAI Batch record's 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "pooling")  # pooling: the job's task
 SAMPLING_COLUMN = "sampling"
 TEMPLATE_KWARGS_COLUMN = "chat_template_kwargs"  # a row's chat template variables (over the job's)
+
+
+@dataclass(frozen=True, slots=True)
+class RowReading:
+    """What one walk over a record reads, for everything after it: its chat messages as the template takes them (None:
+    a plain prompt), its image parts in order (message index, part index, part), its tools (None: it has none)."""
+    messages: list[dict] | None = None
+    image_parts: tuple = ()
+    tools: ToolRequest | None = None
+
+
+PLAIN = RowReading()  # a plain prompt's (an OpenAI embeddings line's inputs)
 
 
 @dataclass(slots=True)
@@ -46,7 +58,18 @@ class PromptBuilder:
     def _named(self, key: str) -> str:
         return named(key, self.in_memory)
 
+    def read(self, record: dict) -> RowReading:
+        """The record's one reading: its messages walked once (JSON text decoded once, image parts noted on the way),
+        its tools parsed once; RowError says what is wrong with it."""
+        image_parts: list = []
+        messages = self._messages(record, image_parts)
+        return RowReading(messages, tuple(image_parts), self.tool_request(record))
+
     def messages(self, record: dict) -> list[dict] | None:
+        """The record's chat messages as the template takes them (None: a plain prompt)."""
+        return self._messages(record, None)
+
+    def _messages(self, record: dict, image_parts: list | None) -> list[dict] | None:
         cfg = self.config
         msgs = record.get(cfg.messages_column) if self.use_messages else None
         if cfg.task != Task.GENERATE:  # no chat template for an embed or score row: its prompt's text as it is
@@ -67,7 +90,7 @@ class PromptBuilder:
                 raise RowError(f"{self._named(cfg.messages_column)}: invalid JSON: {e}") from None
         if not isinstance(msgs, list) or not msgs:
             raise RowError(f"{self._named(cfg.messages_column)}: expected a non-empty list of {{role, content}} messages")
-        msgs = [chat_message(m, i, self._named(cfg.messages_column), self.images is not None, self.model_name)
+        msgs = [chat_message(m, i, self._named(cfg.messages_column), self.images is not None, self.model_name, image_parts)
                 for i, m in enumerate(msgs)]
         if cfg.image_column is not None and record.get(cfg.image_column) is not None:
             raise RowError(f"{self._named(cfg.image_column)}: a row with chat messages carries its images in their "
@@ -84,30 +107,17 @@ class PromptBuilder:
         return {"role": "user", "content": [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
                 if count else text}
 
-    def image_urls(self, record: dict) -> list:
+    def image_urls(self, record: dict, reading: RowReading) -> list:
         """Where a row's images are (its image parts' urls, its image column's values), read without fetching: the
         feed fetches a batch's http(s) images together (sources.fetch_many)."""
         cfg = self.config
         if cfg.image_column is not None and record.get(cfg.image_column) is not None:
             value = record[cfg.image_column]
             return list(value) if isinstance(value, (list, tuple)) else [value]
-        return [part_url(part) for _, _, part in self._image_parts(record)]
+        return [part_url(part) for _, _, part in reading.image_parts]
 
-    def _image_parts(self, record: dict):
-        """(message index, part index, part) of a chat row's image parts, in order."""
-        msgs = record.get(self.config.messages_column) if self.use_messages and self.images is not None else None
-        if isinstance(msgs, str):
-            try:
-                msgs = json.loads(msgs)
-            except ValueError:
-                return  # messages() says why
-        for i, m in enumerate(msgs if isinstance(msgs, list) else []):
-            content = m.get("content") if isinstance(m, dict) else None
-            for k, part in enumerate(content if isinstance(content, list) else []):
-                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
-                    yield i, k, part
-
-    def with_images(self, record: dict, ids: list[int], fetched: Fetched | None = None) -> tuple[list[int], tuple]:
+    def with_images(self, record: dict, reading: RowReading, ids: list[int],
+                    fetched: Fetched | None = None) -> tuple[list[int], tuple]:
         """A chat row's prompt ids with each image token expanded to its placeholders, and its images' slots
         (engine ImageSlots), read from the row's image parts in order; (ids, ()) for a row without images.
         `fetched`: the batch's http(s) images, fetched already."""
@@ -115,7 +125,7 @@ class PromptBuilder:
         if cfg.image_column is not None and record.get(cfg.image_column) is not None:
             return self._column_images(record, ids, fetched)
         found, limit = [], cfg.limit_images_per_prompt
-        for i, k, part in self._image_parts(record):
+        for i, k, part in reading.image_parts:
             if limit is not None and len(found) == limit:
                 raise RowError(f"{self._named(cfg.messages_column)}: message {i}: content part {k}: more than "
                                f"{limit} images (limit_images_per_prompt)")
@@ -152,11 +162,11 @@ class PromptBuilder:
             raise RowError(f"{self._named(col)} is empty")
         return value
 
-    def prompts_many(self, records: list[dict]) -> list[list[list[int]] | RowError]:
+    def prompts_many(self, records: list[dict], readings: list[RowReading]) -> list[list[list[int]] | RowError]:
         """Each record's prompts' ids (one prompt; an OpenAI embeddings line: one per input), or the RowError
-        that fails it; the texts are tokenized in one batch."""
-        cfg, flat, owner, out = self.config, [], [], [None] * len(records)
-        for i, record in enumerate(records):
+        that fails it; the texts are tokenized in one batch. `readings`: each record's (`read`)."""
+        cfg, flat, flat_readings, owner, out = self.config, [], [], [], [None] * len(records)
+        for i, (record, reading) in enumerate(zip(records, readings)):
             endpoint = record.get(ENDPOINT_COLUMN)
             if endpoint == EMBEDDINGS and cfg.task != Task.EMBED:
                 out[i] = RowError(f"url: {EMBEDDINGS} requests need task = \"embed\" (this job's task is {cfg.task}); "
@@ -167,12 +177,14 @@ class PromptBuilder:
             elif endpoint == EMBEDDINGS:
                 for value in record[INPUT_COLUMN]:
                     flat.append({cfg.prompt_column: value})
+                    flat_readings.append(PLAIN)
                     owner.append(i)
                 out[i] = []
             else:
                 flat.append(record)
+                flat_readings.append(reading)
                 owner.append(i)
-        for j, (i, ids) in enumerate(zip(owner, self.token_ids_many(flat))):
+        for j, (i, ids) in enumerate(zip(owner, self.token_ids_many(flat, flat_readings))):
             if isinstance(out[i], RowError):
                 continue
             if isinstance(ids, RowError):
@@ -190,14 +202,15 @@ class PromptBuilder:
             raise result
         return result
 
-    def token_ids_many(self, records: list[dict]) -> list[list[int] | RowError]:
-        """Each record's prompt ids, or the RowError that fails it; the texts are tokenized in one batch."""
+    def token_ids_many(self, records: list[dict], readings: list[RowReading] | None = None) -> list[list[int] | RowError]:
+        """Each record's prompt ids, or the RowError that fails it; the texts are tokenized in one batch. `readings`:
+        each record's (`read`), or None to read them here."""
         out: list = [None] * len(records)
         plain: list[tuple[int, str]] = []  # prompts: the tokenizer adds BOS where the model wants it
         chat: list[tuple[int, str]] = []  # rendered templates: they write their special tokens themselves
         for i, record in enumerate(records):
             try:
-                kind, value = self._text(record)
+                kind, value = self._text(record, self.read(record) if readings is None else readings[i])
             except RowError as e:
                 out[i] = e
                 continue
@@ -210,9 +223,9 @@ class PromptBuilder:
                 out[i] = ids
         return out
 
-    def _text(self, record: dict) -> tuple[str, object]:
+    def _text(self, record: dict, reading: RowReading) -> tuple[str, object]:
         """("ids", token ids given as they are) | ("prompt", text) | ("chat", the rendered template)."""
-        msgs = self.messages(record)
+        msgs = reading.messages
         if msgs is None:
             if record.get(TEMPLATE_KWARGS_COLUMN) is not None and self.config.task == Task.GENERATE:
                 chat = "pass chat=True" if self.in_memory else "run the job with --chat"
@@ -227,7 +240,7 @@ class PromptBuilder:
             if isinstance(value, list):
                 return "ids", self._given_ids(value)
             return "prompt", self.config.embed_prefix + self._prompt_text(record)
-        variables = self.template_variables(record)
+        variables = self.template_variables(record, reading.tools)
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, chat_template=self.chat_template,
                                                       **variables)
@@ -235,14 +248,13 @@ class PromptBuilder:
             raise RowError(f"chat template failed: {e}") from None
         return "chat", text if self.images is None else self.images.layout.template_text(text)
 
-    def template_variables(self, record: dict) -> dict:
+    def template_variables(self, record: dict, request: ToolRequest | None) -> dict:
         """The chat template's variables for a row: the job's chat_template_kwargs, then the row's own column's, and
-        the row's tools."""
+        the row's tools (`request`, from its reading)."""
         own = record.get(TEMPLATE_KWARGS_COLUMN)
         variables = self.config.chat_template_kwargs or {}
         if own is not None:
             variables = {**variables, **template_kwargs(own, self._named(TEMPLATE_KWARGS_COLUMN), RowError)}
-        request = self.tool_request(record)
         if request is not None:
             variables = {**variables, "tools": [t.definition for t in request.tools]}
         return variables

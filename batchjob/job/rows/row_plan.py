@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from batchjob.engine.requests import SamplingParams
 from batchjob.images.sources import fetch_many
 from batchjob.job.options.modes import Task
-from batchjob.job.rows.prompt_builder import PromptBuilder, RowError, budgeted, row_sampling
+from batchjob.job.rows.prompt_builder import PLAIN, PromptBuilder, RowError, RowReading, budgeted, row_sampling
 from batchjob.job.rows.results import OutputColumns
 from batchjob.tool_calls.requests import ToolRequest
 
@@ -33,23 +33,33 @@ def plan_rows(builder: PromptBuilder, records: list[dict], defaults: list[Sampli
     """One plan (or the RowError that fails the row) per record, in order; `defaults`: each row's sampling defaults
     (the job's, or its lane's); `reasoning`: the job's reasoning parser (a thinking budget's end of thinking). The
     records' texts are tokenized in one call and their http(s) images fetched together, several at a time."""
-    all_prompts = builder.prompts_many(records)
-    fetched = fetch_many(u for r in records for u in builder.image_urls(r)) if builder.images is not None else None
+    readings = [_read(builder, r) for r in records]  # each record's messages and tools, walked once
+    good = [PLAIN if isinstance(r, RowError) else r for r in readings]
+    all_prompts = builder.prompts_many(records, good)
+    fetched = (fetch_many(u for r, g in zip(records, readings) if not isinstance(g, RowError) for u in builder.image_urls(r, g))
+               if builder.images is not None else None)
     starts: list = [None] * len(records)
     if task == Task.SCORE:
         starts = builder.continuation_starts(records, [p if isinstance(p, RowError) else p[0] for p in all_prompts])
     plans: list[RowPlan | RowError] = []
-    for record, ids, start, base in zip(records, all_prompts, starts, defaults):
+    for record, reading, ids, start, base in zip(records, readings, all_prompts, starts, defaults):
         try:
-            plans.append(_plan(builder, record, ids, start, base, columns, reasoning, fetched))
+            plans.append(_plan(builder, record, reading, ids, start, base, columns, reasoning, fetched))
         except RowError as e:
             plans.append(e)
     return plans
 
 
-def _plan(builder: PromptBuilder, record: dict, ids, start, base: SamplingParams, columns: OutputColumns, reasoning,
-          fetched) -> RowPlan:
-    for problem in (ids, start):
+def _read(builder: PromptBuilder, record: dict) -> RowReading | RowError:
+    try:
+        return builder.read(record)
+    except RowError as e:
+        return e
+
+
+def _plan(builder: PromptBuilder, record: dict, reading: RowReading | RowError, ids, start, base: SamplingParams,
+          columns: OutputColumns, reasoning, fetched) -> RowPlan:
+    for problem in (reading, ids, start):
         if isinstance(problem, RowError):
             raise problem
     params = row_sampling(record, base, in_memory=builder.in_memory)
@@ -59,10 +69,10 @@ def _plan(builder: PromptBuilder, record: dict, ids, start, base: SamplingParams
     columns.check(params)
     images = ()
     if builder.images is not None:
-        expanded, images = builder.with_images(record, ids[0], fetched)
+        expanded, images = builder.with_images(record, reading, ids[0], fetched)
         ids = [expanded]
     params = budgeted(params, reasoning, ids[0])
-    tools = builder.tool_request(record)
+    tools = reading.tools
     return RowPlan(ids, builder.constrained(params, tools), start, images, tools, builder.lora_slot(record))
 
 
