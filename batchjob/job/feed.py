@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.requests import Refusal, invalid
+from batchjob.engine.requests import invalid
 from batchjob.job.options.config import JobConfig
 from batchjob.job.engine_setup import adapter_slots, lanes_of
 from batchjob.job.error_budget import ErrorBudget
 from batchjob.job.rows.images import ImageRows
 from batchjob.job.rows.prompt_builder import PromptBuilder, RowError
-from batchjob.job.rows.results import ERROR_CODE
+from batchjob.job.rows.results import ResultRow
 from batchjob.job.rows.tool_rows import ToolRows
 from batchjob.job.rows.row_driver import RowDriver, StepDone
 from batchjob.job.rows.row_plan import plan_rows
@@ -101,12 +101,12 @@ class RowFeed:
                 record = item.record or {}
                 kept = {c: record.get(c) for c in stream.columns.keep}
                 if item.error:
-                    self.emit(stream, item.row_index, kept, error=invalid(item.error))
+                    self.emit(stream, item.row_index, kept, ResultRow.failed(invalid(item.error)))
                     continue
                 try:
                     row_lane = self.lane_for(stream, record)
                 except RowError as e:
-                    self.emit(stream, item.row_index, kept, error=invalid(str(e)))
+                    self.emit(stream, item.row_index, kept, ResultRow.failed(invalid(str(e))))
                     continue
                 if self.lane_column_out:
                     kept["lane"] = row_lane
@@ -120,7 +120,7 @@ class RowFeed:
                     row_index=row_index, lane=row_lane)
                 if err:  # `where`: the row's place as its source names it
                     tokens = 0 if isinstance(plan, RowError) else sum(map(len, plan.prompts))  # a prompt too long
-                    self.emit(stream, row_index, kept, error=err.within(where) if where else err, prompt_tokens=tokens)
+                    self.emit(stream, row_index, kept, ResultRow.failed(err.within(where) if where else err, tokens))
 
     @property
     def rows_in_flight(self) -> int:
@@ -137,31 +137,22 @@ class RowFeed:
         """A step's finished rows (each once its last completion is in) to their sinks."""
         for done in step.rows:
             stream, row_index, kept = done.key
-            fields = done.row.fields()
-            error = fields.pop("error")  # a completion that failed after it was queued (its grammar): invalid
-            self.emit(stream, row_index, kept, **fields, error=None if error is None else invalid(error))
+            self.emit(stream, row_index, kept, done.row.result())
 
-    def emit(self, stream: Stream, row_index: int, kept: dict, *, text: str = "", reason: str = "error",
-             prompt_tokens: int = 0, completion_tokens: int = 0, error: Refusal | None = None,
-             extra: dict | None = None) -> None:
-        """One output row; an error row's `error` is the refusal: its message and its code (ERROR_CODE)."""
-        row = {"row_index": row_index, "generated_text": text, "finish_reason": reason,
-               "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-               "error": None if error is None else error.message, ERROR_CODE: None if error is None else error.code.value}
-        row.update(kept)
-        row.update(extra or {})
-        stream.sink.write(row)
-        s = self.summary
+    def emit(self, stream: Stream, row_index: int, kept: dict, result: ResultRow) -> None:
+        """One output row to its stream's sink, counted in the summary."""
+        stream.sink.write(result.columns(row_index, kept))
+        s, reason = self.summary, result.finish_reason
         s.rows += 1
         s.errors += reason == "error"
-        s.prompt_tokens += 0 if reason == "error" else prompt_tokens  # a row refused (too long) computed none
-        s.generated_tokens += completion_tokens
+        s.prompt_tokens += 0 if reason == "error" else result.prompt_tokens  # a row refused (too long) computed none
+        s.generated_tokens += result.completion_tokens
         if reason == "error":
-            self.first_error = self.first_error or f"row {row_index}: {error}"
+            self.first_error = self.first_error or f"row {row_index}: {result.error}"
             self.check_errors()
         else:
             ok, first = self.one_token_stops
-            self.one_token_stops = (ok + 1, first + (reason == "stop" and completion_tokens <= 1))
+            self.one_token_stops = (ok + 1, first + (reason == "stop" and result.completion_tokens <= 1))
 
     def check_errors(self, final: bool = False) -> None:
         """max_errors, over this run's rows and those committed before it."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from batchjob.engine.requests import RequestOutput
-from batchjob.job.rows.results import OutputColumns, PendingRow, TokenText
+from batchjob.job.rows.results import OutputColumns, PendingRow, ResultRow, TokenText
 from batchjob.reasoning.harmony import CONSTRAIN, TOKENS, HarmonyParser
 from batchjob.tool_calls.requests import tool_request
 
@@ -27,13 +27,13 @@ class Tokenizer:
         return ID.get(token)
 
 
-def row(*tokens: str, tool_parser: str = "openai", reasoning=True) -> dict:
+def row(*tokens: str, tool_parser: str = "openai", reasoning=True) -> ResultRow:
     out = RequestOutput(0, None, [ID["<|start|>"], ID["assistant"]], tuple(ID[t] for t in tokens), "stop", None,
                         None, None, None, None, "", None)
     pending = PendingRow(1, OutputColumns(reasoning=True, tools=True), tools=tool_request([WEATHER], "auto"))
     parser = HarmonyParser.of({t: ID[t] for t in SPECIAL}) if reasoning else None
     pending.add(0, out, Tokenizer(), TokenText(Tokenizer()), parser, tool_parser)
-    return pending.fields()
+    return pending.result()
 
 
 CALL = ("<|channel|>", "analysis", "<|message|>", "The user wants weather.", "<|end|>", "<|start|>", "assistant",
@@ -44,16 +44,16 @@ CALL = ("<|channel|>", "analysis", "<|message|>", "The user wants weather.", "<|
 
 def test_a_gpt_oss_call_is_the_rows_tool_call_and_its_preamble_the_answer():
     got = row(*CALL)
-    calls = got["extra"]["tool_calls"]
+    calls = got.extra["tool_calls"]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"location": "SF", "unit": "C"})]
-    assert got["reason"] == "tool_calls" and got["text"] == "Checking the weather."
-    assert got["extra"]["reasoning"] == "The user wants weather." and got["extra"]["tool_call_error"] is None
+    assert got.finish_reason == "tool_calls" and got.generated_text == "Checking the weather."
+    assert got.extra["reasoning"] == "The user wants weather." and got.extra["tool_call_error"] is None
 
 
 def test_without_the_harmony_split_the_openai_parser_names_what_it_needs():
     got = row(*CALL, reasoning=False)
-    assert got["extra"]["tool_calls"] is None and "--reasoning-parser gpt_oss" in got["extra"]["tool_call_error"]
+    assert got.extra["tool_calls"] is None and "--reasoning-parser gpt_oss" in got.extra["tool_call_error"]
 
 
 def test_the_openai_tool_parser_needs_the_gpt_oss_split_and_says_so_at_start():

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchjob.engine.engine import Engine
-from batchjob.engine.requests import Refusal, RefusalCode, RequestOutput, invalid
+from batchjob.engine.requests import Refusal, RequestOutput, invalid
 from batchjob.job.options.config import JobConfig
 from batchjob.job.options.modes import Task
 from batchjob.job.rows.prompt_builder import PromptBuilder, RowError
 from batchjob.job.rows.prompt_records import is_token_ids, prompt_records
-from batchjob.job.rows.results import (REASONING, REASONING_TOKENS, TOOL_CALL_ERROR, TOOL_CALLS, Completion, OutputColumns,
-                                  PendingRow)
+from batchjob.job.rows.results import (EMBEDDING, LOGPROBS, REASONING, REASONING_TOKENS, TOOL_CALL_ERROR, TOOL_CALLS,
+                                       Completion, OutputColumns, PendingRow, ResultRow)
 from batchjob.job.rows.row_driver import RowDriver
 from batchjob.job.rows.row_plan import plan_rows
 from batchjob.reasoning.parsers import job_parser
@@ -57,21 +57,22 @@ RESULT_SCORE_FIELDS = ("prompt_logprobs", "prompt_logprob_sum", "continuation_lo
 
 def failed(error: str | Refusal, prompt_tokens: int = 0) -> Result:
     """A row that never ran: the engine's refusal (its code with it), or a row error (an invalid request)."""
-    refusal = error if isinstance(error, Refusal) else invalid(error)
-    return Result(text="", finish_reason="error", prompt_tokens=prompt_tokens, completion_tokens=0, error=refusal.message,
-                  error_code=refusal.code.value)
+    return to_result(ResultRow.failed(error if isinstance(error, Refusal) else invalid(error), prompt_tokens))
 
 
 def result_of(row: PendingRow, outputs: list[RequestOutput]) -> Result:
-    fields = row.fields()
-    return Result(text=fields["text"], finish_reason=fields["reason"], prompt_tokens=fields["prompt_tokens"],
-                  completion_tokens=fields["completion_tokens"], error=fields["error"],
-                  error_code=RefusalCode.INVALID_REQUEST.value if fields["error"] else None,
-                  logprobs=fields["extra"].get("logprobs"),
-                  completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids,
-                  embedding=fields["extra"].get("embedding"),
-                  **{name: fields["extra"].get(name) for name in (*RESULT_SCORE_FIELDS, REASONING, REASONING_TOKENS, TOOL_CALLS,
-                                                                  TOOL_CALL_ERROR)})
+    return to_result(row.result(), completions=tuple(row.done) if row.n > 1 else None, token_ids=outputs[0].output_ids)
+
+
+def to_result(r: ResultRow, **more) -> Result:
+    """The API's Result of a row's ResultRow (`more`: what only the API gives: the completions, the token ids)."""
+    extra = r.extra
+    return Result(text=r.generated_text, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
+                  completion_tokens=r.completion_tokens, error=None if r.error is None else r.error.message,
+                  error_code=None if r.error is None else r.error.code.value, logprobs=extra.get(LOGPROBS),
+                  embedding=extra.get(EMBEDDING), **more,
+                  **{name: extra.get(name) for name in (*RESULT_SCORE_FIELDS, REASONING, REASONING_TOKENS, TOOL_CALLS,
+                                                        TOOL_CALL_ERROR)})
 
 
 def run_in_memory(engine: Engine, tokenizer, cfg: JobConfig, builder: PromptBuilder, records: list[dict | str]) -> list[Result]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchjob.engine.requests import RequestOutput, SamplingParams
+from batchjob.engine.requests import Refusal, RequestOutput, SamplingParams, invalid
 from batchjob.job.rows.prompt_builder import RowError, has_row_sampling
 from batchjob.tool_calls.cut_calls import complete_calls
 from batchjob.tool_calls.parsers import PARSE, parse, tag_decoder
@@ -161,6 +161,30 @@ class Completion:
     tool_call_error: str | None = None  # why the answer's call did not parse (text is then the raw answer)
 
 
+@dataclass(frozen=True, slots=True)
+class ResultRow:
+    """A row's result, one shape from the finished completions to every consumer: the job's sink takes its `columns`,
+    the API makes its `Result` of it. A row that never ran is `ResultRow.failed(refusal)`."""
+    generated_text: str = ""
+    finish_reason: str = "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # of all n completions
+    error: Refusal | None = None  # why it failed: the message (column `error`) and its code (ERROR_CODE)
+    extra: dict = field(default_factory=dict)  # the output's optional columns, by name (OutputColumns.names)
+
+    @classmethod
+    def failed(cls, error: Refusal, prompt_tokens: int = 0) -> ResultRow:
+        """A row the engine refused or that never became a request (prompt_tokens: its prompt's, when it had one)."""
+        return cls(prompt_tokens=prompt_tokens, error=error)
+
+    def columns(self, row_index: int, kept: dict) -> dict:
+        """The output row by column name: the result columns, the kept input columns, then the optional ones."""
+        return {"row_index": row_index, "generated_text": self.generated_text, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "error": None if self.error is None else self.error.message,
+                ERROR_CODE: None if self.error is None else self.error.code.value, **kept, **self.extra}
+
+
 @dataclass(slots=True, eq=False)
 class PendingRow:
     n: int
@@ -208,29 +232,29 @@ class PendingRow:
         self.prompt_ids, self.token_text = out.prompt_ids, token_text
         return all(c is not None for c in self.done)
 
-    def fields(self) -> dict:
-        """The row's output fields: the first completion's text, reason and logprobs; tokens of all completions."""
+    def result(self) -> ResultRow:
+        """The row's result: the first completion's text, reason and logprobs; tokens of all completions."""
         first = self.done[0]
-        out = {"text": first.text, "reason": first.finish_reason, "prompt_tokens": self.prompt_tokens,
-               "completion_tokens": sum(c.completion_tokens for c in self.done), "extra": {},
-               "error": next((c.error for c in self.done if c.error), None)}
+        extra: dict = {}
         if self.columns.reasoning:
-            out["extra"].update({REASONING: first.reasoning, REASONING_TOKENS: first.reasoning_tokens})
+            extra.update({REASONING: first.reasoning, REASONING_TOKENS: first.reasoning_tokens})
         if self.columns.tools:
-            out["extra"].update({TOOL_CALLS: first.tool_calls, TOOL_CALL_ERROR: first.tool_call_error})
+            extra.update({TOOL_CALLS: first.tool_calls, TOOL_CALL_ERROR: first.tool_call_error})
         if self.columns.logprobs:
-            out["extra"][LOGPROBS] = first.logprobs
+            extra[LOGPROBS] = first.logprobs
         if self.columns.embedding:
-            out["extra"][EMBEDDING] = first.embedding
+            extra[EMBEDDING] = first.embedding
         if self.columns.embeddings:
-            out["extra"][EMBEDDINGS] = [c.embedding for c in self.done]
+            extra[EMBEDDINGS] = [c.embedding for c in self.done]
         if first.prompt_logprobs is not None and first.finish_reason != "error":
-            out["extra"].update(self._prompt_fields(first.prompt_logprobs))
+            extra.update(self._prompt_fields(first.prompt_logprobs))
         if self.columns.completions and self.n > 1:
-            out["extra"][COMPLETIONS] = [
+            extra[COMPLETIONS] = [
                 {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                  "completion_tokens": c.completion_tokens, "logprobs": c.logprobs} for c in self.done]
-        return out
+        error = next((c.error for c in self.done if c.error), None)  # a grammar that failed once queued: invalid
+        return ResultRow(first.text, first.finish_reason, self.prompt_tokens, sum(c.completion_tokens for c in self.done),
+                         None if error is None else invalid(error), extra)
 
     def _prompt_fields(self, entries: list) -> dict:
         """A score row's columns, or a generate row's prompt_logprobs entries, from its (logprob, argmax, top)
