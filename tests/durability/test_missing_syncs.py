@@ -17,7 +17,7 @@ NOT_SHOWN = {
         "after a compaction the absorbed log's rename may be lost harmlessly; kept so the folder is tidy at once",
     # job.json's name is synced again at once by the shard folder's creation beside it (its parent's fsync);
     # kept because every other shard plans from job.json: its durability must not rest on what follows
-    "fsync_dir:io.manifest.atomic_write<cluster.shards.claim_shard":
+    "fsync_dir:io.manifest.atomic_write<sharding.shards.claim_shard":
         "the shard folder made next in the same folder syncs job.json's name too",
 }
 
