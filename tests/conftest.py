@@ -25,30 +25,6 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 
-# `make test` runs the suite in two passes: the tests not marked `serial` on two workers side by side (pytest-xdist:
-# -n 2 --dist loadgroup), then the `serial` ones alone. The longest files start first, so that none of them ends the
-# parallel pass alone; a file's tests stay together on one worker (its module fixtures are made once), except the
-# files named in SPREAD, whose tests are independent processes spread over the workers. SERIAL: the clusters (a Ray
-# of two nodes, a Slurm) run alone: beside a busy worker Ray's health checks can declare a node dead. Plain `pytest`
-# runs the same suite in one process.
-FIRST = ("tests/kernels/test_triton_kernels.py", "tests/durability/test_missing_syncs.py",
-         "tests/durability/test_crash_states.py", "tests/models/test_families.py", "tests/cluster/test_data_parallel.py",
-         "tests/cli/test_preflight.py", "tests/engine/test_tensor_parallel.py")
-SPREAD = ("tests/kernels/test_triton_kernels.py",)
-SERIAL = ("tests/cluster/test_ray.py", "tests/cluster/test_slurm.py")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))  # stable: the rest as collected
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        if path in SERIAL:
-            item.add_marker(pytest.mark.serial)
-        if path not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(path))
-
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. In 2024 I paid 12345 dollars for 3 apples and 0.5 kg of rice.
 Batch inference reads rows from Parquet files, runs a language model, and writes the answers back out.

@@ -94,9 +94,7 @@ SOFTCAP = [(64, 3, 32, torch.float32, None), (80, 1, 16, torch.float16, 48), (25
            (256, 2, 16, torch.float16, None)]
 
 
-def run(device: str, only: str | None = None, part: tuple[int, int] = (0, 1)) -> int:
-    """Every case (or those whose name holds `only`; `part` (i, n): every n-th from the i-th, so a suite can run the
-    cases in n processes side by side); the number that failed."""
+def run(device: str, only: str | None = None) -> int:
     cases = []
     for hd, g, bs, dt in ATTENTION:
         for window in (None, 48):
@@ -131,8 +129,8 @@ def run(device: str, only: str | None = None, part: tuple[int, int] = (0, 1)) ->
     cases.append(("int8 scaled mm: Int8Linear and the start-up check", lambda: int8_linear_case(device)))
     cases.append(("fp8 scaled mm: Fp8Linear and the start-up check", lambda: fp8_linear_case(device)))
     failed = 0
-    for index, (name, fn) in enumerate(cases):
-        if (only and only not in name) or index % part[1] != part[0]:
+    for name, fn in cases:
+        if only and only not in name:
             continue
         t = time.perf_counter()
         try:
@@ -478,13 +476,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("-k", default=None)
-    ap.add_argument("--part", default="0/1", help="I/N: every N-th case from the I-th (the suite runs N side by side)")
     args = ap.parse_args(argv)
-    i, n = (int(v) for v in args.part.split("/"))
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 to run the Triton kernels on the CPU", file=sys.stderr)
         return 2
-    failed = run(args.device, args.k, (i, n))
+    failed = run(args.device, args.k)
     print(f"{failed} failed" if failed else "all passed", flush=True)
     return 1 if failed else 0
 
