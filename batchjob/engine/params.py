@@ -1,6 +1,7 @@
 """What a row asks of the engine: its sampling parameters (vLLM's meanings), an embed row's pooling, the images in its
-prompt; and, back, why the engine refuses a row (`Refusal`: a code as data beside the message). Plain values, read by the scheduler, the worker and the sampler alike: they live beside the engine's parts,
-not inside one of them, so no part imports another for them."""
+prompt; and, back, why the engine refuses a row (`Refusal`: a code as data beside the message). Plain values, read
+by the scheduler, the worker and the sampler alike: they live beside the engine's parts, not inside one of them, so no
+part imports another for them."""
 from __future__ import annotations
 
 import dataclasses

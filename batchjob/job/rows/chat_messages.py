@@ -24,17 +24,20 @@ def chat_message(message, index: int, where: str, images: bool = False, model: s
                    "content": message.get("content") or ""}
     content = message.get("content")
     if isinstance(content, list):
+        has_image = False
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in IMAGE_PARTS and not images:
-                raise RowError(f"{where}: content part {k} is an image ({kind}): {model} is a text-only model; images "
-                               "need a vision-language model (docs/reference/models.md)")
-            if kind in IMAGE_PARTS and image_parts is not None:
-                image_parts.append((index, k, part))
-            if kind not in IMAGE_PARTS and (kind != "text" or not isinstance(part.get("text"), str)):
+            if kind in IMAGE_PARTS:
+                if not images:
+                    raise RowError(f"{where}: content part {k} is an image ({kind}): {model} is a text-only model; "
+                                   "images need a vision-language model (docs/reference/models.md)")
+                has_image = True
+                if image_parts is not None:
+                    image_parts.append((index, k, part))
+            elif kind != "text" or not isinstance(part.get("text"), str):
                 got = f"type {kind!r}" if isinstance(kind, str) else "no text"
                 raise RowError(f"{where}: content part {k} has {got}; only text and image parts are supported")
-        if images and any(part.get("type") in IMAGE_PARTS for part in content):
+        if has_image:
             content = [{"type": "image"} if part["type"] in IMAGE_PARTS else {"type": "text", "text": part["text"]}
                        for part in content]
         else:

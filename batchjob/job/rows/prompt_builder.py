@@ -162,9 +162,10 @@ class PromptBuilder:
             raise RowError(f"{self._named(col)} is empty")
         return value
 
-    def prompts_many(self, records: list[dict], readings: list[RowReading]) -> list[list[list[int]] | RowError]:
+    def prompts_many(self, records: list[dict], readings: list[RowReading | RowError]) -> list[list[list[int]] | RowError]:
         """Each record's prompts' ids (one prompt; an OpenAI embeddings line: one per input), or the RowError
-        that fails it; the texts are tokenized in one batch. `readings`: each record's (`read`)."""
+        that fails it; the texts are tokenized in one batch. `readings`: each record's (`read`), or the RowError
+        its reading raised (the row's error unless its endpoint is wrong: nothing of it is tokenized)."""
         cfg, flat, flat_readings, owner, out = self.config, [], [], [], [None] * len(records)
         for i, (record, reading) in enumerate(zip(records, readings)):
             endpoint = record.get(ENDPOINT_COLUMN)
@@ -180,6 +181,8 @@ class PromptBuilder:
                     flat_readings.append(PLAIN)
                     owner.append(i)
                 out[i] = []
+            elif isinstance(reading, RowError):
+                out[i] = reading
             else:
                 flat.append(record)
                 flat_readings.append(reading)

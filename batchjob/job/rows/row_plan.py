@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from batchjob.engine.requests import SamplingParams
 from batchjob.images.sources import fetch_many
 from batchjob.job.options.modes import Task
-from batchjob.job.rows.prompt_builder import PLAIN, PromptBuilder, RowError, RowReading, budgeted, row_sampling
+from batchjob.job.rows.prompt_builder import PromptBuilder, RowError, RowReading, budgeted, row_sampling
 from batchjob.job.rows.results import OutputColumns
 from batchjob.tool_calls.requests import ToolRequest
 
@@ -34,8 +34,7 @@ def plan_rows(builder: PromptBuilder, records: list[dict], defaults: list[Sampli
     (the job's, or its lane's); `reasoning`: the job's reasoning parser (a thinking budget's end of thinking). The
     records' texts are tokenized in one call and their http(s) images fetched together, several at a time."""
     readings = [_read(builder, r) for r in records]  # each record's messages and tools, walked once
-    good = [PLAIN if isinstance(r, RowError) else r for r in readings]
-    all_prompts = builder.prompts_many(records, good)
+    all_prompts = builder.prompts_many(records, readings)
     fetched = (fetch_many(u for r, g in zip(records, readings) if not isinstance(g, RowError) for u in builder.image_urls(r, g))
                if builder.images is not None else None)
     starts: list = [None] * len(records)
@@ -59,7 +58,7 @@ def _read(builder: PromptBuilder, record: dict) -> RowReading | RowError:
 
 def _plan(builder: PromptBuilder, record: dict, reading: RowReading | RowError, ids, start, base: SamplingParams,
           columns: OutputColumns, reasoning, fetched) -> RowPlan:
-    for problem in (reading, ids, start):
+    for problem in (ids, start, reading):  # ids carry the reading's error unless the endpoint is wrong
         if isinstance(problem, RowError):
             raise problem
     params = row_sampling(record, base, in_memory=builder.in_memory)
