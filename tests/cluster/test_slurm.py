@@ -211,10 +211,12 @@ def committed(folder: Path) -> int:
     return manifest.num_rows() if manifest else 0
 
 
-def write_job(path: Path, data: Path, out: Path) -> Path:
-    """A job whose rows take a while: sampled, a fixed length, small parts committed often (a shard of 50 rows runs for
-    ~20 s: far longer than a signal takes to reach it, even on a busy machine). One row per engine step, so that a row's floating-point math does not depend on which rows share its batch
-    (on a CPU, a different batch can flip a sampled token; issue 4 measures that effect)."""
+def write_job(path: Path, data: Path, out: Path, seqs: int = 1) -> Path:
+    """A job whose rows take a while: sampled, a fixed length, small parts committed often. With one row per engine
+    step (`seqs`, the default) a shard of 50 rows runs for ~20 s: far longer than a signal takes to reach it, even
+    on a busy machine. A row's text does not depend on the rows beside it (the engine's batch invariance, tested in
+    tests/engine), so the reference and the array job that nothing interrupts run many rows a step: same rows, same
+    text, a few seconds."""
     path.write_text(f'''model = "{data.parent / 'model'}"
 input = "{data}"
 output = "{out}"
@@ -232,7 +234,7 @@ progress = false
 threads = 1
 kv_cache_gb = 0.02
 preemption = "recompute"
-max_num_seqs = 1
+max_num_seqs = {seqs}
 ''')
     return path
 
@@ -251,7 +253,7 @@ def sample(tmp_path_factory, tiny_model_dir) -> Path:
 def reference(sample, tmp_path_factory) -> pa.Table:
     """The same job run as one unsharded process."""
     folder = tmp_path_factory.mktemp("slurm_reference")
-    job = write_job(folder / "job.toml", sample, folder / "out")
+    job = write_job(folder / "job.toml", sample, folder / "out", seqs=16)
     batchjob("run", job, "--shard", "none")
     table = read_results(folder / "out")
     assert table.column("row_index").to_pylist() == list(range(ROWS))
@@ -356,7 +358,7 @@ def test_batch_script_forwards_signals_and_requeues_only_after_the_warning(tmp_p
 
 def test_array_job_gives_every_row_once_like_a_single_run(slurm_cluster, sample, reference, tmp_path):
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.toml", sample, out)
+    job = write_job(tmp_path / "job.toml", sample, out, seqs=16)
     t0 = time.monotonic()
     job_id = submit(job)
     assert (out / "slurm" / "batchjob.sbatch").is_file()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,12 +192,12 @@ def _cut(op: Op, sector: int) -> int:
     return max(0, boundary - op.offset)
 
 
-def crash_states(recording: Recording, *, prefixes: range | None = None) -> Iterator[CrashState]:
+def crash_states(recording: Recording, *, prefixes: Collection[int] | None = None) -> Iterator[CrashState]:
     """Each distinct crash state over the prefixes of the recording (every one by default)."""
     model = Model(recording)
     seen: set[str] = set()
     ops = recording.ops
-    prefixes = prefixes or range(len(ops) + 1)
+    prefixes = range(len(ops) + 1) if prefixes is None else prefixes
     for k in range(len(ops) + 1):
         if k > 0:
             model.apply(ops[k - 1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,11 +120,11 @@ class Outcome:
 
 
 def check_states(scenario: Scenario, recording: Recording, work: Path, *, limit: int | None = None,
-                 stop_at_first: bool = False, every: int = 1) -> Outcome:
-    """Build each crash state of `recording` (every `every`-th, at most `limit`), check its acknowledged
-    commits, recover it and check the result. Failures are collected, not raised."""
+                 stop_at_first: bool = False, every: int = 1, prefixes: Collection[int] | None = None) -> Outcome:
+    """Build each crash state of `recording` (every `every`-th, at most `limit`, of the given prefixes or all),
+    check its acknowledged commits, recover it and check the result. Failures are collected, not raised."""
     outcome = Outcome()
-    for i, state in enumerate(crash_states(recording)):
+    for i, state in enumerate(crash_states(recording, prefixes=prefixes)):
         if i % every:
             continue
         if limit is not None and outcome.states >= limit:

@@ -33,6 +33,18 @@ class Op:
 class Recording:
     initial: dict[str, bytes | None]  # the root's files (bytes) and folders (None) when recording began: durable
     ops: list[Op] = field(default_factory=list)
+    skipped: list[tuple[int, Op]] = field(default_factory=list)  # a mutant's syncs not done: (where in ops, the sync)
+
+    def unsynced_prefixes(self) -> set[int]:
+        """The prefixes at which a skipped sync can matter: from where it was skipped until the next sync of the same
+        file or folder (that sync makes durable everything the skipped one would have). A crash state outside them is
+        one the unmutated recording has too (the crash-state test checks those)."""
+        prefixes: set[int] = set()
+        for at, sync in self.skipped:
+            heal = next((j for j in range(at, len(self.ops)) if self.ops[j].kind == sync.kind
+                         and (self.ops[j].inode, self.ops[j].path) == (sync.inode, sync.path)), len(self.ops))
+            prefixes.update(range(at + 1, heal + 1))  # the ops after the skipped sync, up to the healing one
+        return prefixes
 
 
 def caller_site() -> str:
@@ -130,6 +142,9 @@ class RecordingDisk(Disk):
     def fsync(self, fd) -> None:
         site = "fsync:" + caller_site()
         if site in self.skip_sites:
+            with self.lock:
+                if fd in self.fds:
+                    self.recording.skipped.append((len(self.recording.ops), Op("fsync", inode=self.fds[fd][0], site=site)))
             return
         with self.lock:
             super().fsync(fd)
@@ -182,6 +197,10 @@ class RecordingDisk(Disk):
     def fsync_dir(self, path) -> None:
         site = "fsync_dir:" + caller_site()
         if site in self.skip_sites:
+            with self.lock:
+                rel = self._rel(path)
+                if rel is not None:
+                    self.recording.skipped.append((len(self.recording.ops), Op("fsync_dir", path=rel, site=site)))
             return
         with self.lock:
             super().fsync_dir(path)
