@@ -102,7 +102,8 @@ class Engine:
         self.host_pool = BlockPool(num_host, config.block_size) if num_host else None
         self.cost = CostModel(per_block)
         self.scheduler = Scheduler(config.scheduler or SchedulerConfig(), self.pool, self.host_pool,
-                                   prefer_swap=self.cost.prefer_swap, context_len=model.config.max_position_embeddings)
+                                   prefer_swap=self.cost.prefer_swap, context_len=model.config.max_position_embeddings,
+                                   encoder_cache_tokens=config.encoder_cache_tokens)
         self.max_model_len = self.scheduler.max_model_len  # the context, capped at what the KV pool holds
         for m in (model, draft_model) if draft_model is not None else (model,):
             m.fit_context(self.max_model_len)

@@ -73,6 +73,7 @@ def engine_for(cfg: JobConfig, loaded: LoadedModel, model: CausalLM, draft: Caus
         max_num_batched_tokens=1 << 20 if static else step_tokens(cfg, model.device.type),
         static_batch=cfg.batch_size if static else 0, admission=cfg.admission, preemption=cfg.preemption,
         max_wait=cfg.max_wait, lanes=lanes_of(cfg), max_loras=cfg.max_loras,
+        max_num_encoder_tokens=cfg.max_num_encoder_tokens,
         **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),  # else the model's context
     )
     # --kv-cache-gb wins; else on the CPU what max_num_seqs rows of max_model_len tokens fill, at most

@@ -267,3 +267,38 @@ def test_static_batching_waits_for_the_whole_batch():
     first_batch = sorted(r.seq_id for r in rows[:2])
     assert compositions[:5] == [first_batch] + [[rows[1].seq_id]] * 4  # row 0's slot stays empty
     assert compositions[5] == sorted(r.seq_id for r in rows[2:])
+
+
+def test_a_step_encodes_images_within_its_encoder_budget_and_cached_ones_cost_nothing():
+    """vLLM's encoder budget: 40 placeholder rows a step. Rows of one 24-row image each: a step starts one fresh
+    image (two would be 48), a row whose image does not fit computes its text up to it; an image larger than the
+    budget (64) goes first in a step of its own; a digest seen before (the worker's cache holds it) costs nothing,
+    so the rows asking about it run beside a fresh one."""
+    from batchjob.engine.params import ImageSlot
+
+    def image_row(digest: str, length: int = 24) -> Sequence:
+        seq = row(4 + length + 4, max_tokens=2)
+        seq.images = (ImageSlot(4, length, digest, None),)
+        return seq
+
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_encoder_tokens=40), BlockPool(256, 4),
+                  encoder_cache_tokens=1000)
+    rows = [image_row("a"), image_row("b"), image_row("big", 64), image_row("a"), image_row("c"), image_row("a")]
+    for seq in rows:
+        s.add(seq)
+    encoded, first = [], {}
+    for i in range(40):
+        step, _ = run_step(s)
+        if not step.seqs and not s.has_work:
+            break
+        encoded.append(step.encoder_tokens)
+        for seq, n in zip(step.seqs, step.num_new):
+            if seq.num_computed - n <= 4 < seq.num_computed:  # this step read its image
+                first.setdefault(seq.seq_id, i)
+    assert not s.has_work and all(seq.status is SeqStatus.FINISHED for seq in rows)
+    assert max(encoded) == 64 and sorted(encoded, reverse=True)[1] <= 40  # the big image alone, the rest within 40
+    assert sum(encoded) == 24 * 3 + 64  # a, b and c once each, big once; the rows asking about "a" again: cached
+    ids = [seq.seq_id for seq in rows]
+    assert first[ids[0]] == 0 and first[ids[1]] == 1 and first[ids[2]] == 2  # one fresh image a step
+    assert first[ids[3]] == 0 and first[ids[5]] <= first[ids[4]]  # "a" again: no wait for the encoder
+    assert s.encoder.cached("a") and s.encoder.cached("big")

@@ -17,16 +17,18 @@ from batchjob.models.registry import build_model
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def engine_for(model, budget: int = 2048, block_size: int = 8, **config) -> Engine:
+def engine_for(model, budget: int = 2048, block_size: int = 8, encoder_budget: int = 0, **config) -> Engine:
     return Engine(model, [], EngineConfig(num_blocks=256, block_size=block_size, **config,
-                                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8)))
+                                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
+                                                                    max_num_encoder_tokens=encoder_budget)))
 
 
 def run_rows(engine: Engine, rows: list, slots: Callable, which: list[int], params: SamplingParams = GREEDY,
-             errors: bool = False) -> tuple[list, int]:
+             errors: bool = False, images_per_step: list | None = None) -> tuple[list, int]:
     """Rows `which` of `rows` ((prompt ids, images) each; `slots(ids, images)` makes their ImageSlots) submitted
     together and run to the end: each row's output ids, in `which`'s order, and the prefix-cache hits on the way.
-    `errors`: a row refused at submission or failed gives its error text instead (else it fails the test)."""
+    `errors`: a row refused at submission or failed gives its error text instead (else it fails the test);
+    `images_per_step`: gets the images each step encoded."""
     ids_of, out, hits = {}, {}, 0
     for i in which:
         ids, images = rows[i]
@@ -41,6 +43,8 @@ def run_rows(engine: Engine, rows: list, slots: Callable, which: list[int], para
             assert errors or r.error is None, r.error
             out[ids_of[r.request_id]] = list(r.output_ids) if r.error is None else r.error
         hits += engine.last_stats.prefix_hit_tokens if engine.last_stats else 0
+        if images_per_step is not None and engine.last_stats:
+            images_per_step.append(engine.last_stats.num_images)
     return [out[i] for i in which], hits
 
 

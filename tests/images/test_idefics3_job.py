@@ -98,6 +98,14 @@ def test_image_rows_answer_as_transformers(tmp_path, smolvlm):
     # the wide image again in the third row: its 3 tiles come from the encoder cache
     assert summary["images_encoded"] == 3 + 3 + 5 and summary["images_cached"] == 3
     assert 0 < summary["encoder_s"] <= summary["model_s"]
+    # an encoder budget of one tile a step: the tiles spread over more steps, the same texts and the same cache reads
+    result = CliRunner().invoke(main, ["run", "--input", str(src), "--output", str(tmp_path / "one-tile"), *common,
+                                       "--max-num-encoder-tokens", "4"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert [r["generated_text"] for r in read_results(tmp_path / "one-tile").sort_by("row_index").to_pylist()] == want
+    budgeted = json.loads((tmp_path / "one-tile" / "stats.jsonl").read_text().splitlines()[-1])
+    assert (budgeted["images_encoded"], budgeted["images_cached"]) == (11, 3)
+    assert budgeted["steps"] > summary["steps"], (budgeted["steps"], summary["steps"])
     column = write_jsonl(tmp_path / "col.jsonl", [{"image": "pics/tall.png", "prompt": "what is this"}])
     result = CliRunner().invoke(main, ["run", "--input", str(column), "--output", str(tmp_path / "col"), "--image-column",
                                        "image", *common], catch_exceptions=False)

@@ -136,6 +136,12 @@ def test_several_questions_about_one_image_encode_it_once(hf_llava):
     alone = engine_for(model)
     assert [run_rows(alone, vqa, slots, [i])[0][0] for i in range(5)] == got
     assert (alone.runner.encoder.images, alone.runner.encoder.cached) == (2, 3)
+    # an encoder budget of one image a step (vLLM's encoder compute budget): the same tokens; the second image waits
+    # a step while the rows asking about the first (cached) go on
+    per_step = []
+    budgeted = engine_for(model, encoder_budget=TOKENS)
+    assert run_rows(budgeted, vqa, slots, list(range(5)), images_per_step=per_step)[0] == got
+    assert max(per_step) == 1 and sum(per_step) == 2 and per_step[:2] == [1, 1], per_step
 
 
 def test_an_image_for_a_text_only_model_is_refused(tiny_model):  # noqa: F811

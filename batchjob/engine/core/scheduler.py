@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Callable
 
 from batchjob.engine.core.block_pool import BlockPool, block_hashes
+from batchjob.engine.core.encoder_budget import EncoderBudget
 from batchjob.engine.core.lanes import Lane, LaneQueues, admit_order, victim_order
 from batchjob.engine.core.sequence import Sequence, SeqStatus
 from batchjob.engine.params import Refusal, RefusalCode, invalid
@@ -48,6 +49,9 @@ class SchedulerConfig:
     max_model_len: int = 1 << 30  # capped further by the model's context and the KV pool (Scheduler.max_model_len)
     lanes: list[Lane] = field(default_factory=lambda: [Lane()])
     max_loras: int = 8  # distinct LoRA adapters in one step (vLLM's max_loras); rows of another wait a step
+    # image placeholder rows a step may send to the image encoder (engine/core/encoder_budget.py); 0: the step's
+    # token budget (vLLM's default); cached images cost nothing
+    max_num_encoder_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -58,6 +62,8 @@ class Step:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     prefix_hit_tokens: int = 0
+    encoder_budget: int = 0  # image placeholder rows the step may still encode
+    encoder_tokens: int = 0  # image placeholder rows the step encodes (cached images not counted)
     prefix_query_tokens: int = 0
     token_budget: int = 0  # tokens not yet given to a row while the step is scheduled
     loras: set[int] = field(default_factory=set)  # the LoRA adapter slots of the step's rows
@@ -73,9 +79,12 @@ class Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, host_pool: BlockPool | None = None,
                  clock: Callable[[], float] = time.monotonic, prefer_swap: Callable[[Sequence], bool] | None = None,
-                 context_len: int | None = None):
-        """`context_len`: the model's context (max position embeddings); `config` is read, never changed."""
+                 context_len: int | None = None, encoder_cache_tokens: int = 0):
+        """`context_len`: the model's context (max position embeddings); `encoder_cache_tokens`: the capacity of
+        the worker's encoder cache (engine/worker/encoder.py); `config` is read, never changed."""
         self.config = config
+        self.encoder = EncoderBudget(config.max_num_encoder_tokens or config.max_num_batched_tokens,
+                                     encoder_cache_tokens)
         # a row can never hold more KV than the pool: it ends with "length" there instead of thrashing
         caps = {"max_model_len": config.max_model_len, "context": context_len or config.max_model_len,
                 "kv": (pool.num_blocks - config.watermark_blocks) * pool.block_size}
@@ -144,7 +153,7 @@ class Scheduler:
         if self._host_to_free:  # host blocks read by last step's swap-ins are free only now
             self.host_pool.release(self._host_to_free)
             self._host_to_free = []
-        step = Step(token_budget=cfg.max_num_batched_tokens)
+        step = Step(token_budget=cfg.max_num_batched_tokens, encoder_budget=self.encoder.tokens_per_step)
         order = sorted(self.running, key=admit_order)
         decoding = [s for s in order if s.num_tokens - s.num_computed == 1]
         prefilling = [s for s in order if s.num_tokens - s.num_computed > 1]
@@ -156,9 +165,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if not seq.params.prefill_only and (seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len):
                 continue  # its last token (a step in flight is sampling it) ends it: nothing to compute
-            n = self._chunk(seq, step.token_budget)
+            n = self._encoder_cut(seq, self._chunk(seq, step.token_budget), step)
             if n == 0 or not self._lora_fits(seq, step):
-                continue  # an image run that must go whole waits for a step with room for it; so does an adapter
+                continue  # an image run that must go whole, or that the encoder has no room for, waits for a step
+                # with room for it; so does an adapter
             if seq.draft and n == 1:  # speculative proposals: only into free budget and free blocks
                 k = min(len(seq.draft), step.token_budget - 1)
                 if k > 0 and self._grow(seq, seq.num_computed + 1 + k):
@@ -181,9 +191,9 @@ class Scheduler:
                 break  # the step has max_loras adapters already: the head waits for the next step
             if not self._admit(seq, step):  # may preempt rows scheduled above: their tokens come back
                 break
-            n = self._chunk(seq, step.token_budget)
+            n = self._encoder_cut(seq, self._chunk(seq, step.token_budget), step)
             if n == 0:
-                break  # admitted; its first chunk (a whole image run) waits for the next step's budget
+                break  # admitted; its first chunk (a whole image run, an image to encode) waits for the next step
             self._grow(seq, seq.num_computed + n)  # fits: admission counted the whole row
             self._schedule(step, seq, n)
         return step
@@ -220,6 +230,11 @@ class Scheduler:
     def _schedule(self, step: Step, seq: Sequence, n: int) -> None:
         if seq.lora >= 0:
             step.loras.add(seq.lora)
+        if seq.images:  # what the chunk sends to the encoder (cut to fit already); a refund on preemption is not kept
+            _, cost = self.encoder.cut(seq.images, seq.num_computed, n, step.encoder_budget, step.encoder_tokens == 0)
+            step.encoder_budget -= cost
+            step.encoder_tokens += cost
+            self.encoder.scheduled(seq.images, seq.num_computed, n)
         step.seqs.append(seq)
         step.num_new.append(n)
         step.token_budget -= n
@@ -230,6 +245,14 @@ class Scheduler:
     def _lora_fits(self, seq: Sequence, step: Step) -> bool:
         """Whether `seq`'s adapter is in the step already or there is room for one more (max_loras)."""
         return seq.lora < 0 or seq.lora in step.loras or len(step.loras) < self.config.max_loras
+
+    def _encoder_cut(self, seq: Sequence, n: int, step: Step) -> int:
+        """The chunk of `n` tokens ended before the first image it begins that the step's encoder budget has no room
+        for (an image in the worker's encoder cache costs nothing)."""
+        if not seq.images or n == 0:
+            return n
+        cut, _ = self.encoder.cut(seq.images, seq.num_computed, n, step.encoder_budget, step.encoder_tokens == 0)
+        return cut
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute in this step: what is left, within the budget and the prefill chunk. A chunk

@@ -283,6 +283,11 @@ class JobConfig:
         "image rows: keep image encoder outputs by the image's digest, up to this many placeholder tokens, so a "
         'picture several rows ask about is encoded once (vLLM\'s encoder cache); 0 = off (default: 16384)',
         table=ENGINE, api=Api.ENGINE, bounds=Bounds(low=0))
+    max_num_encoder_tokens: int = opt(0,
+        "image rows: image placeholder tokens a step may send to the image encoder; a row whose chunk would start "
+        "one more image computes its text up to it and reads it the next step (vLLM's encoder budget); images in the "
+        'encoder cache cost nothing; 0 = the step\'s token budget (default: 0)',
+        table=ENGINE, api=Api.ENGINE, bounds=Bounds(low=0))
     read_ahead: int = opt(0,
         'rows queued in the engine per lane (bounded memory); 0 = 2 x max_num_seqs (default)',
         table=ENGINE, api=Api.ENGINE)
