@@ -242,6 +242,7 @@ class Job:
                 if cfg.output_format == OutputFormat.OPENAI_BATCH and stream.exhausted and not self.summary.stopped and not limited:
                     write_openai_batch(stream.sink.out_dir)  # every row is in: the response file
         finally:
+            feed.close()  # the planning thread: a batch it was planning waits for it to end
             collector.stop()
             stop.restore()
             self.progress.close()
