@@ -14,6 +14,7 @@ import torch
 
 from batchjob.models.config import ModelConfig
 from batchjob.models.causal_lm import CausalLM
+from tests.background import start_collected
 from tests.builders import VOCAB, random_llama, write_gguf
 
 # ChatML with a default system message, like SmolLM2's.
@@ -36,9 +37,27 @@ Naïve café résumé — “quoted” text, naïveté; 你好，世界。こん
 """
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The selected tests' one-core checks start now, beside the rest of the suite (tests/background.py)."""
+    session.config.stash[_EARLY] = start_collected(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for run in session.config.stash.get(_EARLY, []):
+        run.stop()
+
+
+_EARLY = pytest.StashKey[list]()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE (vocab 400) trained here, saved as tokenizer.json + tokenizer_config.json."""
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+def write_tiny_tokenizer(folder: Path) -> Path:
+    """The tiny tokenizer into `folder` (also for a process of its own that builds the same models: tests/background.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -49,7 +68,6 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
-    folder = tmp_path_factory.mktemp("tiny_tokenizer")
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -145,23 +163,29 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     mistral_window: Mistral with a 24-token sliding window;
     vocab = the tiny tokenizer's 400; eos = [<|im_end|>, <|endoftext|>] in generation_config.json.
     """
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
     made: dict[tuple[str, bool], Path] = {}
 
     def make(arch: str, tie_word_embeddings: bool = False, max_positions: int = 256) -> Path:
         key = (arch, tie_word_embeddings, max_positions)
         if key not in made:
             folder = tmp_path_factory.mktemp(f"tiny_{arch}{'_tied' if tie_word_embeddings else ''}_{max_positions}")
-            _hf_model(arch, vocab, tie_word_embeddings, max_positions).save_pretrained(folder)
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(tiny_tokenizer_dir / name, folder / name)
-            (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 0]}))
-            made[key] = folder
+            made[key] = write_tiny_model(folder, arch, tiny_tokenizer_dir, tie_word_embeddings, max_positions)
         return made[key]
 
     return make
+
+
+def write_tiny_model(folder: Path, arch: str, tokenizer_dir: Path, tie_word_embeddings: bool = False,
+                     max_positions: int = 256) -> Path:
+    """A tiny model saved into `folder` with the tokenizer of `tokenizer_dir` (the same bytes wherever it is made)."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    _hf_model(arch, vocab, tie_word_embeddings, max_positions).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 0]}))
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.background import BackgroundRun, starts_early
+
 REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("triton")
 
 
+TRITON_CASES = BackgroundRun([sys.executable, "-m", "tests.kernels.triton_cases", "--device", "cpu"],
+                             {"TRITON_INTERPRET": "1"})
+
+
+@starts_early(TRITON_CASES)  # one Python thread for minutes: it runs beside the rest of the suite
 def test_triton_kernels_match_their_references_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "tests.kernels.triton_cases", "--device", "cpu"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=1200)
+    out = TRITON_CASES.result()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "all passed" in out.stdout
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.background import BackgroundRun, starts_early
 
 from batchjob.kernels.linear_quant import Int4Weight, quantize_int4
 from batchjob.kernels.reference import w4a16 as ref
@@ -90,12 +91,15 @@ def test_the_kernel_compiles_for_ampere_and_hopper_without_a_gpu(capability):
         assert kernel.metadata.shared <= 99 * 1024, (dtype, group, kernel.metadata.shared)
 
 
+W4A16_CASES = BackgroundRun([sys.executable, "-m", "tests.kernels.w4a16_cases", "--device", "cpu"],
+                            {"TRITON_INTERPRET": "1"})
+
+
+@starts_early(W4A16_CASES)  # the interpreter: one Python thread, beside the rest of the suite
 def test_the_triton_kernel_matches_the_reference_under_the_interpreter():
     """Symmetric and with mins, groups of 4 to 128, 1, 5 and 33 rows, fp32/fp16/bf16; batch invariance; W4A16Linear
     and the start-up check on the Triton kernel (tests/kernels/w4a16_cases.py)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "tests.kernels.w4a16_cases", "--device", "cpu"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = W4A16_CASES.result()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert out.stdout.count("ok ") == 10 and "all passed" in out.stdout, out.stdout

@@ -3,8 +3,10 @@ greedy text identical in fp32 on tiny random models, on the torch references and
 (where the family's ops are native); a row's bf16 sampled text the same alone and in a batch."""
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from batchjob.engine.params import SamplingParams
 from batchjob.engine.engine import Engine, EngineConfig
 from batchjob.models import registry
 from batchjob.models.loader import load_model
+from tests.background import BackgroundRun, starts_early
 
 FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe")
 HAS_NATIVE = shutil.which("g++") is not None  # the native kernels build on every CPU (vec.h)
@@ -38,14 +41,18 @@ def hf_greedy(path, ps, n):
     return outs
 
 
+PROMPTS = prompts(400, [3, 10, 30, 50, 5], seed=2)  # 30 and 50 run past Gemma's 24-token window
+TRITON_FAMILIES = BackgroundRun([sys.executable, "-m", "tests.models.triton_families", json.dumps(PROMPTS), "8",
+                                 *FAMILIES])
+
+
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
     """(folder, prompts, transformers' greedy continuations) per family, computed once."""
     made = {}
     for arch in FAMILIES:
         path = tiny_model_dir(arch, tie_word_embeddings=arch.startswith("gemma"))
-        ps = prompts(400, [3, 10, 30, 50, 5], seed=2)  # 30 and 50 run past Gemma's 24-token window
-        made[arch] = (path, ps, hf_greedy(path, ps, 16))
+        made[arch] = (path, PROMPTS, hf_greedy(path, PROMPTS, 16))
     return made
 
 
@@ -84,24 +91,22 @@ def test_an_unsupported_architecture_is_one_line_listing_the_supported(tmp_path)
         registry.config_from_hf({"architectures": ["BertForMaskedLM"], "model_type": "bert"})
 
 
+@starts_early(TRITON_FAMILIES)  # the interpreter: one Python thread for minutes, beside the rest of the suite
 def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
     """Under the Triton interpreter (CPU), every family: the first 8 of transformers' 16 greedy tokens (prompts of 30
-    and 50 tokens are past Gemma's window already; the interpreter's steps are slow)."""
+    and 50 tokens are past Gemma's window already; the interpreter's steps are slow). The process builds its own
+    folders with the suite's builders: their weights are checked to be the bytes transformers ran here."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    archs = list(FAMILIES)
-    ps = references[archs[0]][1]
-    assert all(references[a][1] == ps for a in archs)
-    proc = subprocess.run([sys.executable, "-m", "tests.models.triton_families", json.dumps(ps), "8",
-                           *(str(references[a][0]) for a in archs)], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[2], timeout=600)
+    from tests.models.triton_families import weights_digest
+
+    proc = TRITON_FAMILIES.result()
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    for a in archs:
-        assert got[str(references[a][0])] == [ids[:8] for ids in references[a][2]], a
+    for a in FAMILIES:
+        path, ps, expected = references[a]
+        assert ps == PROMPTS and got[a]["sha256"] == weights_digest(path), a
+        assert got[a]["ids"] == [ids[:8] for ids in expected], a
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -113,9 +113,21 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def smollm2_hf_greedy(smollm2_loaded, smollm2_hf_model) -> list[list[int]]:
+    """transformers' 16 greedy tokens after each of SMOL_PROMPTS: computed once, for every kernel set."""
+    outs = []
+    for p in (smollm2_loaded.tokenizer.encode(p) for p in SMOL_PROMPTS):
+        with torch.no_grad():
+            out = smollm2_hf_model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                            pad_token_id=0, eos_token_id=None)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smollm2_hf_model):
+def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smollm2_hf_greedy):
     loaded = smollm2_loaded
     ours = build_model(loaded.config, dict(loaded.weights), torch.float32, kernels=kernels[0])
     tok = loaded.tokenizer
@@ -123,11 +135,8 @@ def test_smollm2_gguf_greedy_matches_transformers(kernels, smollm2_loaded, smoll
     engine = Engine(ours, [], EngineConfig(num_blocks=256, block_size=16))
     assert ours.kernels.name == kernels[0]
     got = engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
-    for p, s in zip(ps, got):
-        with torch.no_grad():
-            out = smollm2_hf_model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                            pad_token_id=0, eos_token_id=None)
-        assert s.output_ids == out[0, len(p):].tolist(), tok.decode(p)
+    for p, s, want in zip(ps, got, smollm2_hf_greedy):
+        assert s.output_ids == want, tok.decode(p)
     france = tok.decode(got[0].output_ids)
     assert "Paris" in france
 
