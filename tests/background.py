@@ -1,11 +1,12 @@
 """Checks that run in a process of their own and need one core, started as soon as the session has collected the
-test that reads them, so they run beside the rest of the suite instead of after it. The Triton interpreter is one
-Python thread: on two cores it overlaps the in-process tests (torch's threads) well. Nothing is skipped or
+test that reads them, so they run beside the rest of the suite instead of after it, at a lower priority (nice 10):
+they fill the time the in-process tests leave a core idle. The Triton interpreter is one Python thread for minutes. Nothing is skipped or
 weakened: the test waits for its process and asserts on its exit code and output as before; a test run alone (or
 whose process was not started early) starts it itself."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -29,8 +30,11 @@ class BackgroundRun:
     def start(self) -> None:
         if self.proc is None:
             self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            self.proc = subprocess.Popen(self.argv, cwd=REPO, env={**os.environ, **self.env}, stdout=self._out,
-                                         stderr=self._err, text=True)
+            # at a lower priority: it takes the cores the in-process tests leave idle (a cluster test waiting on its
+            # nodes, a test between subprocesses), never their time; once a test waits for it, it has them all
+            nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+            self.proc = subprocess.Popen([*nice, *self.argv], cwd=REPO, env={**os.environ, **self.env},
+                                         stdout=self._out, stderr=self._err, text=True)
 
     def result(self) -> subprocess.CompletedProcess:
         """The process's exit code and output, once it ends (started now if it was not yet)."""

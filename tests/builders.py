@@ -596,3 +596,10 @@ def write_compressed_tensors(hf_dir: Path, dst: Path, weights: dict, fmt: str = 
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
             shutil.copy(f, dst / f.name)
     return dst
+
+
+def weights_digest(folder: Path) -> str:
+    """The SHA-256 of a saved model folder's weights (one model.safetensors)."""
+    import hashlib
+
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()

@@ -98,7 +98,7 @@ def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
     folders with the suite's builders: their weights are checked to be the bytes transformers ran here."""
     import json
 
-    from tests.models.triton_families import weights_digest
+    from tests.builders import weights_digest
 
     proc = TRITON_FAMILIES.result()
     assert proc.returncode == 0, proc.stderr[-2000:]

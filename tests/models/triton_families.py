@@ -7,14 +7,13 @@ models itself, with the suite's own builders (tests/conftest.py: the same bytes 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ["TRITON_INTERPRET"] = "1"  # this module is run, never imported by the suite: it would set it there too
 
 import torch  # noqa: E402
 
@@ -25,11 +24,8 @@ from batchjob.models import registry  # noqa: E402
 from batchjob.models.loader import load_model  # noqa: E402
 
 
-def weights_digest(folder: Path) -> str:
-    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-
-
 def main() -> None:
+    from tests.builders import weights_digest
     from tests.conftest import write_tiny_model, write_tiny_tokenizer
 
     prompts, n = json.loads(sys.argv[1]), int(sys.argv[2])
