@@ -174,6 +174,27 @@ def test_preempting_a_row_scheduled_in_the_same_step_refunds_its_tokens():
     assert step.num_new == [8] and step.num_tokens == 8
 
 
+def test_preempting_an_image_row_scheduled_in_the_same_step_refunds_its_encoder_rows():
+    """The refund above covers the encoder budget too: the low row's chunk that would encode its image leaves the
+    step, so the high row admitted in its place encodes its own image in this step instead of stopping before it."""
+    from batchjob.engine.params import ImageSlot
+
+    lanes = [Lane("low", 0), Lane("high", 10)]
+    s = make(num_blocks=8, block_size=4, lanes=lanes, max_num_batched_tokens=16, max_num_encoder_tokens=8)
+    low = row(26, max_tokens=50, lane="low")
+    low.images = (ImageSlot(16, 8, "low", None),)
+    s.add(low)
+    run_step(s)  # its text before the image: 16 tokens, 4 blocks
+    high = row(12, lane="high")
+    high.images = (ImageSlot(2, 8, "high", None),)
+    s.add(high)
+    step = s.schedule()
+    # the running loop gave low its last 10 tokens, its image among them (7 blocks, 1 left, the whole encoder
+    # budget); high needs 3 blocks and more, so admission preempts low, and low's tokens and encoder rows go back
+    assert step.preempted == [low] and step.seqs == [high]
+    assert step.num_new == [12] and step.encoder_tokens == 8 and step.encoder_budget == 0
+
+
 def test_scheduler_and_engine_leave_the_callers_config_alone():
     cfg = SchedulerConfig(max_model_len=1000)
     s = Scheduler(cfg, BlockPool(8, 4), context_len=512)

@@ -58,6 +58,7 @@ class SchedulerConfig:
 class Step:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens of each row computed in this step
+    encoder_cost: list[int] = field(default_factory=list)  # image placeholder rows each row's chunk encodes
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -165,7 +166,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if not seq.params.prefill_only and (seq.num_output >= seq.params.max_tokens or seq.num_tokens >= max_len):
                 continue  # its last token (a step in flight is sampling it) ends it: nothing to compute
-            n = self._encoder_cut(seq, self._chunk(seq, step.token_budget), step)
+            n, cost = self._encoder_cut(seq, self._chunk(seq, step.token_budget), step)
             if n == 0 or not self._lora_fits(seq, step):
                 continue  # an image run that must go whole, or that the encoder has no room for, waits for a step
                 # with room for it; so does an adapter
@@ -177,7 +178,7 @@ class Scheduler:
                     continue
                 seq.draft = None
             if self._make_room(seq, seq.num_computed + n, step):
-                self._schedule(step, seq, n)
+                self._schedule(step, seq, n, cost)
 
         admit = not cfg.static_batch or not self.running
         max_seqs = cfg.static_batch or cfg.max_num_seqs
@@ -191,11 +192,11 @@ class Scheduler:
                 break  # the step has max_loras adapters already: the head waits for the next step
             if not self._admit(seq, step):  # may preempt rows scheduled above: their tokens come back
                 break
-            n = self._encoder_cut(seq, self._chunk(seq, step.token_budget), step)
+            n, cost = self._encoder_cut(seq, self._chunk(seq, step.token_budget), step)
             if n == 0:
                 break  # admitted; its first chunk (a whole image run, an image to encode) waits for the next step
             self._grow(seq, seq.num_computed + n)  # fits: admission counted the whole row
-            self._schedule(step, seq, n)
+            self._schedule(step, seq, n, cost)
         return step
 
     def advance(self, step: Step) -> None:
@@ -227,16 +228,18 @@ class Scheduler:
 
     # mechanics
 
-    def _schedule(self, step: Step, seq: Sequence, n: int) -> None:
+    def _schedule(self, step: Step, seq: Sequence, n: int, encoder_cost: int = 0) -> None:
+        """`seq`'s next `n` tokens go into the step; `encoder_cost`: the image placeholder rows they encode (what
+        `_encoder_cut` found for this chunk)."""
         if seq.lora >= 0:
             step.loras.add(seq.lora)
-        if seq.images:  # what the chunk sends to the encoder (cut to fit already); a refund on preemption is not kept
-            _, cost = self.encoder.cut(seq.images, seq.num_computed, n, step.encoder_budget, step.encoder_tokens == 0)
-            step.encoder_budget -= cost
-            step.encoder_tokens += cost
+        if seq.images:
+            step.encoder_budget -= encoder_cost
+            step.encoder_tokens += encoder_cost
             self.encoder.scheduled(seq.images, seq.num_computed, n)
         step.seqs.append(seq)
         step.num_new.append(n)
+        step.encoder_cost.append(encoder_cost)
         step.token_budget -= n
         self.queues.charge(seq, n)
         if seq.first_scheduled_at is None:
@@ -246,13 +249,12 @@ class Scheduler:
         """Whether `seq`'s adapter is in the step already or there is room for one more (max_loras)."""
         return seq.lora < 0 or seq.lora in step.loras or len(step.loras) < self.config.max_loras
 
-    def _encoder_cut(self, seq: Sequence, n: int, step: Step) -> int:
-        """The chunk of `n` tokens ended before the first image it begins that the step's encoder budget has no room
-        for (an image in the worker's encoder cache costs nothing)."""
+    def _encoder_cut(self, seq: Sequence, n: int, step: Step) -> tuple[int, int]:
+        """(the chunk of `n` tokens ended before the first image it begins that the step's encoder budget has no room
+        for, the image placeholder rows that chunk encodes): an image in the worker's encoder cache costs nothing."""
         if not seq.images or n == 0:
-            return n
-        cut, _ = self.encoder.cut(seq.images, seq.num_computed, n, step.encoder_budget, step.encoder_tokens == 0)
-        return cut
+            return n, 0
+        return self.encoder.cut(seq.images, seq.num_computed, n, step.encoder_budget, step.encoder_tokens == 0)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute in this step: what is left, within the budget and the prefill chunk. A chunk
@@ -308,11 +310,13 @@ class Scheduler:
         return self.pool.num_free >= blocks
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
-        if seq in step.seqs:  # refund: it leaves this step's batch, its tokens go back to the budget
+        if seq in step.seqs:  # refund: it leaves this step's batch; its tokens and encoder rows go back to the budget
             i = step.seqs.index(seq)
             step.token_budget += step.num_new[i]
+            step.encoder_budget += step.encoder_cost[i]
+            step.encoder_tokens -= step.encoder_cost[i]
             self.queues.charge(seq, -step.num_new[i])
-            del step.seqs[i], step.num_new[i]
+            del step.seqs[i], step.num_new[i], step.encoder_cost[i]
         self.running.remove(seq)
         seq.draft = None
         seq.num_preemptions += 1
