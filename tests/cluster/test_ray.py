@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +54,13 @@ QUICK_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_t
 
 
 @contextlib.contextmanager
-def ray_cluster(temp: Path, env: dict | None = None):
+def ray_cluster(env: dict | None = None):
     """A head node and a second node, one CPU each, as local `ray start --block` processes in process groups of their
-    own (nothing else on the machine is stopped with them)."""
+    own (nothing else on the machine is stopped with them). Their temporary folder is a short one of its own: Ray's
+    socket paths below it must fit a Unix socket's 107 characters (under pytest's own folder, with a pytest-xdist
+    worker's name in it, they did not, and the second node died at start)."""
     env = {**ENV, **(env or {})}
+    temp = Path(tempfile.mkdtemp(prefix="ray-"))
     ray = str(Path(sys.executable).parent / "ray")
     port, client_port = _free_port(), _free_port()  # ephemeral ports: outside Ray's worker ports (10002-19999)
     address = f"127.0.0.1:{port}"
@@ -68,20 +72,22 @@ def ray_cluster(temp: Path, env: dict | None = None):
         _wait_for_port(port, nodes[0])
         nodes.append(subprocess.Popen([ray, "start", "--address", address, *common], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
-        _wait_for_nodes(address, 2)
+        _wait_for_nodes(address, 2, nodes)
         yield Cluster(address, f"ray://127.0.0.1:{client_port}", nodes)
     finally:
         # SIGTERM: `ray start --block` stops the processes it started, but takes 33 s here with nothing to stop;
-        # after 5 s every process of the node (its session: raylet, GCS, workers) is killed
+        # 2 s later every process of each node still there (its session: raylet, GCS, workers) is killed
         for node in reversed(nodes):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 2
         for node in reversed(nodes):
             try:
-                node.wait(timeout=5)
+                node.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 kill_node(node)
                 node.wait()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def kill_node(node: subprocess.Popen) -> None:
@@ -94,8 +100,8 @@ def kill_node(node: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ray_cluster(tmp_path_factory.mktemp("ray")) as running:
+def cluster():
+    with ray_cluster() as running:
         yield running
 
 
@@ -110,10 +116,11 @@ def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
     raise TimeoutError(f"the Ray head did not listen on {port}")
 
 
-def _wait_for_nodes(address: str, count: int) -> None:
+def _wait_for_nodes(address: str, count: int, nodes: list[subprocess.Popen]) -> None:
     probe = f"import ray; ray.init(address={address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
     deadline = time.monotonic() + GUARD  # a hang guard: on a busy machine Ray starts slower
     while time.monotonic() < deadline:
+        assert all(node.poll() is None for node in nodes), "a `ray start` exited before its node joined"
         out = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, timeout=GUARD)
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
@@ -228,7 +235,7 @@ def test_a_shard_killed_mid_run_is_retried_and_resumes_exactly_once(tmp_path, cl
     assert exported(tmp_path / "ray", tmp_path) == exported(tmp_path / "plain", tmp_path)
 
 
-def test_a_node_lost_mid_shard_its_shard_resumes_on_the_other_node(tmp_path, tmp_path_factory, model):
+def test_a_node_lost_mid_shard_its_shard_resumes_on_the_other_node(tmp_path, model):
     """The second node's processes all SIGKILLed while its actor runs a shard: Ray restarts the actor on the head
     once the head's actor has no shard left (it gives its CPU back), and the shard resumes, exactly once."""
     # 640 rows: after the first commit a shard has ~280 rows left, far more than the ~1 s the stop takes to reach it
@@ -237,7 +244,7 @@ def test_a_node_lost_mid_shard_its_shard_resumes_on_the_other_node(tmp_path, tmp
     plain = job_file(tmp_path, model, "plain", rows, seqs=REFERENCE_SEQS)
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     job = job_file(tmp_path, model, "ray", rows, seqs=1)
-    with ray_cluster(tmp_path_factory.mktemp("ray"), QUICK_HEALTH_CHECKS) as lost:  # a short path: Ray's socket paths must fit
+    with ray_cluster(QUICK_HEALTH_CHECKS) as lost:
         proc = submit(job, lost.address, "--shards", "2", "--max-retries", "2")
         def on_second() -> int | None:  # the shard whose process is in the second node's session, mid-shard
             for k in (0, 1):
@@ -270,7 +277,9 @@ def test_the_driver_stopped_by_ctrl_c_drains_and_a_killed_driver_continues_on_re
     """Ctrl-C: the running shards drain and commit, exit 75; a rerun continues. SIGKILL: the rerun continues too.
     Every row once, the text of a plain run. The stop is sent once shard 1 has committed rows and has rows left; if
     the shards still finish everything within the second a stop takes to reach them (the driver's and the worker's
-    0.5 s polls), there was nothing to drain and the case runs again with four times the rows."""
+    0.5 s polls), there was nothing to drain and the case runs again with four times the rows. The rerun takes many
+    rows a step, as a user who resumes with another batch size does: the engine's batch is not part of the job, and
+    a row's text does not depend on it."""
     plain: dict[int, list[dict]] = {}
 
     def want(count: int, rows: list[dict]) -> list[dict]:
@@ -294,6 +303,9 @@ def test_the_driver_stopped_by_ctrl_c_drains_and_a_killed_driver_continues_on_re
         if sig == signal.SIGINT:
             assert proc.returncode == 75, err
             assert "stopped; rerun" in err
+        text = job.read_text()
+        assert "max_num_seqs = 1\n" in text
+        job.write_text(text.replace("max_num_seqs = 1\n", f"max_num_seqs = {REFERENCE_SEQS}\n"))
         again = submit(job, cluster.address)
         _, err = again.communicate(timeout=GUARD)
         assert again.returncode == 0, err
