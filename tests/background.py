@@ -1,8 +1,8 @@
 """Checks that run in a process of their own and need one core, started as soon as the session has collected the
 test that reads them, so they run beside the rest of the suite instead of after it, at a lower priority (nice 10):
 they fill the time the in-process tests leave a core idle (the Triton interpreter is one Python thread for minutes).
-Nothing is skipped or weakened: the test waits for its process and asserts on its exit code and output as before; a test run alone (or
-whose process was not started early) starts it itself."""
+Nothing is skipped or weakened: the test waits for its process and asserts on its exit code and output as before;
+a test run alone (or whose process was not started early) starts it itself."""
 from __future__ import annotations
 
 import os

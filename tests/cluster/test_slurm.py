@@ -215,9 +215,9 @@ def write_job(path: Path, data: Path, out: Path, seqs: int = 1) -> Path:
     """A job whose rows take a while: sampled, a fixed length, small parts committed often. With one row per engine
     step (`seqs`, the default) a shard of 50 rows runs for ~20 s: far longer than a signal takes to reach it, even
     on a busy machine (with 96 tokens a row, a task on a machine 90% busy did 30 rows before the other task, started
-    beside it, had committed one). A row's text does not depend on the rows beside it (the engine's batch invariance, tested in
-    tests/engine), so the reference and the array job that nothing interrupts run many rows a step: same rows, same
-    text, a few seconds."""
+    beside it, had committed one). A row's text does not depend on the rows beside it (the engine's batch
+    invariance, tested in tests/engine), so the reference and the array job that nothing interrupts run many rows a
+    step: same rows, same text, a few seconds."""
     path.write_text(f'''model = "{data.parent / 'model'}"
 input = "{data}"
 output = "{out}"
