@@ -6,11 +6,22 @@ perturbed away from HF's init (ones / zeros), so a model that ignores one shows 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+from batchjob.job.process.threads import SPIN_COUNT  # imports no torch: what follows must come first
+
+# The suite's CPUs are shared (its one-core checks run beside it, tests/background.py; a cluster test's nodes beside its
+# driver), so the session takes what `batchjob run` chooses on shared CPUs: OpenMP's idle workers spin 1,000 turns,
+# then sleep (job/process/threads.py), set before torch loads libgomp; subprocesses inherit it. libgomp's own default
+# spin kept the second core busy between the engine's tiny parallel regions: 120 of 375 CPU seconds in a 286 s
+# sample of model and job tests, 235 s with the short spin (docs/contributing.md). An environment that says is kept.
+if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from batchjob.models.config import ModelConfig
 from batchjob.models.causal_lm import CausalLM
