@@ -19,6 +19,7 @@ from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.parts import read_results
 from batchjob.io.recovery import check_part
 from tests.durability.crash_model import CrashState, crash_states, materialize
+from tests.durability.forked import in_parts
 from tests.durability.recorder import Recording, RecordingDisk
 
 Command = Callable[[Path], list]  # the command line, given the folder the job writes under
@@ -120,12 +121,27 @@ class Outcome:
 
 
 def check_states(scenario: Scenario, recording: Recording, work: Path, *, limit: int | None = None,
-                 stop_at_first: bool = False, every: int = 1, prefixes: Collection[int] | None = None) -> Outcome:
+                 stop_at_first: bool = False, every: int = 1, prefixes: Collection[int] | None = None,
+                 parts: int | None = None) -> Outcome:
     """Build each crash state of `recording` (every `every`-th, at most `limit`, of the given prefixes or all),
-    check its acknowledged commits, recover it and check the result. Failures are collected, not raised."""
+    check its acknowledged commits, recover it and check the result. Failures are collected, not raised. The states
+    are split over `parts` forked copies of this process (tests/durability/forked.py; default: one per usable CPU),
+    state i to copy i % parts; `limit` and `stop_at_first` hold in each copy."""
+    def part(k: int, count: int) -> Outcome:
+        return _check_states(scenario, recording, work, limit, stop_at_first, every, prefixes, k, count)
+
+    outcome = Outcome()
+    for done in in_parts(part, parts):
+        outcome.states += done.states
+        outcome.failures += done.failures
+    return outcome
+
+
+def _check_states(scenario: Scenario, recording: Recording, work: Path, limit: int | None, stop_at_first: bool,
+                  every: int, prefixes: Collection[int] | None, part: int, parts: int) -> Outcome:
     outcome = Outcome()
     for i, state in enumerate(crash_states(recording, prefixes=prefixes)):
-        if i % every:
+        if i % every or i % parts != part:
             continue
         if limit is not None and outcome.states >= limit:
             break

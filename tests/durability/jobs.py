@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 
 from tests.durability.harness import Scenario, check_folder, cli, result_texts
 
-FAST = ["--kv-cache-gb", "0.02", "--swap-space-gb", "0.01", "--no-progress", "--dtype", "float32"]
+# one thread a job: the sweeps check their states in one forked copy of the test per core (tests/durability/forked.py)
+FAST = ["--kv-cache-gb", "0.02", "--swap-space-gb", "0.01", "--no-progress", "--dtype", "float32", "--threads", "1"]
 ROWS = int(os.environ.get("BATCHJOB_CRASH_ROWS", "20"))  # make crash: more rows, parts and compactions
 CHAT = "/v1/chat/completions"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from batchjob.io.disk import using
 from tests.durability.crash_model import Model
+from tests.durability.forked import in_parts
 from tests.durability.harness import acknowledging, check_acks, check_folder, cli, fault_points, materialize
 from tests.durability.jobs import job, responses
 from tests.durability.recorder import FaultyDisk
@@ -51,51 +52,59 @@ def test_an_io_error_at_every_write_point_stops_the_job_cleanly_and_a_rerun_comp
     texts = reference[0]
     kinds = operations(model, inputs[0], tmp_path / "count")
     assert len(kinds) > 40, kinds
-    problems, runs = [], 0
-    for code, at in fault_points(kinds, ERRNOS):
-        runs += 1
-        root = tmp_path / f"{errno.errorcode[code]}-{at}"
-        root.mkdir()
-        disk = FaultyDisk(root, at=at, errno_=code)
-        writers = sink_writers()
-        try:
-            with using(disk), acknowledging(disk, monkeypatch):
-                result = cli(job(model, inputs[0])(root), code=None)
-        except AssertionError as e:  # an exception escaped: a traceback, not a clear line
-            problems.append(f"{errno.errorcode[code]} at op {at} ({disk.failed}): {e}")
-            continue
-        where = f"{errno.errorcode[code]} at op {at} ({disk.failed})"
-        try:
-            assert disk.failed is not None, "the fault never fired: the job took another path"
-            assert sink_writers() == writers, "a sink's writer thread outlived the failed job"
-            lines = [line for line in result.output.splitlines() if line.startswith("batchjob: error")]
-            if diagnostic(disk.failed):
-                assert result.exit_code == 0, f"a diagnostic write stopped the job: {result.output[-300:]}"
-            else:
-                assert result.exit_code != 0, "the job exited 0 after an I/O error"
-                assert len(lines) == 1 and "internal error" not in lines[0], result.output[-600:]
-                assert "Traceback" not in result.output
-                assert os.strerror(code) in lines[0], lines[0]
-            # nothing acknowledged that a power cut right now would take away
-            model_ = Model(disk.recording)
-            for op in disk.recording.ops:
-                model_.apply(op)
-            synced = model_.state(len(disk.recording.ops), "only the synced",
-                                  names={p: [False] * len(f.pending) for p, f in model_.folders.items()},
-                                  data={i: [False] * len(f.pending) for i, f in model_.files.items()})
-            materialize(synced, tmp_path / "synced")
-            check_acks(synced, tmp_path / "synced")
-            # the fault is gone: the same command finishes the job
-            rerun = cli(job(model, inputs[0])(root), code=None)
-            assert rerun.exit_code == 0, f"the rerun failed: {rerun.output[-400:]}"
-            check_folder(root / "out", texts, root / "check.parquet")
-        except AssertionError as e:
-            problems.append(f"{where}: {e}")
-        finally:
-            import shutil
 
-            shutil.rmtree(tmp_path / "synced", ignore_errors=True)
-            shutil.rmtree(root, ignore_errors=True)
+    def sweep(part: int, parts: int) -> tuple[int, list[str]]:  # fault point n in forked copy n % parts
+        problems, runs = [], 0
+        for n, (code, at) in enumerate(fault_points(kinds, ERRNOS)):
+            if n % parts != part:
+                continue
+            runs += 1
+            root = tmp_path / f"{errno.errorcode[code]}-{at}"
+            root.mkdir()
+            disk = FaultyDisk(root, at=at, errno_=code)
+            writers = sink_writers()
+            try:
+                with using(disk), acknowledging(disk, monkeypatch):
+                    result = cli(job(model, inputs[0])(root), code=None)
+            except AssertionError as e:  # an exception escaped: a traceback, not a clear line
+                problems.append(f"{errno.errorcode[code]} at op {at} ({disk.failed}): {e}")
+                continue
+            where = f"{errno.errorcode[code]} at op {at} ({disk.failed})"
+            try:
+                assert disk.failed is not None, "the fault never fired: the job took another path"
+                assert sink_writers() == writers, "a sink's writer thread outlived the failed job"
+                lines = [line for line in result.output.splitlines() if line.startswith("batchjob: error")]
+                if diagnostic(disk.failed):
+                    assert result.exit_code == 0, f"a diagnostic write stopped the job: {result.output[-300:]}"
+                else:
+                    assert result.exit_code != 0, "the job exited 0 after an I/O error"
+                    assert len(lines) == 1 and "internal error" not in lines[0], result.output[-600:]
+                    assert "Traceback" not in result.output
+                    assert os.strerror(code) in lines[0], lines[0]
+                # nothing acknowledged that a power cut right now would take away
+                model_ = Model(disk.recording)
+                for op in disk.recording.ops:
+                    model_.apply(op)
+                synced = model_.state(len(disk.recording.ops), "only the synced",
+                                      names={p: [False] * len(f.pending) for p, f in model_.folders.items()},
+                                      data={i: [False] * len(f.pending) for i, f in model_.files.items()})
+                materialize(synced, tmp_path / f"synced-{part}")
+                check_acks(synced, tmp_path / f"synced-{part}")
+                # the fault is gone: the same command finishes the job
+                rerun = cli(job(model, inputs[0])(root), code=None)
+                assert rerun.exit_code == 0, f"the rerun failed: {rerun.output[-400:]}"
+                check_folder(root / "out", texts, root / "check.parquet")
+            except AssertionError as e:
+                problems.append(f"{where}: {e}")
+            finally:
+                import shutil
+
+                shutil.rmtree(tmp_path / f"synced-{part}", ignore_errors=True)
+                shutil.rmtree(root, ignore_errors=True)
+        return runs, problems
+
+    done = in_parts(sweep)
+    runs, problems = sum(r for r, _ in done), [p for _, found in done for p in found]
     print(f"{runs} faults injected")
     assert not problems, f"{len(problems)} of {runs} faults:\n" + "\n".join(problems[:25])
 

@@ -6,6 +6,7 @@ rerun for each sync the protocol needs. The ones it cannot catch are listed here
 from __future__ import annotations
 
 from batchjob.io import sink
+from tests.durability.forked import in_parts
 from tests.durability.harness import check_states, record, release_memory
 from tests.durability.jobs import scenarios
 
@@ -37,19 +38,29 @@ def test_removing_any_needed_sync_is_caught_by_the_simulator(model, inputs, refe
     jobs = scenarios(model, inputs, reference)
     recordings = [record(job, tmp_path / f"job-{i}", monkeypatch) for i, job in enumerate(jobs)]
     sites = sync_sites(recordings)
+
+    def sweep(part: int, parts: int) -> tuple[dict[str, str], list[str]]:  # site n in forked copy n % parts
+        caught, missed = {}, []
+        for n, (site, users) in enumerate(sorted(sites.items())):
+            if n % parts != part:
+                continue
+            release_memory()
+            for i in users:
+                mutant = record(jobs[i], tmp_path / f"mutant-{n}-{i}", monkeypatch, skip_sites=frozenset({site}))
+                # only the states the skipped sync can change: the others are the unmutated job's (test_crash_states)
+                outcome = check_states(jobs[i], mutant, tmp_path / f"states-{n}", stop_at_first=True,
+                                       prefixes=mutant.unsynced_prefixes(), parts=1)
+                if outcome.failures:
+                    caught[site] = outcome.failures[0]
+                    break
+            else:
+                missed.append(site)
+        return caught, missed
+
     caught, missed = {}, []
-    for n, (site, users) in enumerate(sorted(sites.items())):
-        release_memory()
-        for i in users:
-            mutant = record(jobs[i], tmp_path / f"mutant-{n}-{i}", monkeypatch, skip_sites=frozenset({site}))
-            # only the states the skipped sync can change: the others are the unmutated job's (test_crash_states)
-            outcome = check_states(jobs[i], mutant, tmp_path / "states", stop_at_first=True,
-                                   prefixes=mutant.unsynced_prefixes())
-            if outcome.failures:
-                caught[site] = outcome.failures[0]
-                break
-        else:
-            missed.append(site)
+    for found, lost in in_parts(sweep):
+        caught.update(found)
+        missed += lost
     print(f"{len(sites)} sync sites, {len(caught)} caught:\n" + "\n".join(f"{site}: {why[:160]}" for site, why in caught.items()))
     assert len(sites) >= 8, sorted(sites)
     assert sorted(missed) == sorted(s for s in NOT_SHOWN if s in sites), \
