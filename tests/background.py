@@ -32,7 +32,7 @@ class BackgroundRun:
             self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             # at a lower priority: it takes the cores the in-process tests leave idle (a cluster test waiting on its
             # nodes, a test between subprocesses), never their time; once a test waits for it, it has them all
-            nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+            nice = ["nice", "-n", "19"] if shutil.which("nice") else []
             self.proc = subprocess.Popen([*nice, *self.argv], cwd=REPO, env={**os.environ, **self.env},
                                          stdout=self._out, stderr=self._err, text=True)
 

@@ -42,8 +42,10 @@ def hf_greedy(path, ps, n):
 
 
 PROMPTS = prompts(400, [3, 10, 30, 50, 5], seed=2)  # 30 and 50 run past Gemma's 24-token window
-TRITON_FAMILIES = BackgroundRun([sys.executable, "-m", "tests.models.triton_families", json.dumps(PROMPTS), "8",
-                                 *FAMILIES])
+# under the interpreter a decode step costs in proportion to its rows: the short prompt and the two past the window
+TRITON_ROWS = [0, 2, 3]
+TRITON_FAMILIES = BackgroundRun([sys.executable, "-m", "tests.models.triton_families",
+                                 json.dumps([PROMPTS[i] for i in TRITON_ROWS]), "8", *FAMILIES])
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +95,8 @@ def test_an_unsupported_architecture_is_one_line_listing_the_supported(tmp_path)
 
 @starts_early(TRITON_FAMILIES)  # the interpreter: one Python thread for minutes, beside the rest of the suite
 def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
-    """Under the Triton interpreter (CPU), every family: the first 8 of transformers' 16 greedy tokens (prompts of 30
-    and 50 tokens are past Gemma's window already; the interpreter's steps are slow). The process builds its own
+    """Under the Triton interpreter (CPU), every family: the first 8 of transformers' 16 greedy tokens, for the
+    prompts of 3, 30 and 50 tokens (the last two past Gemma's window already; the interpreter's steps are slow). The process builds its own
     folders with the suite's builders: their weights are checked to be the bytes transformers ran here."""
     import json
 
@@ -106,7 +108,7 @@ def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
     for a in FAMILIES:
         path, ps, expected = references[a]
         assert ps == PROMPTS and got[a]["sha256"] == weights_digest(path), a
-        assert got[a]["ids"] == [ids[:8] for ids in expected], a
+        assert got[a]["ids"] == [expected[i][:8] for i in TRITON_ROWS], a
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
