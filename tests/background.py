@@ -1,6 +1,7 @@
 """Checks that run in a process of their own and need one core, started as soon as the session has collected the
-test that reads them, so they run beside the rest of the suite instead of after it, at a lower priority (nice 10):
+test that reads them, so they run beside the rest of the suite instead of after it, at the lowest priority (nice 19):
 they fill the time the in-process tests leave a core idle (the Triton interpreter is one Python thread for minutes).
+At nice 10 they still took a tenth of each core from the cluster tests while those kept both cores busy.
 Nothing is skipped or weakened: the test waits for its process and asserts on its exit code and output as before;
 a test run alone (or whose process was not started early) starts it itself."""
 from __future__ import annotations
@@ -30,8 +31,8 @@ class BackgroundRun:
     def start(self) -> None:
         if self.proc is None:
             self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            # at a lower priority: it takes the cores the in-process tests leave idle (a cluster test waiting on its
-            # nodes, a test between subprocesses), never their time; once a test waits for it, it has them all
+            # at the lowest priority: it takes the cores the in-process tests leave idle (a cluster test waiting on its
+            # nodes, a test between subprocesses), not their time; once a test waits for it, it has them all
             nice = ["nice", "-n", "19"] if shutil.which("nice") else []
             self.proc = subprocess.Popen([*nice, *self.argv], cwd=REPO, env={**os.environ, **self.env},
                                          stdout=self._out, stderr=self._err, text=True)
