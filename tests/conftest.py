@@ -48,6 +48,16 @@ Naïve café résumé — “quoted” text, naïveté; 你好，世界。こん
 """
 
 
+# Tests that run their own processes for most of their time (Ray and Slurm clusters, data-parallel ranks, the forked
+# durability sweeps) run after the rest: their wall time stretched by half and more while the background checks
+# (tests/background.py) ran beside them, even at nice 19, where the in-process tests leave a core idle for them.
+LAST = ("tests/cluster/", "tests/durability/")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.startswith(LAST))  # stable: the order within each part is kept
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The selected tests' one-core checks start now, beside the rest of the suite (tests/background.py)."""
     session.config.stash[_EARLY] = start_collected(session.items)
