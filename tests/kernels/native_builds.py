@@ -30,17 +30,18 @@ WHOLE = ["fused.cpp", "scaled_mm.cpp", "quant_blocks.cpp"]  # one build per path
 
 
 def builds() -> list[tuple[str, dict[str, int], str]]:
-    """(source, defines, isa) of every build, the slowest first (the quantized attention, then the whole files)."""
-    out = []
+    """(source, defines, isa) of every build, the slowest first: the quantized attention on every path, then the whole
+    files, then plain attention."""
+    quant, whole, plain = [], [], []
     for isa in RUNNABLE_ISAS:
         best = isa == BEST_ISA
         for hd, g in QUANT_BEST if best else QUANT_LOWER:
             shape = {"HEAD_DIM": hd, "GQA": g, "GROUP": group4(hd)}
-            out += [("paged_attention_quant.cpp", shape, isa), ("kv_quant_store.cpp", shape, isa)]
-        out += [(source, {}, isa) for source in WHOLE]
-        shapes = ATTENTION_BEST if best else ATTENTION_LOWER
-        out += [("paged_attention.cpp", {"HEAD_DIM": hd, "GQA": g}, isa) for hd, g in shapes]
-    return out
+            quant += [("paged_attention_quant.cpp", shape, isa), ("kv_quant_store.cpp", shape, isa)]
+        whole += [(source, {}, isa) for source in WHOLE]
+        plain += [("paged_attention.cpp", {"HEAD_DIM": hd, "GQA": g}, isa)
+                  for hd, g in (ATTENTION_BEST if best else ATTENTION_LOWER)]
+    return quant + whole + plain
 
 
 def main() -> int:

@@ -96,8 +96,9 @@ def test_an_unsupported_architecture_is_one_line_listing_the_supported(tmp_path)
 @starts_early(TRITON_FAMILIES)  # the interpreter: one Python thread for minutes, beside the rest of the suite
 def test_greedy_text_on_the_triton_kernels_matches_transformers(references):
     """Under the Triton interpreter (CPU), every family: the first 8 of transformers' 16 greedy tokens, for the
-    prompts of 3, 30 and 50 tokens (the last two past Gemma's window already; the interpreter's steps are slow). The process builds its own
-    folders with the suite's builders: their weights are checked to be the bytes transformers ran here."""
+    prompts of 3, 30 and 50 tokens (the last two past Gemma's window already; the interpreter's steps are slow). The
+    process builds its own folders with the suite's builders: their weights are checked to be the bytes transformers
+    ran here."""
     import json
 
     from tests.builders import weights_digest
