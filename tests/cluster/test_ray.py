@@ -346,9 +346,10 @@ def test_without_ray_installed_the_command_says_how_to_get_it(tmp_path, model, r
     shutil.rmtree(tmp_path / "x", ignore_errors=True)
 
 
-def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, model, monkeypatch):
+def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, cluster, model, monkeypatch):
     """200 rows of a ray.data Dataset through map_batches with one LLMStage actor: the same text as `batchjob run`
-    on the same rows (greedy)."""
+    on the same rows (greedy). The driver (this process) joins the module's cluster: a Ray of its own would start
+    one more GCS, raylet and set of workers for this test alone."""
     import ray
 
     from batchjob import LLMStage
@@ -360,7 +361,7 @@ def test_a_ray_dataset_through_the_llm_stage_answers_as_batchjob_run(tmp_path, m
     want = {r["id"]: r["generated_text"] for r in exported(tmp_path / "plain", tmp_path)}
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for this test only: the session's environment stays as it was
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    ray.init(address=cluster.address, log_to_driver=False)
     try:
         ds = ray.data.from_items(rows).map_batches(
             LLMStage, fn_constructor_kwargs={"model": str(model), "engine": {"max_num_seqs": 32, "kv_cache_gb": 0.02},

@@ -6,8 +6,10 @@ comes back through a pipe, and a copy that dies or raises fails the test with it
 from __future__ import annotations
 
 import multiprocessing
+import os
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from batchjob.job.process.threads import usable_cpus
@@ -41,6 +43,17 @@ def in_parts(work: Callable[[int, int], T], parts: int | None = None) -> list[T]
         results.append(value)
     assert not problems, "\n".join(problems)
     return results
+
+
+def claim(folder: Path, key: str) -> bool:
+    """True in the one copy that asks for `key` first (a file created exclusively in `folder`, which exists): a sweep
+    of a few unequal items hands each to the first copy free for it, instead of splitting them up front, where one
+    copy could get the slow ones and leave the other core idle."""
+    try:
+        os.close(os.open(folder / f"claim-{key}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _part(work: Callable[[int, int], T], k: int, parts: int, send) -> None:

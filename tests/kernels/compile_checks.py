@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from batchjob.job.process.threads import usable_cpus
-from batchjob.kernels.native.build import ISAS, compile_only
+from batchjob.kernels.native.build import ISAS, build, compile_only, isa_runs_here
 
 
 def compile_each(cases: list[tuple[str, dict[str, int], str]]) -> None:
@@ -18,5 +18,10 @@ def compile_each(cases: list[tuple[str, dict[str, int], str]]) -> None:
 
 
 def compile_every_path(source: str, defines: dict[str, int]) -> None:
-    """`source` compiled for each instruction-set path (ISAS: AVX-512, AVX2, generic), whichever this CPU runs."""
-    compile_each([(source, defines, isa) for isa in ISAS])
+    """`source` compiled for each instruction-set path (ISAS: AVX-512, AVX2, generic), whichever this CPU runs: a path
+    it runs is the kernel cache's build (the one the tests load, usually built already by tests/kernels/native_builds),
+    a path it cannot run is compiled only."""
+    runs = [isa for isa in ISAS if isa_runs_here(isa)]
+    for isa in runs:
+        build(source, defines, isa=isa)
+    compile_each([(source, defines, isa) for isa in ISAS if isa not in runs])
