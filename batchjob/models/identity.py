@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import gguf
@@ -70,15 +71,53 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 class _FastGGUFReader(gguf.GGUFReader):
-    # GGUFReader slices its np.memmap once per metadata string (~100k for a vocabulary), and memmap
-    # slicing is slow; a plain ndarray view of the same mapping opens SmolLM2 in 0.9 s instead of 3.7 s.
+    """gguf's reader, with the same fields, parts and tensors, made fast where a file is large in metadata.
+
+    GGUFReader builds an array field one element at a time (a vocabulary: ~150k calls, each making several numpy views
+    of its np.memmap): SmolLM2's 49k tokens, merges, scores and types took 1.6-2.0 s of its 2.9-s load on a 2-core
+    Zen 3. Here an array of numbers is one view split into its elements, and an array of strings is walked over the
+    file's bytes, each element's parts (its length and its bytes) views of the same mapping as gguf's: 0.1 s. Nested
+    arrays and byte-swapped files take gguf's own path."""
+
     @property
     def data(self):
         return self._data
 
     @data.setter
     def data(self, value):
+        # memmap slicing is slow (~100k slices for a vocabulary): a plain ndarray view of the same mapping
         self._data = value.view(np.ndarray)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, count, offs = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+        if count == 0:
+            return super()._get_field_parts(orig_offs, raw_type)
+        types = [gguf.GGUFValueType.ARRAY, itype]
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            values = self._get(offs, nptype, count)
+            if len(values) != count:
+                raise ValueError(f"array field at {orig_offs} runs past the end of the file")
+            # one part per element, as gguf makes them: rows of an (n, 1) view
+            return 12 + int(values.nbytes), [raw_itype, alen, *values.reshape(count, 1)], list(range(2, 2 + count)), types
+        if itype != gguf.GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        data, end = self._data, len(self._data)
+        raw = memoryview(data)
+        parts: list = [raw_itype, alen]
+        for _ in range(count):
+            if offs + 8 > end:
+                raise ValueError(f"string array at {orig_offs} runs past the end of the file")
+            size = int.from_bytes(raw[offs:offs + 8], "little")
+            if offs + 8 + size > end:
+                raise ValueError(f"string array at {orig_offs} runs past the end of the file")
+            parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:offs + 8 + size])
+            offs += 8 + size
+        return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), types
 
 
 def safetensors_files(folder: Path) -> list[Path]:

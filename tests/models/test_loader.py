@@ -242,3 +242,45 @@ def test_smollm2_weights_equal_transformers_gguf_load(smollm2_loaded, smollm2_hf
     assert set(theirs) - set(smollm2_loaded.weights) == {"lm_head.weight"}  # tied
     for name, t in smollm2_loaded.weights.items():
         assert torch.equal(t, theirs[name]), name
+
+
+def _same_reading(ours, theirs) -> None:
+    assert list(ours.fields) == list(theirs.fields)
+    for key, a in ours.fields.items():
+        b = theirs.fields[key]
+        assert (a.offset, a.name, a.data, a.types) == (b.offset, b.name, b.data, b.types), key
+        assert [(p.dtype, p.shape, p.tobytes()) for p in a.parts] == [(p.dtype, p.shape, p.tobytes()) for p in b.parts], key
+        assert a.contents() == b.contents(), key
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.n_bytes) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.n_bytes) for t in theirs.tensors]
+
+
+def test_the_fast_gguf_reader_reads_every_field_as_ggufs_own(smollm2_gguf_path, tmp_path):
+    """models/identity.py reads an array field in one pass instead of one element at a time: the fields, their parts,
+    contents and the tensors are gguf's own, on SmolLM2's file and on one with every kind of metadata array."""
+    from batchjob.models.identity import open_gguf
+
+    _same_reading(open_gguf(smollm2_gguf_path), gguf.GGUFReader(str(smollm2_gguf_path)))
+    w = gguf.GGUFWriter(str(tmp_path / "kinds.gguf"), "llama")
+    V = gguf.GGUFValueType
+    w.add_array("t.strings", ["", "a", "naïve café 你好 🙂", "x" * 300])
+    w.add_array("t.empty", [])
+    w.add_array("t.floats", [0.5, -1.25, 3.0])
+    w.add_key_value("t.u8", [1, 2, 255], V.ARRAY, sub_type=V.UINT8)
+    w.add_key_value("t.i64", [-(1 << 40), 7], V.ARRAY, sub_type=V.INT64)
+    w.add_key_value("t.bools", [True, False, True], V.ARRAY, sub_type=V.BOOL)
+    w.add_key_value("t.nested", [[1, 2], [3]], V.ARRAY, sub_type=V.ARRAY)
+    w.add_string("t.one", "one string")
+    w.add_tensor("w", np.arange(8, dtype=np.float32).reshape(2, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_reading(open_gguf(tmp_path / "kinds.gguf"), gguf.GGUFReader(str(tmp_path / "kinds.gguf")))
+    # cut inside the string array: refused as damaged, like gguf's own reader refuses it
+    data = (tmp_path / "kinds.gguf").read_bytes()
+    cut = data.index("naïve".encode()) + 3
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    with pytest.raises(ModelLoadError, match="cut.gguf: the GGUF file is truncated or damaged"):
+        open_gguf(tmp_path / "cut.gguf")
