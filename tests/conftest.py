@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from batchjob.models.config import ModelConfig
 from batchjob.models.causal_lm import CausalLM
 from tests.background import start_collected
+from tests.run import PROCESS_TESTS
 from tests.builders import VOCAB, random_llama, write_gguf
 
 # ChatML with a default system message, like SmolLM2's.
@@ -48,10 +49,11 @@ Naïve café résumé — “quoted” text, naïveté; 你好，世界。こん
 """
 
 
-# Tests that run their own processes for most of their time (Ray and Slurm clusters, data-parallel ranks, the forked
-# durability sweeps) run after the rest: their wall time stretched by half and more while the background checks
-# (tests/background.py) ran beside them, even at nice 19, where the in-process tests leave a core idle for them.
-LAST = ("tests/cluster/", "tests/durability/")
+# Tests that run processes of their own for most of their time (Ray and Slurm clusters, data-parallel and
+# tensor-parallel ranks, the forked durability sweeps): `make test` runs them in a session of their own beside the rest
+# (tests/run.py); one session runs them after the rest, where the in-process tests' background checks
+# (tests/background.py) have ended.
+LAST = tuple(PROCESS_TESTS)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

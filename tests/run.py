@@ -1,0 +1,57 @@
+"""`make test`: the suite as two pytest sessions side by side, so that the CPU the one leaves idle the other uses.
+
+The tests that run processes of their own for most of their time (`PROCESS_TESTS`: the Ray and Slurm clusters, the
+data-parallel and tensor-parallel ranks, the forked durability sweeps) wait on their processes, events and polls:
+alone they kept about 1.5 of the 2 cores busy. The rest run in this process's other session (about 1.1 cores, the
+background checks of tests/background.py beside them at nice 19). One after the other, the suite left a third of a
+core idle for its whole last part; side by side the two fill both cores (docs/contributing.md, the measurements).
+Every test runs, once, with its own fixtures; a session's failures fail the run. Run as one session, `pytest tests`
+runs the same tests in one process, the process tests last (tests/conftest.py).
+
+    python -m tests.run [PYTEST ARGS...]    (what `make test` runs: -q and the args go to both sessions)
+
+The in-process session prints as it goes; the other's output follows once both have ended, then one line each.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROCESS_TESTS = ["tests/cluster/", "tests/durability/", "tests/engine/test_tensor_parallel.py"]
+NO_TESTS = 5  # pytest's exit code when a session selected nothing
+
+
+def sessions(args: list[str]) -> list[list[str]]:
+    pytest = [sys.executable, "-m", "pytest", "-q", *args]
+    rest = [f"--ignore={path}" for path in PROCESS_TESTS]
+    return [[*pytest, "tests", *rest], [*pytest, *PROCESS_TESTS]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    in_process, processes = sessions(args)
+    with tempfile.TemporaryFile("w+") as log:
+        other = subprocess.Popen(processes, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            first = subprocess.run(in_process, cwd=REPO).returncode
+            second = other.wait()
+        except KeyboardInterrupt:
+            other.send_signal(signal.SIGINT)
+            other.wait()
+            raise
+        log.seek(0)
+        print(f"\n==== {' '.join(PROCESS_TESTS)} (the session beside it) ====", flush=True)
+        sys.stdout.write(log.read())
+    codes = {"in-process tests": first, "process tests": second}
+    for name, code in codes.items():
+        print(f"{name}: {'passed' if code == 0 else 'no tests selected' if code == NO_TESTS else f'exit {code}'}")
+    failed = [code for code in codes.values() if code not in (0, NO_TESTS)]
+    return failed[0] if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
