@@ -57,7 +57,11 @@ LAST = tuple(PROCESS_TESTS)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.nodeid.startswith(LAST))  # stable: the order within each part is kept
+    """The process tests last; before them, the tests that wait for a background check (tests/background.py): the check
+    runs in the CPU the session leaves idle, and a test that waits for it early stops the session until it ends
+    (beside the process tests' session, where no core was idle, the Triton checks held the in-process session for
+    minutes). Stable: the order within each part is kept."""
+    items.sort(key=lambda item: (item.nodeid.startswith(LAST), item.get_closest_marker("starts_early") is not None))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
