@@ -39,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             first = subprocess.run(in_process, cwd=REPO).returncode
             second = other.wait()
-        except KeyboardInterrupt:
-            other.send_signal(signal.SIGINT)
-            other.wait()
+        except KeyboardInterrupt:  # Ctrl-C in a terminal reaches both sessions; sent to this process only, pass it on
+            try:
+                other.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                other.send_signal(signal.SIGINT)
+                other.wait()
             raise
         log.seek(0)
         print(f"\n==== {' '.join(PROCESS_TESTS)} (the session beside it) ====", flush=True)
