@@ -36,23 +36,24 @@ def main(argv: list[str] | None = None) -> int:
     in_process, processes = sessions(args)
     with tempfile.TemporaryFile("w+") as log:
         other = subprocess.Popen(processes, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(in_process, cwd=REPO)
         try:
-            first = subprocess.run(in_process, cwd=REPO).returncode
-            second = other.wait()
+            results = {"in-process tests": first.wait(), "process tests": other.wait()}
         except KeyboardInterrupt:  # Ctrl-C in a terminal reaches both sessions; sent to this process only, pass it on
-            try:
-                other.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                other.send_signal(signal.SIGINT)
-                other.wait()
+            for session in (first, other):  # each ends its tests and stops what it started (clusters, checks)
+                try:
+                    session.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    session.send_signal(signal.SIGINT)
+            first.wait()
+            other.wait()
             raise
         log.seek(0)
         print(f"\n==== {' '.join(PROCESS_TESTS)} (the session beside it) ====", flush=True)
         sys.stdout.write(log.read())
-    codes = {"in-process tests": first, "process tests": second}
-    for name, code in codes.items():
+    for name, code in results.items():
         print(f"{name}: {'passed' if code == 0 else 'no tests selected' if code == NO_TESTS else f'exit {code}'}")
-    failed = [code for code in codes.values() if code not in (0, NO_TESTS)]
+    failed = [code for code in results.values() if code not in (0, NO_TESTS)]
     return failed[0] if failed else 0
 
 
