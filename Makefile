@@ -34,7 +34,7 @@ demo: install
 	$(BATCHJOB) show out/quickstart
 
 test: install-test
-	$(PY) -m tests.run
+	$(PY) -m tests.run --durations=15
 
 # Issue 7: batchjob vs static batching, HF transformers (and vLLM after `make bench-peers`): table,
 # bench/results-<date>.json and .png. Models are cached in bench/cache/. BENCH_ARGS="--quick" for a smoke run.

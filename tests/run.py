@@ -1,8 +1,8 @@
 """`make test`: the suite as two pytest sessions side by side, so that the CPU the one leaves idle the other uses.
 
 The tests that run processes of their own for most of their time (`PROCESS_TESTS`: the Ray and Slurm clusters, the
-data-parallel and tensor-parallel ranks, the forked durability sweeps) wait on their processes, events and polls:
-alone they kept about 1.5 of the 2 cores busy. The rest run in this process's other session (about 1.1 cores, the
+data-parallel and tensor-parallel ranks, the forked durability sweeps, whole `batchjob run` processes) wait on their
+processes, events and polls: alone they kept about 1.5 of the 2 cores busy. The rest run in this process's other session (about 1.1 cores, the
 background checks of tests/background.py beside them at nice 19). One after the other, the suite left a third of a
 core idle for its whole last part; side by side the two fill both cores (docs/contributing.md, the measurements).
 Every test runs, once, with its own fixtures; a session's failures fail the run. Run as one session, `pytest tests`
@@ -21,7 +21,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROCESS_TESTS = ["tests/cluster/", "tests/durability/", "tests/engine/test_tensor_parallel.py"]
+PROCESS_TESTS = ["tests/cluster/", "tests/durability/", "tests/engine/test_tensor_parallel.py",
+                 # whole `batchjob run` processes: SIGKILLed at random moments, started from the checkout's root, the
+                 # operator's lines and the checks made before torch is imported
+                 "tests/job/test_chaos.py", "tests/kernels/test_name_clash.py", "tests/cli/test_operator.py",
+                 "tests/cli/test_preflight.py"]
 NO_TESTS = 5  # pytest's exit code when a session selected nothing
 
 
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             other.wait()
             raise
         log.seek(0)
-        print(f"\n==== {' '.join(PROCESS_TESTS)} (the session beside it) ====", flush=True)
+        print(f"\n==== the process tests, the session beside it: {len(PROCESS_TESTS)} folders and files (tests/run.py) ====",
+              flush=True)
         sys.stdout.write(log.read())
     for name, code in results.items():
         print(f"{name}: {'passed' if code == 0 else 'no tests selected' if code == NO_TESTS else f'exit {code}'}")
