@@ -36,8 +36,8 @@ class BackgroundRun:
     def start(self) -> None:
         if self.proc is None:
             self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            # at the lowest priority: it takes the cores the in-process tests leave idle (a cluster test waiting on its
-            # nodes, a test between subprocesses), not their time; once a test waits for it, it has them all
+            # at nice 19 it takes the cores the in-process tests leave idle (a test between subprocesses), not their
+            # time; once a test waits for it, it has them all
             nice = ["nice", "-n", str(self.nice)] if self.nice and shutil.which("nice") else []
             self.proc = subprocess.Popen([*nice, *self.argv], cwd=REPO, env={**os.environ, **self.env},
                                          stdout=self._out, stderr=self._err, text=True)

@@ -49,10 +49,9 @@ Naïve café résumé — “quoted” text, naïveté; 你好，世界。こん
 """
 
 
-# Tests that run processes of their own for most of their time (Ray and Slurm clusters, data-parallel and
-# tensor-parallel ranks, the forked durability sweeps): `make test` runs them in a session of their own beside the rest
-# (tests/run.py); one session runs them after the rest, where the in-process tests' background checks
-# (tests/background.py) have ended.
+# Tests that run processes of their own for most of their time (tests/run.py PROCESS_TESTS: clusters, ranks, the forked
+# durability sweeps, whole `batchjob run` processes): `make test` runs them in a session of their own beside the rest;
+# one session runs them after the rest, where the in-process tests' background checks (tests/background.py) have ended.
 LAST = tuple(PROCESS_TESTS)
 
 

@@ -2,9 +2,10 @@
 
 The tests that run processes of their own for most of their time (`PROCESS_TESTS`: the Ray and Slurm clusters, the
 data-parallel and tensor-parallel ranks, the forked durability sweeps, whole `batchjob run` processes) wait on their
-processes, events and polls: alone they kept about 1.5 of the 2 cores busy. The rest run in this process's other session (about 1.1 cores, the
-background checks of tests/background.py beside them at nice 19). One after the other, the suite left a third of a
-core idle for its whole last part; side by side the two fill both cores (docs/contributing.md, the measurements).
+processes, events and polls: alone they kept about 1.5 of the 2 cores busy. The rest run in the other session (about
+1.1 cores, with the background checks of tests/background.py beside them). One after the other, the suite left a
+third of a core idle for its whole last part; side by side the two fill both cores (docs/contributing.md, the
+measurements).
 Every test runs, once, with its own fixtures; a session's failures fail the run. Run as one session, `pytest tests`
 runs the same tests in one process, the process tests last (tests/conftest.py).
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             other.wait()
             raise
         log.seek(0)
-        print(f"\n==== the process tests, the session beside it: {len(PROCESS_TESTS)} folders and files (tests/run.py) ====",
+        print(f"\n==== the process tests, the session beside it ({len(PROCESS_TESTS)} folders and files, tests/run.py) ====",
               flush=True)
         sys.stdout.write(log.read())
     for name, code in results.items():

@@ -1,9 +1,10 @@
 """The native kernel builds the suite's tests load, compiled into the kernel cache side by side (one g++ per usable
 core) in a process of its own, started as soon as the session has collected a native kernel test, at the tests' own
-priority: they wait on its locks (tests/background.py). Each build is a g++ of 2-22 s on one core; compiled one at a time where a test first needed it,
-they kept the other core idle for about 250 s of a run. The cache is the one the tests read ($BATCHJOB_CACHE_DIR or
-the user's), its lock files let a test that gets there first build a key itself while this process waits for it, and
-a build missing from this list is still compiled by the test that needs it: the list only decides what is ready early.
+priority: they wait on its locks (tests/background.py). Each build is a g++ of 2-22 s on one core; compiled one at a
+time where a test first needed it, they kept the other core idle for about 250 s of a run. The cache is the one the
+tests read ($BATCHJOB_CACHE_DIR or the user's), its lock files let a test that gets there first build a key itself
+while this process waits for it, and a build missing from this list is still compiled by the test that needs it: the
+list only decides what is ready early.
 
     python -m tests.kernels.native_builds
 """
