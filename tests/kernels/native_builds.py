@@ -25,8 +25,8 @@ ATTENTION_BEST = [(16, 1), (16, 2), (32, 2), (64, 1), (64, 2), (64, 3), (80, 1),
                   (128, 1), (128, 2), (128, 6), (128, 8), (256, 2)]
 ATTENTION_LOWER = [(16, 1), (64, 1), (64, 2), (64, 3), (80, 1), (80, 2), (80, 5), (128, 1), (256, 2)]
 # the same over an int8/int4 cache (paged_attention_quant.cpp and kv_quant_store.cpp)
-QUANT_BEST = [(16, 2), (64, 2), (64, 3), (80, 2), (80, 5), (96, 4), (128, 2), (128, 8), (256, 2)]
-QUANT_LOWER = [(64, 2), (64, 3)]
+QUANT_BEST = [(16, 2), (64, 3), (80, 5), (96, 4), (128, 8), (256, 2)]
+QUANT_LOWER = [(64, 3)]
 WHOLE = ["fused.cpp", "scaled_mm.cpp", "quant_blocks.cpp"]  # one build per path
 
 
