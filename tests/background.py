@@ -1,14 +1,14 @@
-"""Checks that run in a process of their own and need one core, started as soon as the session has collected the
-test that reads them, so they run beside the rest of the suite instead of after it, at the lowest priority (nice 19):
-they fill the time the in-process tests leave a core idle (the Triton interpreter is one Python thread for minutes).
-The kernel builds, which other tests wait for, run at the tests' own priority (`nice`).
-At nice 10 they still took a tenth of each core from the cluster tests while those kept both cores busy.
+"""Checks that run in a process of their own, started as soon as the session has collected the test that reads them,
+so they run beside the rest of the suite instead of after it: the Triton interpreter (one Python thread for minutes)
+and the native kernel builds (one g++ per core). They run at the tests' own priority. At nice 19 the builds starved
+beside the process session while tests waited on their locks (one test 47 s), and the interpreter checks got so
+little CPU that the session's last test waited 120-136 s for them with one core busy; at the same priority they end
+mid-run and the suite's end has no single-threaded tail.
 Nothing is skipped or weakened: the test waits for its process and asserts on its exit code and output as before;
 a test run alone (or whose process was not started early) starts it itself."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -24,10 +24,6 @@ class BackgroundRun:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # over the suite's environment
     timeout: float = 1800  # a hang guard from when the test starts waiting, never a timing assertion
-    # 19: the lowest priority, for a check only its own test waits for (run last in the session). A run whose output
-    # other tests wait for (the kernel builds: a test needing one waits on its lock) takes 0, as the tests do: at 19,
-    # beside the process session, a test waited up to 47 s on a starved g++ holding the lock it needed
-    nice: int = 19
     proc: subprocess.Popen | None = None
     _out: object = None
     _err: object = None
@@ -36,10 +32,7 @@ class BackgroundRun:
     def start(self) -> None:
         if self.proc is None:
             self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            # at nice 19 it takes the cores the in-process tests leave idle (a test between subprocesses), not their
-            # time; once a test waits for it, it has them all
-            nice = ["nice", "-n", str(self.nice)] if self.nice and shutil.which("nice") else []
-            self.proc = subprocess.Popen([*nice, *self.argv], cwd=REPO, env={**os.environ, **self.env},
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, env={**os.environ, **self.env},
                                          stdout=self._out, stderr=self._err, text=True)
 
     def result(self) -> subprocess.CompletedProcess:

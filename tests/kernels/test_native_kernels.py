@@ -22,7 +22,7 @@ from tests.kernels.compile_checks import compile_every_path
 from tests.kernels.native_cases import BEST_ISA, DTYPES, HAS_BF16, RUNNABLE_ISAS, SPEC, Row, attend, isa, needs_native, random_rows  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
-NATIVE_BUILDS = BackgroundRun([sys.executable, "-m", "tests.kernels.native_builds"], nice=0)  # the tests wait on its locks
+NATIVE_BUILDS = BackgroundRun([sys.executable, "-m", "tests.kernels.native_builds"])
 
 
 @needs_native
