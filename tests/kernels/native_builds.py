@@ -21,9 +21,9 @@ from tests.kernels.native_cases import BEST_ISA, RUNNABLE_ISAS
 
 # (head_dim, GQA group) of paged attention: the native tests' shapes and the tiny and SmolLM2 models' (head_dim 16,
 # 32, 64), all on the best path this CPU runs, the lower paths' cases on each lower path
-ATTENTION_BEST = [(16, 1), (16, 2), (32, 2), (64, 1), (64, 2), (64, 3), (80, 1), (80, 2), (80, 5), (96, 4), (96, 7),
-                  (128, 1), (128, 2), (128, 6), (128, 8), (256, 2)]
-ATTENTION_LOWER = [(16, 1), (64, 1), (64, 2), (64, 3), (80, 1), (80, 2), (80, 5), (128, 1), (256, 2)]
+ATTENTION_BEST = [(16, 1), (16, 2), (32, 2), (64, 1), (64, 2), (64, 3), (80, 2), (80, 5), (96, 4), (96, 7), (128, 6),
+                  (128, 8), (256, 2)]
+ATTENTION_LOWER = [(16, 1), (64, 1), (64, 2), (64, 3), (80, 2), (80, 5), (128, 8), (256, 2)]
 # the same over an int8/int4 cache (paged_attention_quant.cpp and kv_quant_store.cpp)
 QUANT_BEST = [(16, 2), (64, 3), (80, 5), (96, 4), (128, 8), (256, 2)]
 QUANT_LOWER = [(64, 3)]
