@@ -507,8 +507,6 @@ def main(argv=None) -> int:
         print("set TRITON_INTERPRET=1 to run the Triton kernels on the CPU", file=sys.stderr)
         return 2
     if args.device == "cpu":
-        import triton  # noqa: F401  (before the skip: it patches the interpreter module)
-
         from tests.triton_interpreter import skip_repeated_patches
 
         skip_repeated_patches()
