@@ -199,9 +199,10 @@ def rows():
     return [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox " + "jumps " * (i % 5)} for i in range(ROWS)]
 
 
-@pytest.mark.parametrize("runner, via", [("actors", "gcs"), ("tasks", "gcs"), ("actors", "ray client")])
+@pytest.mark.parametrize("runner, via", [("tasks", "gcs"), ("actors", "ray client")])
 def test_four_shards_over_two_nodes_give_the_plain_runs_rows_once(tmp_path, cluster, model, rows, runner, via):
-    """Either runner, the driver joining the cluster at its GCS address or through Ray Client (ray://)."""
+    """Either runner, the driver joining the cluster at its GCS address or through Ray Client (ray://). Actors at the
+    GCS address, the default, run in every test below that submits to the module's cluster."""
     plain = job_file(tmp_path, model, "plain", rows)
     assert CliRunner().invoke(main, ["run", str(plain), "--no-progress"]).exit_code == 0
     job = job_file(tmp_path, model, "ray", rows)

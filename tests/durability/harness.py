@@ -184,11 +184,13 @@ def release_memory() -> None:
     """Hundreds of jobs in one process: a finished job's engine, feed and streams reference each other, so only
     a full collection frees them, and glibc keeps what is freed in its arenas. Without this every 50 jobs the
     suite's process grew past 18 GB (the crash states alone: 3.4 GB), with it it stays near 0.6 GB. A full
-    collection here costs ~0.3 s, too much after every job."""
+    collection of the test process (torch, transformers, the recordings) took 0.3-0.5 s; what survives one is
+    frozen (gc.freeze: left out of later collections), so the next looks only at what the jobs since made."""
     import ctypes
     import gc
 
     gc.collect()
+    gc.freeze()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
