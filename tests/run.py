@@ -26,7 +26,10 @@ PROCESS_TESTS = ["tests/cluster/", "tests/durability/", "tests/engine/test_tenso
                  # whole `batchjob run` processes: SIGKILLed at random moments, started from the checkout's root, the
                  # operator's lines and the checks made before torch is imported
                  "tests/job/test_chaos.py", "tests/kernels/test_name_clash.py", "tests/cli/test_operator.py",
-                 "tests/cli/test_preflight.py"]
+                 "tests/cli/test_preflight.py",
+                 # a job on the Triton kernels under the interpreter, image rows' job SIGKILLed and rerun: each a test
+                 # that waits 15 s on its processes, which held the in-process session (the longer one) in the run
+                 "tests/kernels/test_triton_kernels.py", "tests/images/test_llava_job.py"]
 NO_TESTS = 5  # pytest's exit code when a session selected nothing
 
 
