@@ -127,8 +127,9 @@ def test_unknown_methods_and_a_missing_draft_model_are_clear_errors(tiny_model):
 
 
 def test_a_rewriting_job_on_smollm2_keeps_its_text_across_a_resume_and_accepts_most_proposals(tmp_path, smollm2_gguf_path):
-    """jobs/speculative.toml on the embedded model (bf16, the default kernels): the same text as without
-    speculation, also when the job stops after 3 rows and a rerun finishes it; most proposals are kept."""
+    """jobs/speculative.toml on the embedded model (bf16, the default kernels), 32 tokens a row: the same text as
+    without speculation, also when the job stops after 3 rows and a rerun finishes it; most proposals are kept (at
+    32 tokens 82% of them, 2.7 tokens a row per forward, on the AVX2 Zen 3)."""
     import json
     from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_a_rewriting_job_on_smollm2_keeps_its_text_across_a_resume_and_accepts_m
     job = Path(__file__).resolve().parents[2] / "jobs" / "speculative.toml"
 
     def run_job(out, *flags):
-        result = CliRunner().invoke(main, ["run", str(job), "--output", str(out), "--max-tokens", "48", "--no-progress", *flags])
+        result = CliRunner().invoke(main, ["run", str(job), "--output", str(out), "--max-tokens", "32", "--no-progress", *flags])
         assert result.exit_code == 0, result.output
         return json.loads((out / "stats.jsonl").read_text().splitlines()[-1])
 
