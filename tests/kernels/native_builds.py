@@ -30,9 +30,14 @@ QUANT_LOWER = [(64, 3)]
 WHOLE = ["fused.cpp", "scaled_mm.cpp", "quant_blocks.cpp"]  # one build per path
 
 
+# what the tiny test models load on the best path (head_dim 16, and Qwen3's 32; GQA 2): the session's first tests
+# run them, and waited 20-30 s on the builds queued before them
+FIRST = [("paged_attention.cpp", {"HEAD_DIM": 16, "GQA": 2}), ("fused.cpp", {}), ("paged_attention.cpp", {"HEAD_DIM": 32, "GQA": 2})]
+
+
 def builds() -> list[tuple[str, dict[str, int], str]]:
-    """(source, defines, isa) of every build, the slowest first: the quantized attention on every path, then the whole
-    files, then plain attention."""
+    """(source, defines, isa) of every build: the tiny models' first, then the slowest first (the quantized attention
+    on every path, then the whole files, then plain attention)."""
     quant, whole, plain = [], [], []
     for isa in RUNNABLE_ISAS:
         best = isa == BEST_ISA
@@ -42,7 +47,8 @@ def builds() -> list[tuple[str, dict[str, int], str]]:
         whole += [(source, {}, isa) for source in WHOLE]
         plain += [("paged_attention.cpp", {"HEAD_DIM": hd, "GQA": g}, isa)
                   for hd, g in (ATTENTION_BEST if best else ATTENTION_LOWER)]
-    return quant + whole + plain
+    first = [(source, defines, BEST_ISA) for source, defines in FIRST]
+    return first + [case for case in quant + whole + plain if case not in first]
 
 
 def main() -> int:
