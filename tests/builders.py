@@ -57,6 +57,18 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+def rows_a_step(job: Path, seqs: int) -> None:
+    """A job file whose engine takes one row a step (`max_num_seqs = 1`) changed to `seqs` rows, atomically: a run that
+    starts from now on (a requeued Slurm task, a retried Ray shard) reads either the old file or the new one. A resume
+    with another batch size gives the same rows and text (a row's text does not depend on its batch)."""
+    import os
+
+    text = job.read_text()
+    assert "max_num_seqs = 1\n" in text, job
+    job.with_suffix(".new").write_text(text.replace("max_num_seqs = 1\n", f"max_num_seqs = {seqs}\n"))
+    os.replace(job.with_suffix(".new"), job)
+
+
 def exported(out: Path, to: Path, columns: list[str]) -> list[dict]:
     """`batchjob export OUT --to TO` (a Parquet file; it must succeed), then `columns` of its rows, in input order."""
     import pyarrow.parquet as pq

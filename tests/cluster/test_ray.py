@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from batchjob.cli.main import main
 from batchjob.sharding.sharded_output import shard_states
 from batchjob.io.manifest import Manifest
-from tests.builders import exported as export_rows
+from tests.builders import exported as export_rows, rows_a_step
 
 pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]
@@ -169,12 +169,8 @@ def job_file(tmp_path: Path, model: Path, name: str, rows: list[dict], seqs: int
 
 
 def many_rows_a_step(job: Path) -> None:
-    """The job file's batch from 1 row a step to REFERENCE_SEQS, for the runs that start from now on (a shard reads the
-    file when it starts): a resume with another batch size gives the same rows and text."""
-    text = job.read_text()
-    assert "max_num_seqs = 1\n" in text
-    job.with_suffix(".new").write_text(text.replace("max_num_seqs = 1\n", f"max_num_seqs = {REFERENCE_SEQS}\n"))
-    os.replace(job.with_suffix(".new"), job)
+    """REFERENCE_SEQS rows a step for the runs that start from now on (a shard reads the job file when it starts)."""
+    rows_a_step(job, REFERENCE_SEQS)
 
 
 def submit(job: Path, address: str, *args: str) -> subprocess.Popen:

@@ -23,6 +23,7 @@ import pytest
 
 from batchjob.io.manifest import Manifest, ManifestError
 from batchjob.io.parts import read_results
+from tests.builders import rows_a_step
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP = REPO / "tests" / "cluster" / "setup_slurm.sh"
@@ -405,10 +406,7 @@ def test_preempted_and_requeued_tasks_resume_and_the_result_is_unchanged(slurm_c
     # engine's batch is not part of the job (a row's text does not depend on it). Tasks 0 and 1 read the job file
     # when they started; the runs that read this one (tasks 2 and 3, waiting for a CPU, and the requeued runs) are
     # the test's after part: a few seconds each instead of ~20.
-    rewritten = job.with_suffix(".new")
-    rewritten.write_text(job.read_text().replace("max_num_seqs = 1\n", "max_num_seqs = 16\n"))
-    assert rewritten.read_text() != job.read_text()
-    os.replace(rewritten, job)
+    rows_a_step(job, 16)
     # what Slurm sends `grace` seconds before the time limit, to the batch shell only
     scancel = subprocess.Popen(["scancel", "-b", "--signal=USR1", f"{job_id}_0"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
